@@ -1,0 +1,111 @@
+// Autograd for the flashattn_ext ops: a torch::autograd::Function that saves
+// q, k, v, out and the log-sum-exp (never the probabilities) and calls the
+// backward op. Registered for the Autograd key, so every device shares it.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace flashattn_ext {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using at::Tensor;
+
+using ForwardOp = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                             double, bool, bool, double, int64_t, int64_t);
+using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                              const Tensor&, const Tensor&, const Tensor&,
+                                                              const std::optional<Tensor>&, double, bool, bool,
+                                                              double, int64_t, int64_t, bool);
+
+c10::TypedOperatorHandle<ForwardOp> forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashattn_ext::attention_forward", "")
+                             .typed<ForwardOp>();
+  return op;
+}
+
+c10::TypedOperatorHandle<BackwardOp> backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashattn_ext::attention_backward", "")
+                             .typed<BackwardOp>();
+  return op;
+}
+
+class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
+                               bool causal_lower_right, double scale, int64_t dropout_seed, int64_t dropout_offset) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+                                        dropout_seed, dropout_offset);
+    ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(Tensor())});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["causal_lower_right"] = causal_lower_right;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_seed"] = dropout_seed;
+    ctx->saved_data["dropout_offset"] = dropout_offset;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const Tensor& q = saved[0];
+    const Tensor& k = saved[1];
+    const Tensor& v = saved[2];
+    const Tensor& out = saved[3];
+    const Tensor& lse = saved[4];
+    const std::optional<Tensor> attn_mask =
+        saved[5].defined() ? std::optional<Tensor>(saved[5]) : std::nullopt;
+    const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
+
+    auto [dq, dk, dv, dmask] = backward_op().call(
+        grads[0], q, k, v, out, lse, attn_mask, ctx->saved_data["dropout_p"].toDouble(),
+        ctx->saved_data["is_causal"].toBool(), ctx->saved_data["causal_lower_right"].toBool(),
+        ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_seed"].toInt(),
+        ctx->saved_data["dropout_offset"].toInt(), grad_attn_mask_needed);
+    // One gradient per forward argument; undefined for the non-tensor ones.
+    return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                      const std::optional<Tensor>& attn_mask, double dropout_p,
+                                                      bool is_causal, bool causal_lower_right, double scale,
+                                                      int64_t dropout_seed, int64_t dropout_offset) {
+  const variable_list outputs = FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal,
+                                                              causal_lower_right, scale, dropout_seed, dropout_offset);
+  return {outputs[0], outputs[1]};
+}
+
+// The backward op is not differentiable: reaching it with inputs that require
+// grad means someone asked for a double backward.
+std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
+    const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal, bool causal_lower_right, double scale,
+    int64_t dropout_seed, int64_t dropout_offset, bool compute_grad_attn_mask) {
+  const bool any_requires_grad = dout.requires_grad() || q.requires_grad() || k.requires_grad() ||
+                                 v.requires_grad() || out.requires_grad() ||
+                                 (attn_mask.has_value() && attn_mask->requires_grad());
+  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && any_requires_grad),
+                              "flashattn_ext: double backward is not supported (attention_backward is not "
+                              "differentiable); call backward without create_graph=True");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return backward_op().call(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+                            dropout_seed, dropout_offset, compute_grad_attn_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
+  m.impl("attention_forward", &attention_forward_autograd);
+  m.impl("attention_backward", &attention_backward_autograd);
+}
+
+}  // namespace flashattn_ext

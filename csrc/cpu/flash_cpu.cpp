@@ -1,0 +1,339 @@
+// FlashAttention on the CPU: the same tiling as the GPU kernels, one task per
+// (batch, head, block of rows), tiles converted to the accumulation type on load.
+// No buffer grows with len_q x len_k: every task owns a few tile-sized buffers.
+#include "cpu/flash_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace flashattn_ext::cpu {
+namespace {
+
+constexpr int64_t kBlockQ = 64;  // query rows per task
+constexpr int64_t kBlockK = 64;  // keys per streamed tile
+
+// Half types accumulate in float, double in double.
+template <typename T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename A>
+constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+// Copies rows [row0, row0 + rows) of head (b, h) into a dense rows x cols tile.
+template <typename T, typename A>
+void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
+               A* tile) {
+  const T* base = static_cast<const T*>(t.data) + b * t.stride_batch + h * t.stride_head;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = base + (row0 + r) * t.stride_row;
+    for (int64_t c = 0; c < cols; ++c) tile[r * cols + c] = static_cast<A>(src[c * t.stride_col]);
+  }
+}
+
+template <typename T, typename A>
+void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
+                const A* tile) {
+  T* base = static_cast<T*>(t.data) + b * t.stride_batch + h * t.stride_head;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst = base + (row0 + r) * t.stride_row;
+    for (int64_t c = 0; c < cols; ++c) dst[c * t.stride_col] = static_cast<T>(tile[r * cols + c]);
+  }
+}
+
+// Which keys each query may see. Without causality every key is visible;
+// with it, query i sees keys j <= i + offset (offset 0: top-left alignment,
+// len_k - len_q: bottom-right).
+struct Visibility {
+  bool causal;
+  int64_t offset;
+  int64_t len_q, len_k;
+
+  explicit Visibility(const AttentionProblem& p)
+      : causal(p.is_causal),
+        offset(p.causal_lower_right ? p.len_k - p.len_q : 0),
+        len_q(p.len_q),
+        len_k(p.len_k) {}
+
+  bool visible(int64_t i, int64_t j) const { return !causal || j <= i + offset; }
+  // One past the last key that any of the queries [.., last_row] sees.
+  int64_t key_end(int64_t last_row) const {
+    return causal ? std::clamp<int64_t>(last_row + offset + 1, 0, len_k) : len_k;
+  }
+  // The first query that sees key j.
+  int64_t query_begin(int64_t j) const {
+    return causal ? std::clamp<int64_t>(j - offset, 0, len_q) : 0;
+  }
+  // Whether some pair in the tile is masked, so the tile needs the element test.
+  bool tile_is_partial(int64_t row0, int64_t col_last) const { return causal && col_last > row0 + offset; }
+};
+
+// scores[r][c] = scale * <q_r, k_c>, or -inf where query row0 + r may not see key col0 + c.
+template <typename A>
+void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t dim, A scale,
+                    const Visibility& vis, int64_t row0, int64_t col0, A* scores) {
+  const bool partial = vis.tile_is_partial(row0, col0 + cols - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      if (partial && !vis.visible(row0 + r, col0 + c)) {
+        scores[r * cols + c] = kNegInf<A>;
+        continue;
+      }
+      A dot = 0;
+      for (int64_t d = 0; d < dim; ++d) dot += q[r * dim + d] * k[c * dim + d];
+      scores[r * cols + c] = dot * scale;
+    }
+  }
+}
+
+template <typename T>
+void forward_tiles(const FwdParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
+  const Visibility vis(p);
+  const A scale = static_cast<A>(p.scale);
+  A* lse_all = static_cast<A*>(params.lse);
+
+  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), scores(kBlockQ * kBlockK),
+        acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t q_block = task % q_blocks;
+      const int64_t h = (task / q_blocks) % p.heads_q;
+      const int64_t b = task / (q_blocks * p.heads_q);
+      const int64_t h_kv = h / group;
+      const int64_t row0 = q_block * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+
+      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+      std::fill(acc.begin(), acc.end(), A(0));
+      std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
+      std::fill(row_sum.begin(), row_sum.end(), A(0));
+
+      const int64_t key_end = vis.key_end(row0 + rows - 1);
+      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, key_end - col0);
+        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+        compute_scores(q.data(), k.data(), rows, cols, dim, scale, vis, row0, col0, scores.data());
+
+        // Online softmax: fold this tile into the running max, sum and output.
+        for (int64_t r = 0; r < rows; ++r) {
+          A* s = &scores[r * cols];
+          const A new_max = std::max(row_max[r], *std::max_element(s, s + cols));
+          if (new_max == kNegInf<A>) continue;  // nothing visible to this row yet
+          const A rescale = std::exp(row_max[r] - new_max);  // 0 on the first visible tile
+          A tile_sum = 0;
+          for (int64_t c = 0; c < cols; ++c) {
+            s[c] = std::exp(s[c] - new_max);
+            tile_sum += s[c];
+          }
+          row_max[r] = new_max;
+          row_sum[r] = row_sum[r] * rescale + tile_sum;
+          A* o = &acc[r * dim_v];
+          for (int64_t d = 0; d < dim_v; ++d) o[d] *= rescale;
+          for (int64_t c = 0; c < cols; ++c) {
+            const A prob = s[c];
+            const A* vc = &v[c * dim_v];
+            for (int64_t d = 0; d < dim_v; ++d) o[d] += prob * vc[d];
+          }
+        }
+      }
+
+      A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+      for (int64_t r = 0; r < rows; ++r) {
+        // A row that sees no key (len_k == 0, or bottom-right causal with
+        // len_q > len_k) gets out = 0 and lse = -inf.
+        const bool empty = row_sum[r] == A(0);
+        const A inv_sum = empty ? A(0) : A(1) / row_sum[r];
+        for (int64_t d = 0; d < dim_v; ++d) acc[r * dim_v + d] *= inv_sum;
+        lse[r] = empty ? kNegInf<A> : row_max[r] + std::log(row_sum[r]);
+      }
+      store_tile<T>(params.out, b, h, row0, rows, dim_v, acc.data());
+    }
+  });
+}
+
+// delta[i] = rowsum(dO_i * O_i), the softmax-gradient correction of each row.
+template <typename T>
+void compute_delta(const BwdParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  A* delta = static_cast<A*>(params.delta);
+  const auto* out = static_cast<const T*>(params.out.data);
+  const auto* dout = static_cast<const T*>(params.dout.data);
+  at::parallel_for(0, p.batch * p.heads_q, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+      const T* o = out + b * params.out.stride_batch + h * params.out.stride_head;
+      const T* g = dout + b * params.dout.stride_batch + h * params.dout.stride_head;
+      for (int64_t i = 0; i < p.len_q; ++i) {
+        A sum = 0;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) {
+          sum += static_cast<A>(o[i * params.out.stride_row + d * params.out.stride_col]) *
+                 static_cast<A>(g[i * params.dout.stride_row + d * params.dout.stride_col]);
+        }
+        delta[bh * p.len_q + i] = sum;
+      }
+    }
+  });
+}
+
+// For one (query tile, key tile) pair: recomputes P = exp(S - lse) into probs
+// and dS = P * (dO V^T - delta) into dscores. Rows with lse = -inf see no key.
+template <typename A>
+void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* lse, const A* delta,
+                    int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
+                    int64_t row0, int64_t col0, A* probs, A* dscores) {
+  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), vis, row0, col0, probs);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      A& prob = probs[r * cols + c];
+      prob = lse[r] == kNegInf<A> ? A(0) : std::exp(prob - lse[r]);
+      A dprob = 0;
+      for (int64_t d = 0; d < p.head_dim_v; ++d) dprob += dout[r * p.head_dim_v + d] * v[c * p.head_dim_v + d];
+      dscores[r * cols + c] = prob * (dprob - delta[r]);
+    }
+  }
+}
+
+// dK and dV: one task per (batch, key/value head, block of keys), looping over
+// every query head of its group and every query block that sees those keys.
+template <typename T>
+void backward_dkdv(const BwdParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t k_blocks = ceil_div(p.len_k, kBlockK);
+  const Visibility vis(p);
+  const A scale = static_cast<A>(p.scale);
+  const A* lse_all = static_cast<const A*>(params.lse);
+  const A* delta_all = static_cast<const A*>(params.delta);
+
+  at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
+        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim), dv(kBlockK * dim_v);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t k_block = task % k_blocks;
+      const int64_t h_kv = (task / k_blocks) % p.heads_kv;
+      const int64_t b = task / (k_blocks * p.heads_kv);
+      const int64_t col0 = k_block * kBlockK;
+      const int64_t cols = std::min(kBlockK, p.len_k - col0);
+
+      load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+      load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+      std::fill(dk.begin(), dk.end(), A(0));
+      std::fill(dv.begin(), dv.end(), A(0));
+
+      const int64_t first_row = vis.query_begin(col0) / kBlockQ * kBlockQ;
+      for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+        const A* lse_head = lse_all + (b * p.heads_q + h) * p.len_q;
+        const A* delta_head = delta_all + (b * p.heads_q + h) * p.len_q;
+        for (int64_t row0 = first_row; row0 < p.len_q; row0 += kBlockQ) {
+          const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+          load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+          load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+          recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
+                         cols, p, vis, row0, col0, probs.data(), dscores.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) {
+              const A prob = probs[r * cols + c];
+              const A ds = dscores[r * cols + c] * scale;
+              for (int64_t d = 0; d < dim_v; ++d) dv[c * dim_v + d] += prob * dout[r * dim_v + d];
+              for (int64_t d = 0; d < dim; ++d) dk[c * dim + d] += ds * q[r * dim + d];
+            }
+          }
+        }
+      }
+      store_tile<T>(params.dk, b, h_kv, col0, cols, dim, dk.data());
+      store_tile<T>(params.dv, b, h_kv, col0, cols, dim_v, dv.data());
+    }
+  });
+}
+
+// dQ: a separate pass, one task per (batch, query head, block of rows), so no
+// two tasks write the same element and the result is deterministic.
+template <typename T>
+void backward_dq(const BwdParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
+  const Visibility vis(p);
+  const A scale = static_cast<A>(p.scale);
+  const A* lse_all = static_cast<const A*>(params.lse);
+  const A* delta_all = static_cast<const A*>(params.delta);
+
+  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
+        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dq(kBlockQ * dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t q_block = task % q_blocks;
+      const int64_t h = (task / q_blocks) % p.heads_q;
+      const int64_t b = task / (q_blocks * p.heads_q);
+      const int64_t h_kv = h / group;
+      const int64_t row0 = q_block * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+      const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+      const A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
+
+      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+      load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+      std::fill(dq.begin(), dq.end(), A(0));
+
+      const int64_t key_end = vis.key_end(row0 + rows - 1);
+      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, key_end - col0);
+        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, row0, col0,
+                       probs.data(), dscores.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t c = 0; c < cols; ++c) {
+            const A ds = dscores[r * cols + c] * scale;
+            for (int64_t d = 0; d < dim; ++d) dq[r * dim + d] += ds * k[c * dim + d];
+          }
+        }
+      }
+      store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
+    }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+void attention_forward(const FwdParams& params) {
+  forward_tiles<T>(params);
+}
+
+template <typename T>
+void attention_backward(const BwdParams& params) {
+  compute_delta<T>(params);
+  backward_dq<T>(params);
+  if (params.problem.heads_kv > 0) backward_dkdv<T>(params);
+}
+
+#define FLASHATTN_EXT_INSTANTIATE(T)                          \
+  template void attention_forward<T>(const FwdParams&); \
+  template void attention_backward<T>(const BwdParams&);
+FLASHATTN_EXT_INSTANTIATE(double)
+FLASHATTN_EXT_INSTANTIATE(float)
+FLASHATTN_EXT_INSTANTIATE(c10::Half)
+FLASHATTN_EXT_INSTANTIATE(c10::BFloat16)
+#undef FLASHATTN_EXT_INSTANTIATE
+
+}  // namespace flashattn_ext::cpu

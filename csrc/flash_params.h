@@ -1,0 +1,54 @@
+// Plain description of one attention call, shared by the CPU and CUDA kernels.
+// No torch headers here: the torch glue (csrc/ops.cpp) fills these structs.
+#pragma once
+
+#include <cstdint>
+
+namespace flashattn_ext {
+
+// A 4-d tensor laid out as (batch, head, row, col), addressed through element
+// strides, so views such as (B, N, H, D) transposed to (B, H, N, D) or expanded
+// (stride 0) inputs need no copy.
+struct TensorView4d {
+  void* data = nullptr;
+  int64_t stride_batch = 0;
+  int64_t stride_head = 0;
+  int64_t stride_row = 0;
+  int64_t stride_col = 0;
+};
+
+// Sizes and options common to the forward and the backward pass.
+struct AttentionProblem {
+  int64_t batch = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;  // divides heads_q; query head h reads key/value head h / (heads_q / heads_kv)
+  int64_t len_q = 0;
+  int64_t len_k = 0;
+  int64_t head_dim = 0;    // E, shared by query and key
+  int64_t head_dim_v = 0;  // Ev, of value and out
+  double scale = 1.0;      // applied to Q K^T before the softmax
+  bool is_causal = false;
+  // Causal alignment: top-left (SDPA's is_causal) lets query i see keys j <= i;
+  // bottom-right lets it see keys j <= i + (len_k - len_q).
+  bool causal_lower_right = false;
+};
+
+// The forward pass reads q, k, v and writes out and the per-row log-sum-exp.
+// lse is contiguous (batch, heads_q, len_q), in the accumulation type
+// (float, or double for double inputs); fully masked rows get lse = -inf and out = 0.
+struct FwdParams {
+  AttentionProblem problem;
+  TensorView4d q, k, v, out;
+  void* lse = nullptr;
+};
+
+// The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv.
+// delta is a contiguous (batch, heads_q, len_q) workspace in the accumulation type.
+struct BwdParams {
+  AttentionProblem problem;
+  TensorView4d q, k, v, out, dout, dq, dk, dv;
+  const void* lse = nullptr;
+  void* delta = nullptr;
+};
+
+}  // namespace flashattn_ext

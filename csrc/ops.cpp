@@ -1,0 +1,167 @@
+// The flashattn_ext op schemas, their argument checks, and the Python module stub.
+#include "ops.h"
+
+#include <Python.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+
+namespace flashattn_ext {
+
+// The schemas cover the whole scaled_dot_product_attention surface. Inputs are
+// 4-d (batch, heads, seq_len, head_dim) with any strides; key and value may
+// have fewer heads than query (GQA) as long as they divide its count.
+// dropout_seed and dropout_offset seed the in-kernel RNG, so the backward can
+// regenerate the forward's dropout mask.
+TORCH_LIBRARY(flashattn_ext, m) {
+  m.def(
+      "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+      "bool is_causal, bool causal_lower_right, float scale, int dropout_seed, int dropout_offset) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
+      "int dropout_seed, int dropout_offset, bool compute_grad_attn_mask) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+}
+
+namespace {
+
+TensorView4d view_of(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+void check_floating(const at::Tensor& t, const char* name) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+                   "flashattn_ext: ", name, " must be float16, bfloat16, float32 or float64, got ", dtype);
+}
+
+void check_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but query is on ",
+              q.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "flashattn_ext: ", name, " has dtype ", t.scalar_type(),
+                   " but query has dtype ", q.scalar_type());
+}
+
+void check_rank4(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, "flashattn_ext: ", name, " must be 4-d (batch, heads, seq_len, head_dim), got ",
+              t.dim(), "-d with shape ", t.sizes());
+}
+
+void check_options(const AttentionOptions& options) {
+  TORCH_CHECK_VALUE(options.dropout_p >= 0.0 && options.dropout_p <= 1.0,
+                    "flashattn_ext: dropout_p must be in [0, 1], got ", options.dropout_p);
+  TORCH_CHECK_NOT_IMPLEMENTED(!options.attn_mask.has_value(),
+                              "flashattn_ext: attn_mask is not supported yet; use is_causal for causal masking");
+  TORCH_CHECK_NOT_IMPLEMENTED(options.dropout_p == 0.0, "flashattn_ext: dropout_p > 0 is not supported yet (got ",
+                              options.dropout_p, ")");
+  TORCH_CHECK_VALUE(!std::isnan(options.scale), "flashattn_ext: scale must not be NaN");
+}
+
+AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const AttentionOptions& options) {
+  check_rank4(q, "query");
+  check_rank4(k, "key");
+  check_rank4(v, "value");
+  check_floating(q, "query");
+  check_like(k, "key", q);
+  check_like(v, "value", q);
+  check_options(options);
+
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0), "flashattn_ext: batch sizes differ: query ",
+              q.size(0), ", key ", k.size(0), ", value ", v.size(0));
+  TORCH_CHECK(k.size(1) == v.size(1), "flashattn_ext: key has ", k.size(1), " heads but value has ", v.size(1));
+  TORCH_CHECK(k.size(1) > 0 ? q.size(1) % k.size(1) == 0 : q.size(1) == 0, "flashattn_ext: the ", k.size(1),
+              " key/value heads must divide the ", q.size(1), " query heads");
+  TORCH_CHECK(k.size(2) == v.size(2), "flashattn_ext: key has sequence length ", k.size(2), " but value has ",
+              v.size(2));
+  TORCH_CHECK(k.size(3) == q.size(3), "flashattn_ext: key head dim ", k.size(3), " does not match query head dim ",
+              q.size(3));
+
+  AttentionProblem p;
+  p.batch = q.size(0);
+  p.heads_q = q.size(1);
+  p.heads_kv = k.size(1);
+  p.len_q = q.size(2);
+  p.len_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
+  p.scale = options.scale;
+  p.is_causal = options.is_causal;
+  p.causal_lower_right = options.causal_lower_right;
+  return p;
+}
+
+void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected_shape, at::ScalarType dtype,
+                 const at::Tensor& q) {
+  TORCH_CHECK(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but query is on ",
+              q.device());
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "flashattn_ext: ", name, " must have dtype ", dtype, ", got ",
+                   t.scalar_type());
+  TORCH_CHECK(t.sizes() == expected_shape, "flashattn_ext: ", name, " must have shape ", expected_shape, ", got ",
+              t.sizes());
+}
+
+}  // namespace
+
+at::ScalarType lse_dtype(at::ScalarType input_dtype) {
+  return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const AttentionOptions& options, at::Tensor& out, at::Tensor& lse) {
+  FwdParams params;
+  params.problem = check_qkv(q, k, v, options);
+  const AttentionProblem& p = params.problem;
+  out = at::empty({p.batch, p.heads_q, p.len_q, p.head_dim_v}, q.options());
+  lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));
+  params.q = view_of(q);
+  params.k = view_of(k);
+  params.v = view_of(v);
+  params.out = view_of(out);
+  params.lse = lse.data_ptr();
+  return params;
+}
+
+BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
+                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& delta) {
+  BwdParams params;
+  params.problem = check_qkv(q, k, v, options);
+  const AttentionProblem& p = params.problem;
+  const std::vector<int64_t> out_shape{p.batch, p.heads_q, p.len_q, p.head_dim_v};
+  const std::vector<int64_t> lse_shape{p.batch, p.heads_q, p.len_q};
+  check_saved(out, "out", out_shape, q.scalar_type(), q);
+  check_saved(dout, "grad_out", out_shape, q.scalar_type(), q);
+  check_saved(lse, "lse", lse_shape, lse_dtype(q.scalar_type()), q);
+  TORCH_CHECK(lse.is_contiguous(), "flashattn_ext: lse must be contiguous");
+
+  dq = at::empty_like(q);
+  dk = at::empty_like(k);
+  dv = at::empty_like(v);
+  delta = at::empty(lse_shape, lse.options());
+  params.q = view_of(q);
+  params.k = view_of(k);
+  params.v = view_of(v);
+  params.out = view_of(out);
+  params.dout = view_of(dout);
+  params.dq = view_of(dq);
+  params.dk = view_of(dk);
+  params.dv = view_of(dv);
+  params.lse = lse.data_ptr();
+  params.delta = delta.data_ptr();
+  return params;
+}
+
+at::Tensor no_mask_grad(const at::Tensor& q) { return at::empty({0}, q.options()); }
+
+}  // namespace flashattn_ext
+
+// `import flashattn_ext._C` loads this library, whose static initializers
+// register the ops; the module itself is empty.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,39 @@
+// Torch glue shared by the per-device implementations of the flashattn_ext ops:
+// argument checks, output allocation and the translation to kernel params.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "flash_params.h"
+
+namespace flashattn_ext {
+
+// The options of one attention call, as they appear in the op schemas.
+struct AttentionOptions {
+  const std::optional<at::Tensor>& attn_mask;
+  double dropout_p;
+  bool is_causal;
+  bool causal_lower_right;
+  double scale;
+};
+
+// The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.
+at::ScalarType lse_dtype(at::ScalarType input_dtype);
+
+// Checks q, k, v and the options; allocates out and lse; returns the kernel params.
+FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const AttentionOptions& options, at::Tensor& out, at::Tensor& lse);
+
+// Checks the saved tensors and dout; allocates dq, dk, dv and the delta
+// workspace; returns the kernel params.
+BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
+                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& delta);
+
+// The empty tensor returned as grad_attn_mask when no mask gradient is asked for.
+at::Tensor no_mask_grad(const at::Tensor& q);
+
+}  // namespace flashattn_ext

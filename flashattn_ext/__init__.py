@@ -1,0 +1,11 @@
+"""FlashAttention as a PyTorch extension: a drop-in torch.nn.functional.scaled_dot_product_attention.
+
+>>> import flashattn_ext
+>>> out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+"""
+from . import _C  # noqa: F401  (loads the library, which registers torch.ops.flashattn_ext)
+from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
+from .attention import attention_with_lse, scaled_dot_product_attention
+
+__all__ = ["scaled_dot_product_attention", "attention_with_lse"]
+__version__ = "0.1.0"

@@ -1,0 +1,22 @@
+"""Fake (meta) kernels: the output shapes, dtypes and strides of each op, without
+computing anything. They mirror the allocations in csrc/ops.cpp."""
+import torch
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("flashattn_ext::attention_forward")
+def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+                            dropout_seed, dropout_offset):
+    batch, heads, len_q, _ = query.shape
+    out = query.new_empty((batch, heads, len_q, value.shape[-1]))
+    lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("flashattn_ext::attention_backward")
+def _attention_backward_fake(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
+                             causal_lower_right, scale, dropout_seed, dropout_offset, compute_grad_attn_mask):
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), query.new_empty((0,)))

@@ -1,0 +1,121 @@
+"""The Python face of flashattn_ext: torch.nn.functional.scaled_dot_product_attention's
+signature and semantics on top of the 4-d ops registered in csrc/ops.cpp.
+
+The shim only reshapes: it maps SDPA's (N, ..., H, L, E) layout, broadcasting
+and GQA onto 4-d (batch, heads, seq_len, head_dim) views. Broadcast dimensions
+become stride-0 views, so no data is copied unless leading batch dimensions
+cannot be merged into one (a rank above 4 with a broadcast batch dimension).
+"""
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Drop-in replacement for torch.nn.functional.scaled_dot_product_attention.
+
+    query (N, ..., Hq, L, E), key (N, ..., H, S, E), value (N, ..., H, S, Ev)
+    -> (N, ..., Hq, L, Ev). is_causal aligns the mask top-left, as torch does.
+    """
+    out, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return out
+
+
+def attention_with_lse(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    causal_lower_right: bool = False,
+) -> Tuple[Tensor, Tensor]:
+    """Like scaled_dot_product_attention, but also returns the log-sum-exp of
+    each query row's scaled scores, shape (N, ..., Hq, L): float32, or float64
+    for float64 inputs. Rows that see no key get out = 0 and lse = -inf.
+    The lse output is not differentiable.
+
+    causal_lower_right=True aligns the causal mask bottom-right (query i sees
+    keys j <= i + S - L) instead of top-left; it only matters with is_causal.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() < 2:
+            raise RuntimeError(
+                f"flashattn_ext: {name} must have at least 2 dimensions (..., seq_len, head_dim), "
+                f"got shape {tuple(tensor.shape)}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise RuntimeError(
+            f"flashattn_ext: query, key and value must have the same dtype, got {query.dtype}, "
+            f"{key.dtype} and {value.dtype}"
+        )
+    if not (query.device == key.device == value.device):
+        raise RuntimeError(
+            f"flashattn_ext: query, key and value must be on the same device, got {query.device}, "
+            f"{key.device} and {value.device}"
+        )
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("flashattn_ext: attn_mask must be None when is_causal=True")
+    if key.shape[-1] != query.shape[-1]:
+        raise RuntimeError(
+            f"flashattn_ext: key head dim {key.shape[-1]} does not match query head dim {query.shape[-1]}"
+        )
+    if key.shape[-2] != value.shape[-2]:
+        raise RuntimeError(
+            f"flashattn_ext: key has sequence length {key.shape[-2]} but value has {value.shape[-2]}"
+        )
+
+    # Give inputs without a head dimension a head dimension of 1.
+    q, k, v = (t if t.dim() >= 3 else t.unsqueeze(0) for t in (query, key, value))
+    heads_q, heads_k, heads_v = q.shape[-3], k.shape[-3], v.shape[-3]
+    if enable_gqa:
+        if heads_k != heads_v or heads_k == 0 or heads_q % heads_k != 0:
+            raise RuntimeError(
+                f"flashattn_ext: with enable_gqa, key and value must have the same number of heads, dividing "
+                f"the query's; got query {heads_q}, key {heads_k}, value {heads_v}"
+            )
+        heads_kv = heads_k
+    else:
+        heads_q = heads_kv = _broadcast("heads", (heads_q,), (heads_k,), (heads_v,))[0]
+    batch = _broadcast("batch dimensions", q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    flat_batch = math.prod(batch)
+    len_q, len_k, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
+
+    q = q.expand(*batch, heads_q, len_q, head_dim).reshape(flat_batch, heads_q, len_q, head_dim)
+    k = k.expand(*batch, heads_kv, len_k, head_dim).reshape(flat_batch, heads_kv, len_k, head_dim)
+    v = v.expand(*batch, heads_kv, len_k, head_dim_v).reshape(flat_batch, heads_kv, len_k, head_dim_v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
+
+    out, lse = torch.ops.flashattn_ext.attention_forward(
+        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale), 0, 0
+    )
+
+    # SDPA's output has the broadcast rank of its inputs.
+    lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
+    return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
+
+
+def _broadcast(what: str, *shapes) -> torch.Size:
+    try:
+        return torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        shapes_text = ", ".join(str(tuple(shape)) for shape in shapes)
+        raise RuntimeError(
+            f"flashattn_ext: the {what} of query, key and value do not broadcast: {shapes_text}"
+        ) from None

@@ -1,0 +1,56 @@
+"""Builds flashattn_ext._C: the CPU kernels always, and the CUDA sources when
+nvcc and a CUDA-enabled torch are both present, unless FLASHATTN_EXT_CPU_ONLY=1.
+"""
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+# Ampere (A100) and Hopper (H100, with its arch-specific features). Override with
+# TORCH_CUDA_ARCH_LIST, e.g. "9.0a" to build for one GPU only.
+DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+
+
+def cuda_build_status():
+    """Returns (build_cuda, reason it is not built)."""
+    if os.environ.get("FLASHATTN_EXT_CPU_ONLY") == "1":
+        return False, "FLASHATTN_EXT_CPU_ONLY=1"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} has no CUDA support"
+    if CUDA_HOME is None:
+        return False, "nvcc (the CUDA toolkit) was not found"
+    return True, ""
+
+
+def sources(*patterns):
+    return sorted(path for pattern in patterns for path in glob.glob(pattern))
+
+
+build_cuda, why_not = cuda_build_status()
+cxx_flags = ["-O3"]
+common_sources = sources("csrc/*.cpp", "csrc/cpu/*.cpp")
+if build_cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    common_sources.remove("csrc/cuda_not_built.cpp")
+    extension = CUDAExtension(
+        "flashattn_ext._C",
+        common_sources + sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu"),
+        include_dirs=[os.path.abspath("csrc")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+    )
+else:
+    print(f"flashattn_ext: building for CPU only ({why_not}); CUDA tensors will raise an error")
+    extension = CppExtension(
+        "flashattn_ext._C",
+        common_sources,
+        include_dirs=[os.path.abspath("csrc")],
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+setup(
+    packages=find_packages(include=["flashattn_ext", "flashattn_ext.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension},
+)
