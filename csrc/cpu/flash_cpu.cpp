@@ -224,7 +224,8 @@ void backward_dkdv(const BwdParams& params) {
 
   at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim), dv(kBlockK * dim_v);
+        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim), dv(kBlockK * dim_v),
+        dk_tile(kBlockK * dim), dv_tile(kBlockK * dim_v);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k_block = task % k_blocks;
       const int64_t h_kv = (task / k_blocks) % p.heads_kv;
@@ -247,14 +248,20 @@ void backward_dkdv(const BwdParams& params) {
           load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
           recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
                          cols, p, vis, row0, col0, probs.data(), dscores.data());
+          // Sum this tile pair's share apart, then add it: blockwise summation
+          // keeps the rounding error of long float32 sums down.
+          std::fill(dk_tile.begin(), dk_tile.end(), A(0));
+          std::fill(dv_tile.begin(), dv_tile.end(), A(0));
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t c = 0; c < cols; ++c) {
               const A prob = probs[r * cols + c];
               const A ds = dscores[r * cols + c] * scale;
-              for (int64_t d = 0; d < dim_v; ++d) dv[c * dim_v + d] += prob * dout[r * dim_v + d];
-              for (int64_t d = 0; d < dim; ++d) dk[c * dim + d] += ds * q[r * dim + d];
+              for (int64_t d = 0; d < dim_v; ++d) dv_tile[c * dim_v + d] += prob * dout[r * dim_v + d];
+              for (int64_t d = 0; d < dim; ++d) dk_tile[c * dim + d] += ds * q[r * dim + d];
             }
           }
+          for (size_t i = 0; i < dk.size(); ++i) dk[i] += dk_tile[i];
+          for (size_t i = 0; i < dv.size(); ++i) dv[i] += dv_tile[i];
         }
       }
       store_tile<T>(params.dk, b, h_kv, col0, cols, dim, dk.data());
@@ -279,7 +286,7 @@ void backward_dq(const BwdParams& params) {
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dq(kBlockQ * dim);
+        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dq(kBlockQ * dim), dq_tile(kBlockQ * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -301,12 +308,14 @@ void backward_dq(const BwdParams& params) {
         load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
         recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, row0, col0,
                        probs.data(), dscores.data());
+        std::fill(dq_tile.begin(), dq_tile.end(), A(0));
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {
             const A ds = dscores[r * cols + c] * scale;
-            for (int64_t d = 0; d < dim; ++d) dq[r * dim + d] += ds * k[c * dim + d];
+            for (int64_t d = 0; d < dim; ++d) dq_tile[r * dim + d] += ds * k[c * dim + d];
           }
         }
+        for (size_t i = 0; i < dq.size(); ++i) dq[i] += dq_tile[i];
       }
       store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
     }

@@ -1,0 +1,56 @@
+"""Shared helpers: devices, a float64 reference written out naively, and error measures."""
+import math
+
+import pytest
+import torch
+
+CUDA_REASON = "needs a CUDA GPU"
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)]),
+]
+
+
+def naive_attention(q, k, v, is_causal=False, causal_lower_right=False, scale=None, enable_gqa=False):
+    """softmax(Q K^T * scale) V with the whole score matrix in memory, in the inputs' dtype.
+
+    Returns (out, lse). Rows that see no key give out = 0 and lse = -inf."""
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(group, dim=-3)
+        v = v.repeat_interleave(group, dim=-3)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = (q @ k.transpose(-2, -1)) * scale
+    len_q, len_k = q.shape[-2], k.shape[-2]
+    if is_causal:
+        offset = len_k - len_q if causal_lower_right else 0
+        rows = torch.arange(len_q, device=q.device)[:, None]
+        cols = torch.arange(len_k, device=q.device)[None, :]
+        scores = scores.masked_fill(cols > rows + offset, -math.inf)
+    # The row max is subtracted for range only; rows of -inf keep a max of 0 so
+    # that neither the values nor the gradients become NaN.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = row_max.masked_fill(torch.isinf(row_max), 0.0)
+    weights = torch.exp(scores - row_max)
+    row_sum = weights.sum(dim=-1, keepdim=True)
+    probs = weights / torch.where(row_sum > 0, row_sum, torch.ones_like(row_sum))
+    lse = (row_max + torch.log(row_sum)).squeeze(-1)
+    return probs @ v, lse
+
+
+def relative_error(actual, expected):
+    """Largest absolute error, relative to the largest magnitude of the expected tensor."""
+    actual, expected = actual.double(), expected.double()
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    error = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    return error / max(scale, 1e-30)
+
+
+def random_qkv(shape_q, shape_k, shape_v, dtype, device, seed=0):
+    """Random inputs (never zeros) on the device, created in float64 and rounded to dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_()
+        for shape in (shape_q, shape_k, shape_v)
+    )

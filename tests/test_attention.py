@@ -1,0 +1,236 @@
+"""Values and gradients of flashattn_ext against a naive float64 reference and torch SDPA.
+
+Each test runs on CPU, and on CUDA where a GPU is present."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import bias as sdpa_bias
+
+import flashattn_ext
+from helpers import DEVICES, naive_attention, random_qkv, relative_error
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): ragged lengths,
+# len_q != len_k, head dims that are not powers of two, GQA and MQA.
+SHAPES = [
+    (1, 2, 2, 1, 1, 16, 16),
+    (2, 3, 3, 7, 7, 8, 8),
+    (1, 2, 2, 63, 65, 24, 24),
+    (1, 4, 2, 65, 63, 40, 40),
+    (2, 2, 1, 7, 1000, 64, 64),
+    (1, 2, 2, 1000, 1000, 64, 64),
+    (1, 3, 1, 1000, 65, 72, 72),
+    (1, 1, 1, 63, 1, 3, 5),
+]
+SHAPE_IDS = ["x".join(map(str, shape)) for shape in SHAPES]
+
+# An error floor of about one unit in the last place of each dtype, relative to the tensor's scale.
+ERROR_FLOOR = {torch.float32: 2e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+
+
+def make_inputs(shape, dtype, device, seed=0):
+    batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v = shape
+    return random_qkv(
+        (batch, heads_q, len_q, head_dim),
+        (batch, heads_kv, len_k, head_dim),
+        (batch, heads_kv, len_k, head_dim_v),
+        dtype,
+        device,
+        seed,
+    )
+
+
+def forward_and_grads(fn, inputs, grad_out):
+    """Runs fn on fresh leaf copies of inputs; returns (out, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_float64_matches_naive_reference(shape, mode, device):
+    """In float64 the kernel must agree with the naive formula to rounding."""
+    inputs = make_inputs(shape, torch.float64, device)
+    is_causal, lower_right = mode != "full", mode == "causal_lower_right"
+    gqa = shape[1] != shape[2]
+
+    def ours(q, k, v):
+        out, _ = flashattn_ext.attention_with_lse(
+            q, k, v, is_causal=is_causal, causal_lower_right=lower_right, enable_gqa=gqa
+        )
+        return out
+
+    def reference(q, k, v):
+        return naive_attention(q, k, v, is_causal, lower_right, enable_gqa=gqa)[0]
+
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64, device=device)
+    for name, got, want in zip(
+        ("out", "dq", "dk", "dv"), forward_and_grads(ours, inputs, grad_out), forward_and_grads(reference, inputs, grad_out)
+    ):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got, want) < 1e-12, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
+    """Error against a float64 reference: at most twice torch SDPA's own error in the same dtype, plus a floor."""
+    inputs = make_inputs(shape, dtype, device)
+    gqa = shape[1] != shape[2]
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64, device=device)
+
+    def ours(q, k, v):
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+
+    inputs64 = [t.detach().double() for t in inputs]
+    want = forward_and_grads(sdpa, inputs64, grad_out)
+    got = forward_and_grads(ours, inputs, grad_out)
+    baseline = forward_and_grads(sdpa, inputs, grad_out)
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        ours_error, sdpa_error = relative_error(g, w), relative_error(b, w)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
+            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
+def test_lse_is_logsumexp_of_scaled_scores(mode, device):
+    q, k, v = make_inputs((2, 4, 2, 65, 130, 32, 32), torch.float32, device)
+    is_causal, lower_right = mode != "full", mode == "causal_lower_right"
+    _, lse = flashattn_ext.attention_with_lse(
+        q, k, v, is_causal=is_causal, causal_lower_right=lower_right, scale=0.3, enable_gqa=True
+    )
+    _, want = naive_attention(q.double(), k.double(), v.double(), is_causal, lower_right, 0.3, enable_gqa=True)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 65)
+    torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_torch_sdpa_lower_right_causal_bias(device):
+    """Bottom-right alignment means what torch's causal_lower_right bias means."""
+    q, k, v = make_inputs((1, 2, 2, 40, 100, 16, 16), torch.float64, device)
+    ours, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias.causal_lower_right(40, 100))
+    torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
+    """Bottom-right causal with len_q > len_k: the first len_q - len_k rows see no key."""
+    q, k, v = make_inputs((1, 2, 2, 9, 4, 8, 8), torch.float64, device)
+    out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
+    assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
+    want, want_lse = naive_attention(q, k, v, is_causal=True, causal_lower_right=True)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse[:, :, 5:], want_lse[:, :, 5:])
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, :5] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("len_q,len_k,batch", [(5, 0, 2), (0, 7, 2), (5, 7, 0)])
+def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
+    q, k, v = make_inputs((batch, 2, 2, len_q, len_k, 8, 8), torch.float32, device)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v)
+    want = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_and_non_contiguous_grad_out(device):
+    """(B, N, H, D) memory transposed to (B, H, N, D), and the stride-0 grad of out.sum()."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(2, 33, 3, 16, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
+        for _ in range(3)
+    )
+    assert not q.is_contiguous()
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    for got, t in zip(grads, (q, k, v)):
+        torch.testing.assert_close(got, t.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "shape_q,shape_k,shape_v,enable_gqa",
+    [
+        ((5, 8), (6, 8), (6, 8), False),  # no batch, no heads
+        ((3, 5, 8), (3, 6, 8), (3, 6, 4), False),  # no heads
+        ((2, 3, 4, 5, 8), (2, 3, 4, 6, 8), (2, 3, 4, 6, 8), False),  # two batch dims
+        ((2, 4, 5, 8), (1, 4, 6, 8), (1, 4, 6, 8), False),  # broadcast batch
+        ((2, 4, 5, 8), (2, 1, 6, 8), (2, 1, 6, 8), False),  # broadcast heads
+        ((2, 3, 4, 5, 8), (2, 1, 2, 6, 8), (2, 1, 2, 6, 8), True),  # GQA with a broadcast batch dim
+    ],
+)
+def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, device):
+    q, k, v = random_qkv(shape_q, shape_k, shape_v, torch.float64, device)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    want_grads = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
+    for got, expected in zip(grads, want_grads):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_explicit_scale_and_partial_requires_grad(device):
+    q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, device)
+    k.requires_grad_(False)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, scale=0.7)
+    want = F.scaled_dot_product_attention(q, k, v, scale=0.7)
+    torch.testing.assert_close(out, want)
+    dq, dv = torch.autograd.grad(out.square().sum(), (q, v))
+    want_dq, want_dv = torch.autograd.grad(want.square().sum(), (q, v))
+    torch.testing.assert_close(dq, want_dq)
+    torch.testing.assert_close(dv, want_dv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swaps_into_a_model(device):
+    """A module written for F.scaled_dot_product_attention runs unchanged on the shim."""
+
+    class SelfAttention(torch.nn.Module):
+        def __init__(self, attention):
+            super().__init__()
+            torch.manual_seed(0)
+            self.qkv = torch.nn.Linear(32, 96, dtype=torch.float64)
+            self.attention = attention
+
+        def forward(self, x):
+            batch, length, _ = x.shape
+            q, k, v = self.qkv(x).view(batch, length, 3, 4, 8).permute(2, 0, 3, 1, 4)
+            return self.attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, length, 32)
+
+    x = torch.randn(2, 17, 32, dtype=torch.float64, device=device)
+    ours, theirs = SelfAttention(flashattn_ext.scaled_dot_product_attention).to(device), SelfAttention(
+        F.scaled_dot_product_attention
+    ).to(device)
+    ours(x).square().sum().backward()
+    theirs(x).square().sum().backward()
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours.qkv.weight.grad, theirs.qkv.weight.grad)
