@@ -84,21 +84,37 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
   return {outputs[0], outputs[1]};
 }
 
-// The backward op is not differentiable: reaching it with inputs that require
-// grad means someone asked for a double backward.
+// The backward op's own autograd: it runs (so backward(create_graph=True)
+// works), but its outputs cannot be differentiated again.
+class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAttentionBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
+                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
+                               bool causal_lower_right, double scale, int64_t dropout_seed, int64_t dropout_offset,
+                               bool compute_grad_attn_mask) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [dq, dk, dv, dmask] = backward_op().call(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
+                                                  causal_lower_right, scale, dropout_seed, dropout_offset,
+                                                  compute_grad_attn_mask);
+    return {dq, dk, dv, dmask};
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "flashattn_ext: double backward is not supported (the gradients of attention "
+                                "cannot be differentiated again)");
+  }
+};
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal, bool causal_lower_right, double scale,
     int64_t dropout_seed, int64_t dropout_offset, bool compute_grad_attn_mask) {
-  const bool any_requires_grad = dout.requires_grad() || q.requires_grad() || k.requires_grad() ||
-                                 v.requires_grad() || out.requires_grad() ||
-                                 (attn_mask.has_value() && attn_mask->requires_grad());
-  TORCH_CHECK_NOT_IMPLEMENTED(!(at::GradMode::is_enabled() && any_requires_grad),
-                              "flashattn_ext: double backward is not supported (attention_backward is not "
-                              "differentiable); call backward without create_graph=True");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return backward_op().call(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                            dropout_seed, dropout_offset, compute_grad_attn_mask);
+  const variable_list grads = FlashAttentionBackwardFunction::apply(
+      dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, causal_lower_right, scale, dropout_seed,
+      dropout_offset, compute_grad_attn_mask);
+  return {grads[0], grads[1], grads[2], grads[3]};
 }
 
 }  // namespace

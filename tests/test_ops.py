@@ -1,0 +1,145 @@
+"""The registered ops themselves: gradcheck, opcheck, autograd wiring and argument errors."""
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import DEVICES, random_qkv
+
+ops = torch.ops.flashattn_ext
+
+
+def forward_args(q, k, v, is_causal=False, lower_right=False, scale=0.5):
+    return (q, k, v, None, 0.0, is_causal, lower_right, scale, 0, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "mode,heads_kv,len_q,len_k",
+    [
+        ("full", 2, 5, 9),
+        ("causal", 2, 9, 5),
+        ("causal_lower_right", 1, 9, 5),  # GQA, and rows that see no key
+        ("causal_lower_right", 2, 5, 9),
+    ],
+)
+def test_gradcheck(mode, heads_kv, len_q, len_k, device):
+    q, k, v = random_qkv((2, 2, len_q, 6), (2, heads_kv, len_k, 6), (2, heads_kv, len_k, 7), torch.float64, device)
+    is_causal, lower_right = mode != "full", mode == "causal_lower_right"
+
+    def out_of_op(q, k, v):
+        return ops.attention_forward(*forward_args(q, k, v, is_causal, lower_right))[0]
+
+    assert torch.autograd.gradcheck(out_of_op, (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_shim_with_views(device):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (
+        torch.randn(1, 11, 2, 8, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
+        for _ in range(3)
+    )
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_opcheck_forward(dtype, device):
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 8), dtype, device)
+    torch.library.opcheck(ops.attention_forward.default, forward_args(q, k, v, is_causal=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_backward(device):
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 8), torch.float32, device)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse = ops.attention_forward(*forward_args(q, k, v))
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(
+        ops.attention_backward.default, (grad_out, q, k, v, out, lse, None, 0.0, False, False, 0.5, 0, 0, False)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
+    q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
+    v.requires_grad_(False)
+    out, lse = flashattn_ext.attention_with_lse(q, k, v)
+    assert out.requires_grad and not lse.requires_grad
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_raises(device):
+    q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward is not supported"):
+        torch.autograd.grad(dq.sum(), q)
+
+
+def _qkv(shape_q=(1, 2, 8, 4), shape_k=(1, 2, 8, 4), shape_v=(1, 2, 8, 4), dtype=torch.float32):
+    return tuple(torch.randn(shape, dtype=dtype) for shape in (shape_q, shape_k, shape_v))
+
+
+BAD_SHIM_CALLS = [
+    # (name, call, exception, message)
+    ("rank", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((8,), (8,), (8,))), RuntimeError,
+     "query must have at least 2 dimensions"),
+    ("not a tensor", lambda: flashattn_ext.scaled_dot_product_attention([[1.0]], *_qkv()[1:]), TypeError,
+     "query must be a torch.Tensor"),
+    ("dtype mismatch", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv()[:2], _qkv()[2].double()),
+     RuntimeError, "same dtype"),
+    ("integer dtype", lambda: flashattn_ext.scaled_dot_product_attention(*(t.long() for t in _qkv())), TypeError,
+     "query must be float16, bfloat16, float32 or float64"),
+    ("device mismatch", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv()[:2], _qkv()[2].to("meta")),
+     RuntimeError, "same device"),
+    ("head dim", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((1, 2, 8, 4), (1, 2, 8, 5))),
+     RuntimeError, "key head dim 5 does not match query head dim 4"),
+    ("key/value length", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 9, 4))),
+     RuntimeError, "key has sequence length 8 but value has 9"),
+    ("heads without gqa", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((1, 4, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4))),
+     RuntimeError, "heads of query, key and value do not broadcast"),
+    ("gqa heads", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((1, 4, 8, 4), (1, 3, 8, 4), (1, 3, 8, 4)), enable_gqa=True),
+     RuntimeError, "enable_gqa"),
+    ("batch", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv((2, 2, 8, 4), (3, 2, 8, 4), (3, 2, 8, 4))),
+     RuntimeError, "batch dimensions of query, key and value do not broadcast"),
+    ("mask with causal", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True),
+     RuntimeError, "attn_mask must be None when is_causal=True"),
+    ("attn_mask", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+     NotImplementedError, "attn_mask is not supported yet"),
+    ("dropout", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=0.1), NotImplementedError,
+     "dropout_p > 0 is not supported yet"),
+    ("dropout range", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=1.5), ValueError,
+     r"dropout_p must be in \[0, 1\]"),
+    ("scale", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), scale=float("nan")), ValueError,
+     "scale must not be NaN"),
+]
+
+
+@pytest.mark.parametrize("call,exception,message", [case[1:] for case in BAD_SHIM_CALLS], ids=[c[0] for c in BAD_SHIM_CALLS])
+def test_bad_arguments_to_the_shim(call, exception, message):
+    with pytest.raises(exception, match=message):
+        call()
+
+
+def test_bad_arguments_to_the_ops():
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match=r"query must be 4-d \(batch, heads, seq_len, head_dim\), got 3-d"):
+        ops.attention_forward(*forward_args(q[0], k, v))
+    with pytest.raises(RuntimeError, match="the 3 key/value heads must divide the 2 query heads"):
+        ops.attention_forward(*forward_args(q, *_qkv((1, 3, 8, 4), (1, 3, 8, 4), (1, 3, 8, 4))[1:]))
+    with pytest.raises(RuntimeError, match="batch sizes differ"):
+        ops.attention_forward(*forward_args(q, k.expand(2, 2, 8, 4), v.expand(2, 2, 8, 4)))
+    out, lse = ops.attention_forward(*forward_args(q, k, v))
+    backward_options = (None, 0.0, False, False, 0.5, 0, 0, False)
+    with pytest.raises(RuntimeError, match=r"lse must have shape \[1, 2, 8\]"):
+        ops.attention_backward(out, q, k, v, out, lse[:, :, :4], *backward_options)
+    with pytest.raises(TypeError, match="grad_out must have dtype Float"):
+        ops.attention_backward(out.double(), q, k, v, out, lse, *backward_options)
+    with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs an attn_mask"):
+        ops.attention_backward(out, q, k, v, out, lse, *backward_options[:-1], True)
+
