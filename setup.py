@@ -1,5 +1,6 @@
 """Builds flashattn_ext._C: the CPU kernels always, and the CUDA sources when
 nvcc and a CUDA-enabled torch are both present, unless FLASHATTN_EXT_CPU_ONLY=1.
+FLASHATTN_EXT_REQUIRE_CUDA=1 makes a missing CUDA toolchain an error (CI sets it).
 """
 import glob
 import os
@@ -29,6 +30,8 @@ def sources(*patterns):
 
 
 build_cuda, why_not = cuda_build_status()
+if not build_cuda and os.environ.get("FLASHATTN_EXT_REQUIRE_CUDA") == "1":
+    raise RuntimeError(f"flashattn_ext: FLASHATTN_EXT_REQUIRE_CUDA=1 but the CUDA sources cannot be built: {why_not}")
 cxx_flags = ["-O3"]
 common_sources = sources("csrc/*.cpp", "csrc/cpu/*.cpp")
 if build_cuda:

@@ -3,6 +3,8 @@
 >>> import flashattn_ext
 >>> out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
 """
+import torch  # noqa: F401  (loads libc10 and libtorch, which _C links against)
+
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.flashattn_ext)
 from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
 from .attention import attention_with_lse, scaled_dot_product_attention

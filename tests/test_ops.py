@@ -143,3 +143,21 @@ def test_bad_arguments_to_the_ops():
     with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs an attn_mask"):
         ops.attention_backward(out, q, k, v, out, lse, *backward_options[:-1], True)
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_without_graph_breaks(device):
+    """The shim traces into one graph (fullgraph=True), forward and backward, and matches eager."""
+    q, k, v = random_qkv((2, 4, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16), torch.float32, device)
+
+    def attention(q, k, v):
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    compiled = torch.compile(attention, fullgraph=True, dynamic=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want = attention(q, k, v)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
