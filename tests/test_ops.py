@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, random_qkv
+from helpers import DEVICES, random_qkv, skip_unless_kernel_covers
 
 ops = torch.ops.flashattn_ext
 
@@ -23,6 +23,7 @@ def forward_args(q, k, v, is_causal=False, lower_right=False, scale=0.5):
     ],
 )
 def test_gradcheck(mode, heads_kv, len_q, len_k, device):
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv((2, 2, len_q, 6), (2, heads_kv, len_k, 6), (2, heads_kv, len_k, 7), torch.float64, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
 
@@ -34,6 +35,7 @@ def test_gradcheck(mode, heads_kv, len_q, len_k, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_shim_with_views(device):
+    skip_unless_kernel_covers(device, torch.float64)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (
         torch.randn(1, 11, 2, 8, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
@@ -47,13 +49,15 @@ def test_gradcheck_shim_with_views(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_opcheck_forward(dtype, device):
-    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 8), dtype, device)
+    skip_unless_kernel_covers(device, dtype)
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
     torch.library.opcheck(ops.attention_forward.default, forward_args(q, k, v, is_causal=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_backward(device):
-    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 8), torch.float32, device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse = ops.attention_forward(*forward_args(q, k, v))
     grad_out = torch.randn_like(out)
@@ -64,6 +68,7 @@ def test_opcheck_backward(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
     v.requires_grad_(False)
     out, lse = flashattn_ext.attention_with_lse(q, k, v)
@@ -74,6 +79,7 @@ def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_double_backward_raises(device):
+    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v)
     (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
@@ -148,7 +154,8 @@ def test_bad_arguments_to_the_ops():
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiles_without_graph_breaks(device):
     """The shim traces into one graph (fullgraph=True), forward and backward, and matches eager."""
-    q, k, v = random_qkv((2, 4, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16), torch.float32, device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = random_qkv((2, 4, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16), dtype, device)
 
     def attention(q, k, v):
         return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

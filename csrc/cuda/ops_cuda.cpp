@@ -1,18 +1,41 @@
-// CUDA implementations of the flashattn_ext ops: argument checks, device guard
-// and stream. The kernels themselves are not written yet, so every call ends in
-// a clear NotImplementedError after its arguments have been checked.
+// CUDA implementations of the flashattn_ext ops: checks of what the kernels
+// cover, device guard, current stream, launch-error checks.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "cuda/flash_cuda.h"
 #include "ops.h"
 
 namespace flashattn_ext {
 namespace {
 
-[[noreturn]] void kernels_not_written() {
-  TORCH_CHECK_NOT_IMPLEMENTED(false,
-                              "flashattn_ext: the CUDA kernels are not implemented yet; run on CPU tensors or use "
-                              "torch.nn.functional.scaled_dot_product_attention on the GPU for now");
+cuda::ElementType element_type(const at::Tensor& q) {
+  TORCH_CHECK_NOT_IMPLEMENTED(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                              "flashattn_ext: on CUDA only float16 and bfloat16 are supported yet, got ",
+                              q.scalar_type());
+  return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
+}
+
+void check_kernel_coverage(const AttentionProblem& p) {
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim % 8 == 0 && p.head_dim <= cuda::kMaxHeadDim,
+                              "flashattn_ext: on CUDA the head dim must be a multiple of 8 and at most ",
+                              cuda::kMaxHeadDim, ", got ", p.head_dim);
+  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim,
+                              "flashattn_ext: on CUDA value's head dim must equal query's yet, got ", p.head_dim_v,
+                              " and ", p.head_dim);
+}
+
+// The kernels copy rows in 16-byte pieces: the last dim must be contiguous and
+// every row start 16-byte aligned. Anything else (rare: a stride-0 grad_out,
+// an odd storage offset) is copied into a contiguous tensor first.
+at::Tensor with_aligned_rows(const at::Tensor& t) {
+  const int64_t elems_per_16_bytes = 16 / t.element_size();
+  const bool aligned = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+                       t.stride(0) % elems_per_16_bytes == 0 && t.stride(1) % elems_per_16_bytes == 0 &&
+                       t.stride(2) % elems_per_16_bytes == 0;
+  return aligned ? t : t.contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -23,20 +46,33 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, c
                                                           int64_t /*dropout_offset*/) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out, lse;
-  prepare_forward(q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
-  kernels_not_written();
+  const FwdParams params = prepare_forward(with_aligned_rows(q), with_aligned_rows(k), with_aligned_rows(v),
+                                           {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
+  const cuda::ElementType type = element_type(q);
+  check_kernel_coverage(params.problem);
+  cuda::attention_forward(params, type, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
-    bool /*compute_grad_attn_mask*/) {
+    bool compute_grad_attn_mask) {
+  TORCH_CHECK(!compute_grad_attn_mask || attn_mask.has_value(),
+              "flashattn_ext: compute_grad_attn_mask needs an attn_mask");
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, delta;
-  prepare_backward(dout, q, k, v, out, lse, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, dq, dk, dv,
-                   delta);
-  kernels_not_written();
+  const BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
+                                            with_aligned_rows(v), with_aligned_rows(out), lse,
+                                            {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, dq, dk,
+                                            dv, delta);
+  const cuda::ElementType type = element_type(q);
+  check_kernel_coverage(params.problem);
+  cuda::attention_backward(params, type, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv, no_mask_grad(q)};
 }
 
 }  // namespace

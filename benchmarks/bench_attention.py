@@ -1,0 +1,522 @@
+"""Attention speed and memory: flashattn_ext against torch SDPA's backends, side by side.
+
+Every cell of the speed tables is forward / backward TFLOP/s, the median of 5 to 50
+timed calls after warm-up (CUDA events; wall clock on CPU), on random normal inputs
+of shape (B, H, N, D) that require grad. FLOPs follow the FlashAttention papers:
+forward 4*B*H*N*N*D, halved when causal; backward 2.5x the forward. The forward is
+timed with autograd recording; the backward is torch.autograd.grad(out, (q, k, v),
+dout) on one saved forward. A provider that raises (for example NotImplementedError)
+gets "—" for that cell; the first error of each provider is listed under the tables.
+Providers and format mirror /work/shared/anchors.md, so the numbers compare.
+
+The peak-memory table is the extra allocated memory of one forward and backward,
+upstream gradient included, at B=1, H=16, D=128, non-causal.
+
+Results go to <out>/bench_<date>_<device>.md and .png (the PNG needs matplotlib),
+and each table row is printed to stdout as soon as it is measured.
+
+Usage (from the repository root):
+    python3 benchmarks/bench_attention.py                 # full grid, about 2 minutes on an H100
+    python3 benchmarks/bench_attention.py --quick         # bf16, D=128, N in {4096, 16384}
+    python3 benchmarks/bench_attention.py --dims 128 --seqlens 4096 --causal on --providers ext cudnn
+    python3 benchmarks/bench_attention.py --device cpu --out /tmp/benchout   # tiny smoke test
+"""
+import argparse
+import datetime
+import math
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmark this checkout's flashattn_ext, not another install
+
+try:
+    from flashattn_ext import scaled_dot_product_attention as ext_attention
+except (ImportError, OSError) as import_error:  # still measure torch's backends; the ext's cells say why not
+    def ext_attention(*args, _error=import_error, **kwargs):
+        raise _error
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+DASH = "—"
+MIN_REPS, MAX_REPS, WARMUP_CALLS = 5, 50, 2
+MATH_MAX_N = 4096  # SDPA math holds N x N scores: 64 GiB at N=16384
+
+
+@dataclass(frozen=True)
+class Provider:
+    key: str  # name on the command line
+    label: str  # column name, as in anchors.md
+    attention: Callable
+    backend: Optional[SDPBackend] = None  # SDPA backend forced while it runs
+    max_n: int = sys.maxsize  # longer sequences are skipped
+
+    def context(self):
+        return sdpa_kernel(self.backend) if self.backend is not None else nullcontext()
+
+
+# Column order of anchors.md, with flashattn_ext where its extra kernel stands.
+GPU_PROVIDERS = [
+    Provider("cudnn", "SDPA cuDNN", F.scaled_dot_product_attention, SDPBackend.CUDNN_ATTENTION),
+    Provider("flash", "SDPA flash (FA2)", F.scaled_dot_product_attention, SDPBackend.FLASH_ATTENTION),
+    Provider("ext", "flashattn_ext", ext_attention),
+    Provider("efficient", "SDPA mem-efficient", F.scaled_dot_product_attention, SDPBackend.EFFICIENT_ATTENTION),
+    Provider("math", "SDPA math", F.scaled_dot_product_attention, SDPBackend.MATH, MATH_MAX_N),
+]
+CPU_PROVIDERS = [
+    Provider("ext", "flashattn_ext", ext_attention),
+    Provider("default", "SDPA default", F.scaled_dot_product_attention),
+    Provider("math", "SDPA math", F.scaled_dot_product_attention, SDPBackend.MATH),
+]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one device mode measures."""
+    providers: List[Provider]
+    tokens: int  # B * N, kept constant across N
+    heads: Dict[int, int]  # head dim -> number of heads
+    dims: Tuple[int, ...]
+    seqlens: Tuple[int, ...]
+    memory_seqlens: Tuple[int, ...]  # empty: no memory table
+    budget_s: float  # time spent on the timed calls of one cell
+
+
+GPU = Setup(GPU_PROVIDERS, 16384, {64: 32, 128: 16}, (64, 128), (512, 1024, 2048, 4096, 8192, 16384),
+            (1024, 4096, 16384), 0.15)
+CPU = Setup(CPU_PROVIDERS, 512, {64: 2, 128: 2}, (64, 128), (128, 256), (), 0.05)
+QUICK = dict(dtypes=["bf16"], dims=[128], seqlens=[4096, 16384])
+
+
+class CudaContextLost(RuntimeError):
+    """A CUDA error that poisons every later call (an illegal memory access, say)."""
+
+
+@dataclass
+class Row:
+    dtype: str
+    d: int
+    n: int
+    b: int
+    h: int
+    causal: bool
+    tflops: Dict[str, Tuple[Optional[float], Optional[float]]]  # label -> (forward, backward)
+
+
+@dataclass
+class Report:
+    title: str
+    header: List[str]  # lines under the title: device, versions, command, method
+    providers: List[Provider]
+    memory_dtype: str
+    rows: List[Row] = field(default_factory=list)
+    memory: Dict[int, Dict[str, Optional[float]]] = field(default_factory=dict)  # N -> label -> MiB
+    notes: Dict[str, str] = field(default_factory=dict)  # first error per provider, and other notes
+
+
+# ----------------------------------------------------------------------------- timing
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable, device: torch.device, budget_s: float) -> float:
+    """Median seconds per call of fn after warm-up, over as many calls as fit in budget_s."""
+    for _ in range(WARMUP_CALLS):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        estimate = time.perf_counter() - start
+    reps = min(MAX_REPS, max(MIN_REPS, round(budget_s / max(estimate, 1e-9))))
+    if device.type == "cuda":
+        return _median_cuda_events(fn, reps)
+    return _median_wall_clock(fn, reps)
+
+
+def _median_cuda_events(fn: Callable, reps: int) -> float:
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def _median_wall_clock(fn: Callable, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device):
+    return [torch.randn(b, h, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
+
+
+def forward_flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
+    return 4 * b * h * n * n * d / (2 if causal else 1)
+
+
+def attempt(report: Report, provider: Provider, device: torch.device, fn: Callable):
+    """fn()'s result, or None if it raises; the provider's first error goes to the report."""
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - any failure of a provider is one "—" cell
+        if provider.label not in report.notes:
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            report.notes[provider.label] = f"{type(error).__name__}: {first_line}"
+            print(f"  [{provider.label}] {report.notes[provider.label]}", file=sys.stderr, flush=True)
+    if device.type == "cuda":  # here the error's frames, and their tensors, are gone
+        _check_cuda_context(provider)
+        torch.cuda.empty_cache()
+    return None
+
+
+def _check_cuda_context(provider: Provider) -> None:
+    try:
+        torch.cuda.synchronize()
+    except Exception as error:  # noqa: BLE001 - whatever a poisoned context raises
+        raise CudaContextLost(f"after {provider.label}: {error}") from error
+
+
+def time_forward_backward(provider: Provider, q, k, v, causal: bool, device, budget_s: float, report: Report):
+    """(forward seconds, backward seconds) per call; None where the provider fails."""
+    def forward():
+        return provider.attention(q, k, v, is_causal=causal)
+
+    def backward_seconds():
+        out = forward()
+        dout = torch.randn_like(out)
+        return median_seconds(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                              device, budget_s)
+
+    with provider.context():
+        fwd = attempt(report, provider, device, lambda: median_seconds(forward, device, budget_s))
+        bwd = attempt(report, provider, device, backward_seconds) if fwd is not None else None
+    return fwd, bwd
+
+
+def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal: bool, device) -> Row:
+    b, h = max(1, setup.tokens // n), setup.heads[d]
+    q, k, v = make_inputs(b, h, n, d, DTYPES[dtype], device)
+    flops = forward_flops(b, h, n, d, causal)
+    row = Row(dtype, d, n, b, h, causal, {})
+    for provider in report.providers:
+        if n > provider.max_n:
+            row.tflops[provider.label] = (None, None)
+            continue
+        fwd, bwd = time_forward_backward(provider, q, k, v, causal, device, setup.budget_s, report)
+        row.tflops[provider.label] = (
+            flops / fwd / 1e12 if fwd else None,
+            2.5 * flops / bwd / 1e12 if bwd else None,
+        )
+    return row
+
+
+def peak_extra_mib(provider: Provider, n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """Extra peak memory of one forward and backward, upstream gradient included, in MiB."""
+    q, k, v = make_inputs(1, 16, n, 128, dtype, device)
+
+    def forward_backward():
+        out = provider.attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+    with provider.context():
+        forward_backward()  # one-time allocations (workspaces, handles) are not the call's
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        forward_backward()
+        torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def measure_memory(report: Report, setup: Setup, device: torch.device) -> None:
+    print(f"\n## Peak memory\n\n{memory_caption(report)}\n", flush=True)
+    for line in memory_table_head(report):
+        print(line, flush=True)
+    for n in setup.memory_seqlens:
+        report.memory[n] = {
+            provider.label: attempt(report, provider, device,
+                                    lambda: peak_extra_mib(provider, n, DTYPES[report.memory_dtype], device))
+            if n <= provider.max_n else None
+            for provider in report.providers
+        }
+        torch.cuda.empty_cache()
+        print(memory_table_line(report, n), flush=True)
+
+
+# ----------------------------------------------------------------------------- markdown
+
+def fmt_tflops(value: Optional[float]) -> str:
+    if value is None:
+        return DASH
+    return f"{value:.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def fmt_cell(pair: Tuple[Optional[float], Optional[float]]) -> str:
+    if pair == (None, None):
+        return DASH
+    return " / ".join(fmt_tflops(value) for value in pair)
+
+
+def speed_table_head(report: Report) -> List[str]:
+    labels = [provider.label for provider in report.providers]
+    columns = ["D", "N", "B x H", "causal", *labels]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def speed_table_line(report: Report, row: Row) -> str:
+    cells = [str(row.d), str(row.n), f"{row.b} x {row.h}", "yes" if row.causal else "no"]
+    cells += [fmt_cell(row.tflops[provider.label]) for provider in report.providers]
+    return "| " + " | ".join(cells) + " |"
+
+
+def memory_caption(report: Report) -> str:
+    return (f"Peak extra memory for one forward and backward (MiB), {DTYPE_NAMES[report.memory_dtype]}, "
+            "B=1, H=16, D=128, non-causal, upstream gradient allocated inside the measured region:")
+
+
+def memory_table_head(report: Report) -> List[str]:
+    columns = ["N", *(provider.label for provider in report.providers)]
+    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
+def memory_table_line(report: Report, n: int) -> str:
+    values = report.memory[n]
+    cells = [str(n)] + [DASH if values[p.label] is None else f"{values[p.label]:.0f}" for p in report.providers]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(report: Report) -> str:
+    lines = [f"# {report.title}", "", *report.header]
+    for dtype in dict.fromkeys(row.dtype for row in report.rows):
+        lines += ["", f"## {DTYPE_NAMES[dtype]}", "", *speed_table_head(report)]
+        lines += [speed_table_line(report, row) for row in report.rows if row.dtype == dtype]
+    if report.memory:
+        lines += ["", "## Peak memory", "", memory_caption(report), "", *memory_table_head(report)]
+        lines += [memory_table_line(report, n) for n in report.memory]
+    if report.notes:
+        lines += ["", *notes_lines(report)]
+    return "\n".join(lines) + "\n"
+
+
+def notes_lines(report: Report) -> List[str]:
+    return ["## Failures and notes", ""] + [f"- {label}: `{message}`" for label, message in report.notes.items()]
+
+
+# ----------------------------------------------------------------------------- plot
+
+def plot(report: Report, path: Path, stamp: str) -> bool:
+    """TFLOP/s against N for the first dtype, one panel per (D, causal, direction), and memory.
+    Returns whether a PNG was written."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr, flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first_dtype = report.rows[0].dtype if report.rows else None
+    rows = [row for row in report.rows if row.dtype == first_dtype]
+    panels = [(d, causal, direction) for d in dict.fromkeys(row.d for row in rows)
+              for causal in dict.fromkeys(row.causal for row in rows) for direction in (0, 1)]
+    count = len(panels) + bool(report.memory)
+    if count == 0:
+        return False
+    ncols = min(3, count)
+    nrows = math.ceil(count / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
+    axes = list(axes.flat)
+    for ax, (d, causal, direction) in zip(axes, panels):
+        selected = [row for row in rows if row.d == d and row.causal == causal]
+        series = {p.label: [(row.n, row.tflops[p.label][direction]) for row in selected] for p in report.providers}
+        name = ("forward", "backward")[direction]
+        title = f"{DTYPE_NAMES[first_dtype]}, D={d}, {'causal' if causal else 'non-causal'}, {name}"
+        _draw(ax, series, title, "TFLOP/s")
+    if report.memory:
+        series = {p.label: [(n, values[p.label]) for n, values in report.memory.items()] for p in report.providers}
+        _draw(axes[len(panels)], series, "peak extra memory, B=1, H=16, D=128", "MiB", log_y=True)
+    for ax in axes[count:]:
+        ax.set_visible(False)
+    handles = {}
+    for ax in axes[:count]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=len(handles))
+    fig.suptitle(f"{report.title}\n{stamp}")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _draw(ax, series: Dict[str, List[Tuple[int, Optional[float]]]], title: str, ylabel: str,
+          log_y: bool = False) -> None:
+    for label, points in series.items():
+        points = [(n, value) for n, value in points if value is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    ns = sorted({n for points in series.values() for n, _ in points})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    if log_y:
+        ax.set_yscale("log")
+    ax.minorticks_off()
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("N (sequence length)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+
+
+# ----------------------------------------------------------------------------- run
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def cudnn_version() -> str:
+    version = torch.backends.cudnn.version()
+    if not version:
+        return "n/a"
+    base = 10000 if version >= 90000 else 1000  # cuDNN 9 encodes 9.19.0 as 91900, cuDNN 8 8.9.7 as 8907
+    return f"{version // base}.{version % base // 100}"
+
+
+def git_commit() -> str:
+    try:
+        result = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return result.stdout.strip() or "unknown"
+
+
+def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
+    timing = "CUDA events" if device.type == "cuda" else "time.perf_counter, tiny smoke-test sizes"
+    header = [
+        f"Measured {today} on one {device_name(device)} (torch {torch.__version__}, cuDNN {cudnn_version()}), "
+        f"flashattn_ext at commit {git_commit()}.",
+        f"Command: `{' '.join(shlex.quote(arg) for arg in ['python3', *sys.argv])}`",
+        "",
+        f"Each cell is forward / backward TFLOP/s, the median of {MIN_REPS} to {MAX_REPS} timed calls "
+        f"({timing}) after {WARMUP_CALLS} warm-up calls, about {setup.budget_s} s of timed calls per cell, "
+        f"on random normal inputs; B = max(1, {setup.tokens} // N). "
+        "The forward is timed with autograd recording; the backward is "
+        "`torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on one saved forward.",
+        "FLOPs follow the FlashAttention papers: forward 4·B·H·N²·D, halved when causal; backward 2.5× the forward.",
+        "Providers: flashattn_ext, and torch's SDPA with one backend forced by `torch.nn.attention.sdpa_kernel` "
+        f"(math only up to N={MATH_MAX_N}). — means the provider failed (see the notes) or was skipped.",
+    ]
+    providers = [p for p in setup.providers if args.providers is None or p.key in args.providers]
+    return Report("Attention: flashattn_ext against torch SDPA", header, providers, args.dtypes[0])
+
+
+def run_grid(report: Report, setup: Setup, args, device: torch.device, md_path: Path) -> None:
+    """Measure the speed tables row by row, printing each row and rewriting the markdown as it goes."""
+    deadline = time.monotonic() + args.time_limit
+    for dtype in args.dtypes:
+        print(f"\n## {DTYPE_NAMES[dtype]}\n", flush=True)
+        for line in speed_table_head(report):
+            print(line, flush=True)
+        for d in args.dims:
+            for n in args.seqlens:
+                for causal in args.causal:
+                    if time.monotonic() > deadline:
+                        report.notes["time limit"] = f"--time-limit {args.time_limit:g} s reached; later rows not run"
+                        return
+                    row = measure_row(report, setup, dtype, d, n, causal, device)
+                    report.rows.append(row)
+                    print(speed_table_line(report, row), flush=True)
+                    md_path.write_text(markdown(report))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--quick", action="store_true", help="bf16, D=128, N in {4096, 16384}")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: bf16 fp16")
+    parser.add_argument("--dims", nargs="+", type=int, choices=[64, 128], help="head dims; default: 64 128")
+    parser.add_argument("--seqlens", nargs="+", type=int, help="sequence lengths N")
+    parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--providers", nargs="+", choices=sorted({p.key for p in GPU_PROVIDERS + CPU_PROVIDERS}),
+                        help="default: all of the device's providers")
+    parser.add_argument("--budget", type=float, help="seconds of timed calls per cell (default 0.15, CPU 0.05)")
+    parser.add_argument("--time-limit", type=float, default=200,
+                        help="seconds after which no new row starts (default 200); the memory table still runs")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    return parser.parse_args(argv)
+
+
+def resolve(args) -> Setup:
+    """Fill the defaults the device and --quick imply; return the device's setup."""
+    setup = GPU if args.device == "cuda" else CPU
+    quick = QUICK if args.quick else {}
+    args.dtypes = args.dtypes or quick.get("dtypes", list(DTYPES))
+    args.dims = args.dims or quick.get("dims", list(setup.dims))
+    args.seqlens = args.seqlens or quick.get("seqlens", list(setup.seqlens))
+    args.causal = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
+    return replace(setup, memory_seqlens=() if args.no_memory else setup.memory_seqlens,
+                   budget_s=args.budget or setup.budget_s)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup = resolve(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device; use --device cpu for the smoke test")
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    today = datetime.date.today().isoformat()
+    report = new_report(args, setup, device, today)
+    if not report.providers:
+        sys.exit(f"none of --providers {' '.join(args.providers)} runs on {args.device}")
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if args.quick else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    md_path = args.out / f"bench_{today}_{slug}.md"
+    print(f"# {report.title}\n\n" + "\n".join(report.header), flush=True)
+
+    status = 0
+    try:
+        run_grid(report, setup, args, device, md_path)
+        if setup.memory_seqlens:
+            measure_memory(report, setup, device)
+    except CudaContextLost as error:
+        report.notes["CUDA context lost"] = f"{error}; the run stopped here. Rerun without that provider."
+        status = 1
+    md_path.write_text(markdown(report))
+    written = [md_path]
+    stamp = f"{device_name(device)}, torch {torch.__version__}, cuDNN {cudnn_version()}, {today}"
+    if plot(report, md_path.with_suffix(".png"), stamp):
+        written.append(md_path.with_suffix(".png"))
+    if report.notes:
+        print("\n" + "\n".join(notes_lines(report)), flush=True)
+    print("\nwrote " + " and ".join(map(str, written)), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

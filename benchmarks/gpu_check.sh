@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work: build for the GPU present, then run the
+# stages named as arguments (default: all), logging each under $OUT.
+#   bash benchmarks/gpu_check.sh [test] [sanitize] [bench] [bench-full]
+set -uo pipefail
+OUT="${OUT:-/tmp/flashattn_ext_gpu_check}"
+mkdir -p "$OUT"
+stages="${*:-test sanitize bench}"
+export PYTHONUNBUFFERED=1
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } | tee "$OUT/device.txt"
+
+echo "== build"
+start=$(date +%s)
+if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS=16 \
+    python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1; then
+  tail -n 60 "$OUT/build.log"
+  exit 1
+fi
+echo "built in $(( $(date +%s) - start )) s"
+
+status=0
+for stage in $stages; do
+  echo "== $stage"
+  case "$stage" in
+    test)
+      python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tests/sanitizer_workload.py \
+          >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
+        tail -n 3 "$OUT/sanitizer_$tool.log"
+      done ;;
+    bench)
+      python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
+    bench-full)
+      python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit "$status"

@@ -1,0 +1,378 @@
+// The backward kernels. P = exp(S - lse) is recomputed tile by tile; then
+//   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dK += dS^T Q * scale,  dQ += dS K * scale
+// with delta = rowsum(dO * O). Two passes share the work without atomics:
+//   - dK/dV: one block per (key block, key/value head, batch); warps own 16 keys
+//     each and work on the transposed scores S^T = K Q^T, streaming query blocks
+//     of every query head of the group through double-buffered shared memory;
+//   - dQ: one block per (query block, query head, batch), streaming key blocks.
+// So the result is deterministic and needs no float32 dQ accumulator.
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+
+namespace flashattn_ext::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarpSize;
+constexpr int kBlockRows = 16 * kWarps;  // rows a block owns: keys (dK/dV) or queries (dQ)
+constexpr int kBlockStream = 64;         // rows of each streamed tile
+
+// delta[row] = sum_d dO[row, d] * O[row, d], one warp per row.
+template <typename Elem>
+__global__ void __launch_bounds__(kThreads) attention_delta_kernel(const BwdParams params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  if (row >= p.batch * p.heads_q * p.len_q) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
+  const Elem* out = head_ptr<Elem>(params.out, b, h) + i * params.out.stride_row;
+  const Elem* dout = head_ptr<Elem>(params.dout, b, h) + i * params.dout.stride_row;
+  float sum = 0.f;
+  for (int d = lane; d < p.head_dim; d += kWarpSize) sum += ptx::to_float(out[d]) * ptx::to_float(dout[d]);
+  for (int shift = kWarpSize / 2; shift > 0; shift /= 2) sum += __shfl_xor_sync(0xffffffff, sum, shift);
+  if (lane == 0) static_cast<float*>(params.delta)[row] = sum;
+}
+
+// The log-sum-exp in log2 units, with rows that see no key (lse = -inf) and rows
+// past the end mapped to +inf, so that exp2(s - lse) is 0 for them.
+__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t len) {
+  if (row >= len) return INFINITY;
+  const float x = lse[row];
+  return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
+}
+
+// acc[16 x 8 n-tiles] += A (16 x K, fragments read by ldmatrix at a_frag) times
+// B^T where B (n x K) sits row-major in shared memory at b_frag: the pattern of
+// S = Q K^T, shared by every "rows times rows transposed" product here.
+template <typename Elem, int kK, int kNTiles, int kStride>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], uint32_t a_frag, uint32_t b_frag) {
+  constexpr int kElemBytes = sizeof(Elem);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    ptx::ldmatrix_x4(a, a_frag + kk * 16 * kElemBytes);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, b_frag + (np * 16 * kStride + kk * 16) * kElemBytes);
+      ptx::mma_16x8x16<Elem>(acc[2 * np], a, b[0], b[1]);
+      ptx::mma_16x8x16<Elem>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x kN] += X (16 x kK, float accumulators in registers, rounded to Elem)
+// times B (kK x kN, row-major in shared memory, read transposed at b_frag).
+template <typename Elem, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kN / 8][4], const float (&x)[kK / 8][4],
+                                                 uint32_t b_frag) {
+  constexpr int kElemBytes = sizeof(Elem);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    // Two adjacent n8 accumulator tiles are exactly one k16 A fragment.
+    const uint32_t a[4] = {ptx::pack2<Elem>(x[2 * kk][0], x[2 * kk][1]), ptx::pack2<Elem>(x[2 * kk][2], x[2 * kk][3]),
+                           ptx::pack2<Elem>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
+                           ptx::pack2<Elem>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, b_frag + (kk * 16 * kStride + np * 16) * kElemBytes);
+      ptx::mma_16x8x16<Elem>(acc[2 * np], a, b[0], b[1]);
+      ptx::mma_16x8x16<Elem>(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+// Lane offsets (in elements) of ldmatrix row addresses, see flash_fwd.cu: for A
+// fragments and transposed B reads, and for non-transposed B reads.
+template <int kStride>
+__device__ __forceinline__ int a_lane_offset(int lane) {
+  return (lane % 16) * kStride + (lane / 16) * 8;
+}
+template <int kStride>
+__device__ __forceinline__ int b_lane_offset(int lane) {
+  return (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+}
+
+// Writes a warp's 16 x kHeadDim accumulator tile (times factor) to rows row0.. of a head.
+template <typename Elem, int kHeadDim>
+__device__ __forceinline__ void store_rows(Elem* head, int64_t stride_row, int64_t row0, int64_t len, int dim,
+                                           const float (&acc)[kHeadDim / 8][4], float factor, int lane) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + lane / 4 + half * 8;
+    if (row >= len) continue;
+#pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt) {
+      const int col = dt * 8 + (lane % 4) * 2;
+      if (col < dim) {
+        *reinterpret_cast<uint32_t*>(head + row * stride_row + col) =
+            ptx::pack2<Elem>(acc[dt][2 * half] * factor, acc[dt][2 * half + 1] * factor);
+      }
+    }
+  }
+}
+
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) attention_dkdv_kernel(const BwdParams params) {
+  constexpr int kStride = smem_stride<kHeadDim>();
+  constexpr int kTile = kBlockStream * kStride;  // elements of one streamed tile
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr int kQueryTiles = kBlockStream / 8;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* s_k = reinterpret_cast<Elem*>(smem);
+  Elem* s_v = s_k + kBlockRows * kStride;
+  Elem* s_q = s_v + kBlockRows * kStride;  // two buffers
+  Elem* s_do = s_q + 2 * kTile;             // two buffers
+  float* s_lse = reinterpret_cast<float*>(s_do + 2 * kTile);  // two buffers
+  float* s_delta = s_lse + 2 * kBlockStream;                  // two buffers
+
+  const AttentionProblem& p = params.problem;
+  const int64_t n_blocks = ceil_div(p.len_k, kBlockRows);
+  const int64_t n_block = blockIdx.x % n_blocks;
+  const int64_t h_kv = (blockIdx.x / n_blocks) % p.heads_kv;
+  const int64_t b = blockIdx.x / (n_blocks * p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t col0 = n_block * kBlockRows;  // first key of the block
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int dim = static_cast<int>(p.head_dim);
+
+  load_tile_async<kBlockRows, kHeadDim, kThreads>(s_k, head_ptr<const Elem>(params.k, b, h_kv), params.k.stride_row,
+                                                  col0, p.len_k, dim);
+  load_tile_async<kBlockRows, kHeadDim, kThreads>(s_v, head_ptr<const Elem>(params.v, b, h_kv), params.v.stride_row,
+                                                  col0, p.len_k, dim);
+
+  // Query blocks that see some key of this block, for each query head of the group.
+  const int64_t offset = causal_offset(p);
+  const int64_t first_query = p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
+  const int64_t m_begin = first_query / kBlockStream;
+  const int64_t m_count = ceil_div(p.len_q, kBlockStream) - m_begin;
+  const int64_t steps = m_count * group;
+
+  auto load_queries = [&](int64_t step) {
+    const int buf = step & 1;
+    const int64_t h = h_kv * group + step / m_count;
+    const int64_t m0 = (m_begin + step % m_count) * kBlockStream;
+    load_tile_async<kBlockStream, kHeadDim, kThreads>(s_q + buf * kTile, head_ptr<const Elem>(params.q, b, h),
+                                                      params.q.stride_row, m0, p.len_q, dim);
+    load_tile_async<kBlockStream, kHeadDim, kThreads>(s_do + buf * kTile, head_ptr<const Elem>(params.dout, b, h),
+                                                      params.dout.stride_row, m0, p.len_q, dim);
+    if (threadIdx.x < kBlockStream) {
+      const int64_t row_base = (b * p.heads_q + h) * p.len_q;
+      const int64_t row = m0 + threadIdx.x;
+      s_lse[buf * kBlockStream + threadIdx.x] = lse_log2(static_cast<const float*>(params.lse) + row_base, row, p.len_q);
+      s_delta[buf * kBlockStream + threadIdx.x] =
+          row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
+    }
+  };
+  if (steps > 0) load_queries(0);
+  ptx::cp_async_commit();
+
+  const uint32_t k_frag = ptx::smem_addr(s_k) + (warp * 16 * kStride + a_lane_offset<kStride>(lane)) * kElemBytes;
+  const uint32_t v_frag = ptx::smem_addr(s_v) + (warp * 16 * kStride + a_lane_offset<kStride>(lane)) * kElemBytes;
+  const uint32_t q_rows = ptx::smem_addr(s_q) + b_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t q_trans = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t do_rows = ptx::smem_addr(s_do) + b_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t do_trans = ptx::smem_addr(s_do) + a_lane_offset<kStride>(lane) * kElemBytes;
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+
+  float dk[kHeadDim / 8][4] = {}, dv[kHeadDim / 8][4] = {};
+  for (int64_t step = 0; step < steps; ++step) {
+    if (step + 1 < steps) load_queries(step + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+    const int buf = step & 1;
+    const uint32_t buf_bytes = buf * kTile * kElemBytes;
+    const float* lse = s_lse + buf * kBlockStream;
+    const float* delta = s_delta + buf * kBlockStream;
+    const int64_t m0 = (m_begin + step % m_count) * kBlockStream;
+
+    // P^T = exp2(S^T * scale * log2(e) - lse), masked above the diagonal.
+    float pt[kQueryTiles][4] = {};
+    mma_rows_by_rows<Elem, kHeadDim, kQueryTiles, kStride>(pt, k_frag, q_rows + buf_bytes);
+    // Key r of this warp, query c of the tile: hidden iff r - c > diagonal.
+    const bool mask_causal = p.is_causal && col0 + kBlockRows - 1 > m0 + offset;
+    const int64_t diagonal = m0 + offset - col0;
+#pragma unroll
+    for (int nt = 0; nt < kQueryTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp * 16 + lane / 4 + (e / 2) * 8;
+        const int c = nt * 8 + (lane % 4) * 2 + e % 2;
+        const bool hidden = mask_causal && r - c > diagonal;
+        pt[nt][e] = hidden ? 0.f : ptx::exp2_approx(pt[nt][e] * scale_log2 - lse[c]);
+      }
+    }
+    // dV += P^T dO.
+    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dv, pt, do_trans + buf_bytes);
+    // dP^T = V dO^T; dS^T = P^T * (dP^T - delta).
+    float dst[kQueryTiles][4] = {};
+    mma_rows_by_rows<Elem, kHeadDim, kQueryTiles, kStride>(dst, v_frag, do_rows + buf_bytes);
+#pragma unroll
+    for (int nt = 0; nt < kQueryTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
+    }
+    // dK += dS^T Q (scaled at the end).
+    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dk, dst, q_trans + buf_bytes);
+    __syncthreads();
+  }
+
+  const int64_t key0 = col0 + warp * 16;
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dk, b, h_kv), params.dk.stride_row, key0, p.len_k, dim, dk,
+                             static_cast<float>(p.scale), lane);
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dv, b, h_kv), params.dv.stride_row, key0, p.len_k, dim, dv, 1.f,
+                             lane);
+}
+
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(kThreads) attention_dq_kernel(const BwdParams params) {
+  constexpr int kStride = smem_stride<kHeadDim>();
+  constexpr int kTile = kBlockStream * kStride;
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr int kKeyTiles = kBlockStream / 8;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* s_q = reinterpret_cast<Elem*>(smem);
+  Elem* s_do = s_q + kBlockRows * kStride;
+  Elem* s_k = s_do + kBlockRows * kStride;  // two buffers
+  Elem* s_v = s_k + 2 * kTile;              // two buffers
+
+  const AttentionProblem& p = params.problem;
+  const int64_t m_blocks = ceil_div(p.len_q, kBlockRows);
+  const int64_t m_block = m_blocks - 1 - blockIdx.x % m_blocks;  // longest causal rows first
+  const int64_t h = (blockIdx.x / m_blocks) % p.heads_q;
+  const int64_t b = blockIdx.x / (m_blocks * p.heads_q);
+  const int64_t h_kv = h / (p.heads_q / p.heads_kv);
+  const int64_t row0 = m_block * kBlockRows;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int dim = static_cast<int>(p.head_dim);
+  const Elem* k = head_ptr<const Elem>(params.k, b, h_kv);
+  const Elem* v = head_ptr<const Elem>(params.v, b, h_kv);
+
+  load_tile_async<kBlockRows, kHeadDim, kThreads>(s_q, head_ptr<const Elem>(params.q, b, h), params.q.stride_row,
+                                                  row0, p.len_q, dim);
+  load_tile_async<kBlockRows, kHeadDim, kThreads>(s_do, head_ptr<const Elem>(params.dout, b, h),
+                                                  params.dout.stride_row, row0, p.len_q, dim);
+  const int64_t offset = causal_offset(p);
+  const int64_t last_row = min(row0 + kBlockRows, p.len_q) - 1;
+  const int64_t key_end = p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
+  const int n_steps = static_cast<int>(ceil_div(key_end, kBlockStream));
+  auto load_keys = [&](int step) {
+    const int buf = step & 1;
+    load_tile_async<kBlockStream, kHeadDim, kThreads>(s_k + buf * kTile, k, params.k.stride_row,
+                                                      int64_t(step) * kBlockStream, p.len_k, dim);
+    load_tile_async<kBlockStream, kHeadDim, kThreads>(s_v + buf * kTile, v, params.v.stride_row,
+                                                      int64_t(step) * kBlockStream, p.len_k, dim);
+  };
+  if (n_steps > 0) load_keys(0);
+  ptx::cp_async_commit();
+
+  // This lane's two rows: their lse (log2 units) and delta.
+  const int64_t row_base = (b * p.heads_q + h) * p.len_q;
+  float row_lse[2], row_delta[2];
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + warp * 16 + lane / 4 + half * 8;
+    row_lse[half] = lse_log2(static_cast<const float*>(params.lse) + row_base, row, p.len_q);
+    row_delta[half] = row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
+  }
+
+  const uint32_t q_frag = ptx::smem_addr(s_q) + (warp * 16 * kStride + a_lane_offset<kStride>(lane)) * kElemBytes;
+  const uint32_t do_frag = ptx::smem_addr(s_do) + (warp * 16 * kStride + a_lane_offset<kStride>(lane)) * kElemBytes;
+  const uint32_t k_rows = ptx::smem_addr(s_k) + b_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t k_trans = ptx::smem_addr(s_k) + a_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t v_rows = ptx::smem_addr(s_v) + b_lane_offset<kStride>(lane) * kElemBytes;
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+
+  float dq[kHeadDim / 8][4] = {};
+  for (int step = 0; step < n_steps; ++step) {
+    if (step + 1 < n_steps) load_keys(step + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    __syncthreads();
+    const uint32_t buf_bytes = (step & 1) * kTile * kElemBytes;
+    const int64_t col0 = int64_t(step) * kBlockStream;
+
+    // P = exp2(S * scale * log2(e) - lse), masked past the last key and above the diagonal.
+    float s[kKeyTiles][4] = {};
+    mma_rows_by_rows<Elem, kHeadDim, kKeyTiles, kStride>(s, q_frag, k_rows + buf_bytes);
+    const bool mask_tail = col0 + kBlockStream > p.len_k;
+    const bool mask_causal = p.is_causal && col0 + kBlockStream - 1 > row0 + offset;
+    const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockStream)));
+    const int64_t diagonal = row0 + offset - col0;
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp * 16 + lane / 4 + (e / 2) * 8;
+        const int c = nt * 8 + (lane % 4) * 2 + e % 2;
+        const bool hidden = (mask_tail && c >= keys_left) || (mask_causal && c - r > diagonal);
+        s[nt][e] = hidden ? 0.f : ptx::exp2_approx(s[nt][e] * scale_log2 - row_lse[e / 2]);
+      }
+    }
+    // dP = dO V^T; dS = P * (dP - delta).
+    float ds[kKeyTiles][4] = {};
+    mma_rows_by_rows<Elem, kHeadDim, kKeyTiles, kStride>(ds, do_frag, v_rows + buf_bytes);
+#pragma unroll
+    for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ds[nt][e] = s[nt][e] * (ds[nt][e] - row_delta[e / 2]);
+    }
+    // dQ += dS K (scaled at the end).
+    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dq, ds, k_trans + buf_bytes);
+    __syncthreads();
+  }
+
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dq, b, h), params.dq.stride_row, row0 + warp * 16, p.len_q, dim,
+                             dq, static_cast<float>(p.scale), lane);
+}
+
+template <typename Kernel>
+void launch(Kernel kernel, int64_t blocks, int smem_bytes, const BwdParams& params, cudaStream_t stream) {
+  if (blocks == 0) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, smem_bytes, stream>>>(params);
+}
+
+template <typename Elem, int kHeadDim>
+void backward_for(const BwdParams& params, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  constexpr int kStride = smem_stride<kHeadDim>();
+  launch(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), 0, params, stream);
+  constexpr int dkdv_smem = (2 * kBlockRows + 4 * kBlockStream) * kStride * sizeof(Elem) + 4 * kBlockStream * sizeof(float);
+  launch(attention_dkdv_kernel<Elem, kHeadDim>, ceil_div(p.len_k, kBlockRows) * p.heads_kv * p.batch, dkdv_smem,
+         params, stream);
+  constexpr int dq_smem = (2 * kBlockRows + 4 * kBlockStream) * kStride * sizeof(Elem);
+  launch(attention_dq_kernel<Elem, kHeadDim>, ceil_div(p.len_q, kBlockRows) * p.heads_q * p.batch, dq_smem, params,
+         stream);
+}
+
+template <typename Elem>
+void backward_for_head_dim(const BwdParams& params, cudaStream_t stream) {
+  const int64_t dim = params.problem.head_dim;
+  if (dim <= 64) {
+    backward_for<Elem, 64>(params, stream);
+  } else if (dim <= 96) {
+    backward_for<Elem, 96>(params, stream);
+  } else if (dim <= 128) {
+    backward_for<Elem, 128>(params, stream);
+  } else {
+    backward_for<Elem, 256>(params, stream);
+  }
+}
+
+}  // namespace
+
+void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  if (type == ElementType::kBFloat16) {
+    backward_for_head_dim<__nv_bfloat16>(params, stream);
+  } else {
+    backward_for_head_dim<__half>(params, stream);
+  }
+}
+
+}  // namespace flashattn_ext::cuda

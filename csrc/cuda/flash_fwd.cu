@@ -1,0 +1,270 @@
+// The forward kernel: one thread block per (block of query rows, head, batch).
+// The query tile stays in shared memory; key and value tiles stream through
+// two shared-memory buffers with cp.async, so the next pair loads while the
+// tensor cores (mma.sync m16n8k16) work on the current one. Each warp owns
+// 16 * kMTiles query rows and keeps their softmax state and output in registers.
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+
+namespace flashattn_ext::cuda {
+namespace {
+
+template <int kHeadDim_, int kMTiles_>
+struct FwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kMTiles = kMTiles_;       // 16-row mma tiles per warp
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per block
+  static constexpr int kBlockN = 64;                     // keys per streamed tile
+  static constexpr int kStride = smem_stride<kHeadDim>();
+  // One query tile, two key tiles, two value tiles.
+  static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kStride;
+};
+
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const FwdParams params) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM,
+                kBlockN = Cfg::kBlockN, kStride = Cfg::kStride;
+  constexpr int kDimTiles = kHeadDim / 8;  // n8 tiles of the output
+  constexpr int kKeyTiles = kBlockN / 8;   // n8 tiles of the scores
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* s_q = reinterpret_cast<Elem*>(smem);
+  Elem* s_k = s_q + kBlockM * kStride;
+  Elem* s_v = s_k + 2 * kBlockN * kStride;
+
+  const AttentionProblem& p = params.problem;
+  // A flattened grid has no 65535 limit; blocks of one head run together (they
+  // share its keys in L2), the longest causal rows first.
+  const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
+  const int64_t m_block = m_blocks - 1 - blockIdx.x % m_blocks;
+  const int64_t h = (blockIdx.x / m_blocks) % p.heads_q;
+  const int64_t b = blockIdx.x / (m_blocks * p.heads_q);
+  const int64_t h_kv = h / (p.heads_q / p.heads_kv);
+  const int64_t row0 = m_block * kBlockM;
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int warp_row0 = warp * 16 * kMTiles;
+
+  const Elem* q = head_ptr<Elem>(params.q, b, h);
+  const Elem* k = head_ptr<Elem>(params.k, b, h_kv);
+  const Elem* v = head_ptr<Elem>(params.v, b, h_kv);
+  const int dim = static_cast<int>(p.head_dim);
+
+  const int64_t offset = causal_offset(p);
+  const int64_t last_row = min(row0 + kBlockM, p.len_q) - 1;
+  const int64_t key_end = p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
+  const int n_blocks = static_cast<int>(ceil_div(key_end, kBlockN));
+
+  auto load_kv = [&](int n_block) {
+    const int buf = n_block & 1;
+    load_tile_async<kBlockN, kHeadDim, Cfg::kThreads>(s_k + buf * kBlockN * kStride, k, params.k.stride_row,
+                                                      int64_t(n_block) * kBlockN, p.len_k, dim);
+    load_tile_async<kBlockN, kHeadDim, Cfg::kThreads>(s_v + buf * kBlockN * kStride, v, params.v.stride_row,
+                                                      int64_t(n_block) * kBlockN, p.len_k, dim);
+  };
+  load_tile_async<kBlockM, kHeadDim, Cfg::kThreads>(s_q, q, params.q.stride_row, row0, p.len_q, dim);
+  if (n_blocks > 0) load_kv(0);
+  ptx::cp_async_commit();
+
+  // Each lane's ldmatrix row address in the Q, K and V tiles (shared space).
+  // A fragments (Q) and the transposed V: lanes 0-15 rows 0-15 at column 0,
+  // lanes 16-31 the same rows at column 8. K: lanes 0-7 and 16-23 give rows
+  // 0-7 and 8-15 at column 0, lanes 8-15 and 24-31 the same at column 8.
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr uint32_t kTileBytes = kBlockN * kStride * kElemBytes;
+  const uint32_t q_frag = ptx::smem_addr(s_q) + ((warp_row0 + lane % 16) * kStride + (lane / 16) * 8) * kElemBytes;
+  const uint32_t k_frag = ptx::smem_addr(s_k) + ((lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8) * kElemBytes;
+  const uint32_t v_frag = ptx::smem_addr(s_v) + ((lane % 16) * kStride + (lane / 16) * 8) * kElemBytes;
+
+  // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  float acc_o[kMTiles][kDimTiles][4] = {};
+  float row_max[kMTiles][2], row_sum[kMTiles][2];
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int half = 0; half < 2; ++half) {
+      row_max[mt][half] = -INFINITY;
+      row_sum[mt][half] = 0.f;
+    }
+  }
+
+  for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    if (n_block + 1 < n_blocks) load_kv(n_block + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // everything but the prefetch just issued has landed
+    __syncthreads();
+
+    // S = Q K^T for this warp's rows and the tile's kBlockN keys.
+    const uint32_t k_tile = k_frag + (n_block & 1) * kTileBytes;
+    const uint32_t v_tile = v_frag + (n_block & 1) * kTileBytes;
+    float s[kMTiles][kKeyTiles][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(a[mt], q_frag + (mt * 16 * kStride + kk * 16) * kElemBytes);
+#pragma unroll
+      for (int np = 0; np < kBlockN / 16; ++np) {
+        uint32_t bk[4];
+        ptx::ldmatrix_x4(bk, k_tile + (np * 16 * kStride + kk * 16) * kElemBytes);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          ptx::mma_16x8x16<Elem>(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          ptx::mma_16x8x16<Elem>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Scale; mask keys past the end, and above the diagonal where the tile
+    // crosses it. In tile coordinates (r, c): key c is past the end if
+    // c >= keys_left, and above the diagonal if c - r > diagonal.
+    const int64_t col0 = int64_t(n_block) * kBlockN;
+    const bool mask_tail = col0 + kBlockN > p.len_k;
+    const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+    const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+    const int diagonal = static_cast<int>(min(max(row0 + offset - col0, int64_t(-kBlockM - 1)), int64_t(kBlockN)));
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float& x = s[mt][nt][e];
+          x *= scale_log2;
+          if (mask_tail || mask_causal) {
+            const int r = warp_row0 + mt * 16 + lane / 4 + (e / 2) * 8;
+            const int c = nt * 8 + (lane % 4) * 2 + e % 2;
+            if (c >= keys_left || (mask_causal && c - r > diagonal)) x = -INFINITY;
+          }
+        }
+      }
+    }
+
+    // Online softmax. Each row lives in the 4 lanes of a quad, two rows per m-tile.
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = row_max[mt][half];
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+          tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+        // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+        // that exp2(-inf - max) stays 0 rather than NaN.
+        const float max_used = tile_max == -INFINITY ? 0.f : tile_max;
+        const float rescale = ptx::exp2_approx(row_max[mt][half] - max_used);
+        row_max[mt][half] = tile_max;
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[mt][nt][e] = ptx::exp2_approx(s[mt][nt][e] - max_used);
+            tile_sum += s[mt][nt][e];
+          }
+        }
+        row_sum[mt][half] = row_sum[mt][half] * rescale + tile_sum;  // per-lane partial sum
+#pragma unroll
+        for (int dt = 0; dt < kDimTiles; ++dt) {
+          acc_o[mt][dt][2 * half] *= rescale;
+          acc_o[mt][dt][2 * half + 1] *= rescale;
+        }
+      }
+    }
+
+    // O += P V. The score accumulators of two adjacent n8 tiles are exactly the
+    // A fragment of one k16 step, so P goes to the tensor cores from registers.
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      uint32_t a[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        a[mt][0] = ptx::pack2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = ptx::pack2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = ptx::pack2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = ptx::pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+        uint32_t bv[4];
+        ptx::ldmatrix_x4_trans(bv, v_tile + (kk * 16 * kStride + dp * 16) * kElemBytes);
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          ptx::mma_16x8x16<Elem>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          ptx::mma_16x8x16<Elem>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+    __syncthreads();  // all warps are done with this buffer before it is refilled
+  }
+
+  // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
+  Elem* out = head_ptr<Elem>(params.out, b, h);
+  float* lse = static_cast<float*>(params.lse) + (b * p.heads_q + h) * p.len_q;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[mt][half];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+      const int64_t row = row0 + warp_row0 + mt * 16 + lane / 4 + half * 8;
+      if (row >= p.len_q) continue;
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        const int col = dt * 8 + (lane % 4) * 2;
+        if (col < dim) {
+          *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
+              ptx::pack2<Elem>(acc_o[mt][dt][2 * half] * inv_sum, acc_o[mt][dt][2 * half + 1] * inv_sum);
+        }
+      }
+      if (lane % 4 == 0) {
+        lse[row] = sum > 0.f ? (row_max[mt][half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+      }
+    }
+  }
+}
+
+template <typename Elem, typename Cfg>
+void launch_forward(const FwdParams& params, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  const int64_t blocks = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
+  if (blocks == 0) return;
+  constexpr int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
+  auto kernel = attention_forward_kernel<Elem, Cfg>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(params);
+}
+
+template <typename Elem>
+void forward_for_head_dim(const FwdParams& params, cudaStream_t stream) {
+  // Head dims between the specializations run in the next larger one, padded with zeros.
+  const int64_t dim = params.problem.head_dim;
+  if (dim <= 64) {
+    launch_forward<Elem, FwdConfig<64, 2>>(params, stream);
+  } else if (dim <= 96) {
+    launch_forward<Elem, FwdConfig<96, 2>>(params, stream);
+  } else if (dim <= 128) {
+    launch_forward<Elem, FwdConfig<128, 2>>(params, stream);
+  } else {
+    launch_forward<Elem, FwdConfig<256, 1>>(params, stream);
+  }
+}
+
+}  // namespace
+
+void attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
+  if (type == ElementType::kBFloat16) {
+    forward_for_head_dim<__nv_bfloat16>(params, stream);
+  } else {
+    forward_for_head_dim<__half>(params, stream);
+  }
+}
+
+}  // namespace flashattn_ext::cuda
