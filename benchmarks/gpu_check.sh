@@ -25,7 +25,7 @@ for stage in $stages; do
   echo "== $stage"
   case "$stage" in
     test)
-      python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
+      python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     sanitize)
       for tool in memcheck racecheck; do

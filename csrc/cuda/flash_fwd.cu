@@ -4,6 +4,7 @@
 // tensor cores (mma.sync m16n8k16) work on the current one. Each warp owns
 // 16 * kMTiles query rows and keeps their softmax state and output in registers.
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
@@ -11,14 +12,14 @@
 namespace flashattn_ext::cuda {
 namespace {
 
-template <int kHeadDim_, int kMTiles_>
+template <int kHeadDim_, int kMTiles_, int kWarps_ = 4, int kBlockN_ = 64>
 struct FwdConfig {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kMTiles = kMTiles_;       // 16-row mma tiles per warp
-  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = kMTiles_;  // 16-row mma tiles per warp
+  static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per block
-  static constexpr int kBlockN = 64;                     // keys per streamed tile
+  static constexpr int kBlockN = kBlockN_;               // keys per streamed tile
   static constexpr int kStride = smem_stride<kHeadDim>();
   // One query tile, two key tiles, two value tiles.
   static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kStride;
@@ -90,11 +91,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     }
   }
 
-  for (int n_block = 0; n_block < n_blocks; ++n_block) {
-    if (n_block + 1 < n_blocks) load_kv(n_block + 1);
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();  // everything but the prefetch just issued has landed
-    __syncthreads();
+  // One key tile; kMask says whether any score of it may need masking. Only
+  // the last tile and those crossing the causal diagonal do, so the others run
+  // a body without any masking instructions.
+  auto process_tile = [&](int n_block, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
 
     // S = Q K^T for this warp's rows and the tile's kBlockN keys.
     const uint32_t k_tile = k_frag + (n_block & 1) * kTileBytes;
@@ -121,7 +122,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     // crosses it. In tile coordinates (r, c): key c is past the end if
     // c >= keys_left, and above the diagonal if c - r > diagonal.
     const int64_t col0 = int64_t(n_block) * kBlockN;
-    const bool mask_tail = col0 + kBlockN > p.len_k;
     const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
     const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
     const int diagonal = static_cast<int>(min(max(row0 + offset - col0, int64_t(-kBlockM - 1)), int64_t(kBlockN)));
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
         for (int e = 0; e < 4; ++e) {
           float& x = s[mt][nt][e];
           x *= scale_log2;
-          if (mask_tail || mask_causal) {
+          if constexpr (kMask) {
             const int r = warp_row0 + mt * 16 + lane / 4 + (e / 2) * 8;
             const int c = nt * 8 + (lane % 4) * 2 + e % 2;
             if (c >= keys_left || (mask_causal && c - r > diagonal)) x = -INFINITY;
@@ -199,6 +199,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
           ptx::mma_16x8x16<Elem>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
         }
       }
+    }
+  };
+
+  for (int n_block = 0; n_block < n_blocks; ++n_block) {
+    if (n_block + 1 < n_blocks) load_kv(n_block + 1);
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();  // everything but the prefetch just issued has landed
+    __syncthreads();
+    const int64_t col_last = int64_t(n_block + 1) * kBlockN - 1;
+    if (col_last >= p.len_k || (p.is_causal && col_last > row0 + offset)) {
+      process_tile(n_block, std::true_type{});
+    } else {
+      process_tile(n_block, std::false_type{});
     }
     __syncthreads();  // all warps are done with this buffer before it is refilled
   }

@@ -1,0 +1,64 @@
+"""A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
+small, ragged shapes in float16 and bfloat16, with every causal mode, GQA and several head dims.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
+
+Sanitizers slow kernels down 10-100x, so the shapes stay small. torch's caching allocator is
+switched off (before torch loads) so that each tensor is a cudaMalloc of its own: memcheck then
+reports a read or write past a tensor's end, which would otherwise land silently in a
+neighbouring cached block. Cases with one batch and one head put the last, partial tile of the
+sequence right at the end of its allocation. Not a pytest module: it has no test functions.
+"""
+import os
+import sys
+
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402  (after the allocator setting above)
+
+import flashattn_ext  # noqa: E402
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim, mode)
+CASES = [
+    (1, 1, 1, 1, 1, 64, "full"),
+    (1, 1, 1, 65, 129, 96, "causal"),
+    (1, 1, 1, 129, 65, 128, "causal_lower_right"),  # the first 64 rows see no key
+    (1, 4, 2, 129, 1, 40, "full"),  # GQA, a single key
+    (2, 4, 1, 65, 65, 256, "causal"),  # MQA
+    (2, 2, 2, 1, 129, 128, "causal_lower_right"),
+    (1, 2, 1, 129, 129, 64, "causal_lower_right"),
+]
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def run(case, dtype):
+    """Forward and backward of one case; raises if a result is not finite."""
+    batch, heads_q, heads_kv, len_q, len_k, head_dim, mode = case
+    q = torch.randn(batch, heads_q, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (
+        torch.randn(batch, heads_kv, len_k, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2)
+    )
+    is_causal, lower_right, gqa = mode != "full", mode == "causal_lower_right", heads_q != heads_kv
+    out, _ = flashattn_ext.attention_with_lse(
+        q, k, v, is_causal=is_causal, causal_lower_right=lower_right, enable_gqa=gqa
+    )
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()  # so that a kernel's error is reported with the case that launched it
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        if not torch.isfinite(t).all():
+            raise RuntimeError(f"{name} is not finite for {case} in {dtype}")
+
+
+def main():
+    if not torch.cuda.is_available():
+        sys.exit("sanitizer_workload.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    for case in CASES:
+        for dtype in DTYPES:
+            run(case, dtype)
+            print(f"ok {case} {dtype}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
