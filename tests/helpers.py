@@ -76,3 +76,16 @@ def skip_unless_kernel_covers(device, dtype, head_dim=8, head_dim_v=None):
     )
     if not covered:
         pytest.skip(f"CUDA kernels do not cover {dtype}, E={head_dim}, Ev={head_dim_v} yet")
+
+
+def seq_major_qkv(batch, length, heads, head_dim, device, seed):
+    """Random float64 q, k, v stored as (B, N, H, D) and seen as (B, H, N, D) views, as
+    models produce them; leaves that require grad."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(batch, length, heads, head_dim, generator=gen, dtype=torch.float64)
+        .to(device)
+        .transpose(1, 2)
+        .requires_grad_()
+        for _ in range(3)
+    )

@@ -7,7 +7,15 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, naive_attention, random_qkv, relative_error, skip_unless_kernel_covers
+from helpers import (
+    DEVICES,
+    ERROR_FLOOR,
+    naive_attention,
+    random_qkv,
+    relative_error,
+    seq_major_qkv,
+    skip_unless_kernel_covers,
+)
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): ragged lengths,
 # len_q != len_k, head dims that are not powers of two, GQA and MQA.
@@ -37,6 +45,13 @@ def make_inputs(shape, dtype, device, seed=0):
     )
 
 
+def random_grad_out(shape, device, seed=0):
+    """A seeded random upstream gradient for the output of a SHAPES problem."""
+    batch, heads_q, _, len_q, _, _, head_dim_v = shape
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads_q, len_q, head_dim_v, generator=gen, dtype=torch.float64).to(device)
+
+
 def forward_and_grads(fn, inputs, grad_out):
     """Runs fn on fresh leaf copies of inputs; returns (out, dq, dk, dv)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
@@ -64,7 +79,7 @@ def test_float64_matches_naive_reference(shape, mode, device):
     def reference(q, k, v):
         return naive_attention(q, k, v, is_causal, lower_right, enable_gqa=gqa)[0]
 
-    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64, device=device)
+    grad_out = random_grad_out(shape, device)
     for name, got, want in zip(
         ("out", "dq", "dk", "dv"), forward_and_grads(ours, inputs, grad_out), forward_and_grads(reference, inputs, grad_out)
     ):
@@ -81,7 +96,7 @@ def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
     skip_unless_kernel_covers(device, dtype, shape[5], shape[6])
     inputs = make_inputs(shape, dtype, device)
     gqa = shape[1] != shape[2]
-    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[6], dtype=torch.float64, device=device)
+    grad_out = random_grad_out(shape, device)
 
     def ours(q, k, v):
         return flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
@@ -158,11 +173,7 @@ def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
 def test_views_and_non_contiguous_grad_out(device):
     """(B, N, H, D) memory transposed to (B, H, N, D), and the stride-0 grad of out.sum()."""
     skip_unless_kernel_covers(device, torch.float64)
-    gen = torch.Generator().manual_seed(1)
-    q, k, v = (
-        torch.randn(2, 33, 3, 16, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
-        for _ in range(3)
-    )
+    q, k, v = seq_major_qkv(2, 33, 3, 16, device, seed=1)
     assert not q.is_contiguous()
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.sum().backward()

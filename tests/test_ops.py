@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, random_qkv, skip_unless_kernel_covers
+from helpers import DEVICES, random_qkv, seq_major_qkv, skip_unless_kernel_covers
 
 ops = torch.ops.flashattn_ext
 
@@ -36,11 +36,7 @@ def test_gradcheck(mode, heads_kv, len_q, len_k, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_shim_with_views(device):
     skip_unless_kernel_covers(device, torch.float64)
-    gen = torch.Generator().manual_seed(3)
-    q, k, v = (
-        torch.randn(1, 11, 2, 8, generator=gen, dtype=torch.float64).to(device).transpose(1, 2).requires_grad_()
-        for _ in range(3)
-    )
+    q, k, v = seq_major_qkv(1, 11, 2, 8, device, seed=3)
     assert torch.autograd.gradcheck(
         lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)
     )

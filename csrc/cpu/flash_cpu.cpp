@@ -107,7 +107,7 @@ void forward_tiles(const FwdParams& params) {
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), scores(kBlockQ * kBlockK),
-        acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ);
+        acc(kBlockQ * dim_v), tile_out(dim_v), row_max(kBlockQ), row_sum(kBlockQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -141,13 +141,16 @@ void forward_tiles(const FwdParams& params) {
           }
           row_max[r] = new_max;
           row_sum[r] = row_sum[r] * rescale + tile_sum;
-          A* o = &acc[r * dim_v];
-          for (int64_t d = 0; d < dim_v; ++d) o[d] *= rescale;
+          // The tile's share is summed apart and then added: blockwise
+          // summation keeps the rounding error of long float32 sums down.
+          std::fill(tile_out.begin(), tile_out.end(), A(0));
           for (int64_t c = 0; c < cols; ++c) {
             const A prob = s[c];
             const A* vc = &v[c * dim_v];
-            for (int64_t d = 0; d < dim_v; ++d) o[d] += prob * vc[d];
+            for (int64_t d = 0; d < dim_v; ++d) tile_out[d] += prob * vc[d];
           }
+          A* o = &acc[r * dim_v];
+          for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale + tile_out[d];
         }
       }
 

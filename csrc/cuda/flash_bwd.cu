@@ -43,59 +43,6 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t
   return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
 }
 
-// acc[16 x 8 n-tiles] += A (16 x K, fragments read by ldmatrix at a_frag) times
-// B^T where B (n x K) sits row-major in shared memory at b_frag: the pattern of
-// S = Q K^T, shared by every "rows times rows transposed" product here.
-template <typename Elem, int kK, int kNTiles, int kStride>
-__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kNTiles][4], uint32_t a_frag, uint32_t b_frag) {
-  constexpr int kElemBytes = sizeof(Elem);
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[4];
-    ptx::ldmatrix_x4(a, a_frag + kk * 16 * kElemBytes);
-#pragma unroll
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4(b, b_frag + (np * 16 * kStride + kk * 16) * kElemBytes);
-      ptx::mma_16x8x16<Elem>(acc[2 * np], a, b[0], b[1]);
-      ptx::mma_16x8x16<Elem>(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// acc[16 x kN] += X (16 x kK, float accumulators in registers, rounded to Elem)
-// times B (kK x kN, row-major in shared memory, read transposed at b_frag).
-template <typename Elem, int kK, int kN, int kStride>
-__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kN / 8][4], const float (&x)[kK / 8][4],
-                                                 uint32_t b_frag) {
-  constexpr int kElemBytes = sizeof(Elem);
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    // Two adjacent n8 accumulator tiles are exactly one k16 A fragment.
-    const uint32_t a[4] = {ptx::pack2<Elem>(x[2 * kk][0], x[2 * kk][1]), ptx::pack2<Elem>(x[2 * kk][2], x[2 * kk][3]),
-                           ptx::pack2<Elem>(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                           ptx::pack2<Elem>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
-#pragma unroll
-    for (int np = 0; np < kN / 16; ++np) {
-      uint32_t b[4];
-      ptx::ldmatrix_x4_trans(b, b_frag + (kk * 16 * kStride + np * 16) * kElemBytes);
-      ptx::mma_16x8x16<Elem>(acc[2 * np], a, b[0], b[1]);
-      ptx::mma_16x8x16<Elem>(acc[2 * np + 1], a, b[2], b[3]);
-    }
-  }
-}
-
-// Lane offsets (in elements) of ldmatrix row addresses, see flash_fwd.cu: for A
-// fragments and transposed B reads, and for non-transposed B reads.
-template <int kStride>
-__device__ __forceinline__ int a_lane_offset(int lane) {
-  return (lane % 16) * kStride + (lane / 16) * 8;
-}
-template <int kStride>
-__device__ __forceinline__ int b_lane_offset(int lane) {
-  return (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
-}
-
 // Writes a warp's 16 x kHeadDim accumulator tile (times factor) to rows row0.. of a head.
 template <typename Elem, int kHeadDim>
 __device__ __forceinline__ void store_rows(Elem* head, int64_t stride_row, int64_t row0, int64_t len, int dim,
@@ -181,7 +128,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const uint32_t do_trans = ptx::smem_addr(s_do) + a_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
-  float dk[kHeadDim / 8][4] = {}, dv[kHeadDim / 8][4] = {};
+  float dk[1][kHeadDim / 8][4] = {}, dv[1][kHeadDim / 8][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
     if (step + 1 < steps) load_queries(step + 1);
     ptx::cp_async_commit();
@@ -194,8 +141,8 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     const int64_t m0 = (m_begin + step % m_count) * kBlockStream;
 
     // P^T = exp2(S^T * scale * log2(e) - lse), masked above the diagonal.
-    float pt[kQueryTiles][4] = {};
-    mma_rows_by_rows<Elem, kHeadDim, kQueryTiles, kStride>(pt, k_frag, q_rows + buf_bytes);
+    float pt[1][kQueryTiles][4] = {};
+    mma_rows_by_rows<Elem, 1, kQueryTiles, kHeadDim, kStride>(pt, k_frag, q_rows + buf_bytes);
     // Key r of this warp, query c of the tile: hidden iff r - c > diagonal.
     // Only tiles that cross the diagonal pay for the test.
     const int diagonal = static_cast<int>(min(max(m0 + offset - col0, int64_t(-kBlockRows - 1)), int64_t(kBlockStream)));
@@ -205,10 +152,10 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + (lane % 4) * 2 + e % 2;
-          pt[nt][e] = ptx::exp2_approx(pt[nt][e] * scale_log2 - lse[c]);
+          pt[0][nt][e] = ptx::exp2_approx(pt[0][nt][e] * scale_log2 - lse[c]);
           if constexpr (decltype(mask_tag)::value) {
             const int r = warp * 16 + lane / 4 + (e / 2) * 8;
-            if (r - c > diagonal) pt[nt][e] = 0.f;
+            if (r - c > diagonal) pt[0][nt][e] = 0.f;
           }
         }
       }
@@ -219,24 +166,24 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
       probabilities(std::false_type{});
     }
     // dV += P^T dO.
-    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dv, pt, do_trans + buf_bytes);
+    mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dv, pt, do_trans + buf_bytes);
     // dP^T = V dO^T; dS^T = P^T * (dP^T - delta).
-    float dst[kQueryTiles][4] = {};
-    mma_rows_by_rows<Elem, kHeadDim, kQueryTiles, kStride>(dst, v_frag, do_rows + buf_bytes);
+    float dst[1][kQueryTiles][4] = {};
+    mma_rows_by_rows<Elem, 1, kQueryTiles, kHeadDim, kStride>(dst, v_frag, do_rows + buf_bytes);
 #pragma unroll
     for (int nt = 0; nt < kQueryTiles; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
+      for (int e = 0; e < 4; ++e) dst[0][nt][e] = pt[0][nt][e] * (dst[0][nt][e] - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
     }
     // dK += dS^T Q (scaled at the end).
-    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dk, dst, q_trans + buf_bytes);
+    mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dk, dst, q_trans + buf_bytes);
     __syncthreads();
   }
 
   const int64_t key0 = col0 + warp * 16;
-  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dk, b, h_kv), params.dk.stride_row, key0, p.len_k, dim, dk,
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dk, b, h_kv), params.dk.stride_row, key0, p.len_k, dim, dk[0],
                              static_cast<float>(p.scale), lane);
-  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dv, b, h_kv), params.dv.stride_row, key0, p.len_k, dim, dv, 1.f,
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dv, b, h_kv), params.dv.stride_row, key0, p.len_k, dim, dv[0], 1.f,
                              lane);
 }
 
@@ -301,7 +248,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   const uint32_t v_rows = ptx::smem_addr(s_v) + b_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
-  float dq[kHeadDim / 8][4] = {};
+  float dq[1][kHeadDim / 8][4] = {};
   for (int step = 0; step < n_steps; ++step) {
     if (step + 1 < n_steps) load_keys(step + 1);
     ptx::cp_async_commit();
@@ -311,8 +258,8 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     const int64_t col0 = int64_t(step) * kBlockStream;
 
     // P = exp2(S * scale * log2(e) - lse), masked past the last key and above the diagonal.
-    float s[kKeyTiles][4] = {};
-    mma_rows_by_rows<Elem, kHeadDim, kKeyTiles, kStride>(s, q_frag, k_rows + buf_bytes);
+    float s[1][kKeyTiles][4] = {};
+    mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(s, q_frag, k_rows + buf_bytes);
     // Query r of this warp, key c of the tile: hidden iff c >= keys_left or,
     // causal, c - r > diagonal. Only the last tile and diagonal tiles pay for the test.
     const bool mask_causal = p.is_causal && col0 + kBlockStream - 1 > row0 + offset;
@@ -323,11 +270,11 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
       for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[nt][e] = ptx::exp2_approx(s[nt][e] * scale_log2 - row_lse[e / 2]);
+          s[0][nt][e] = ptx::exp2_approx(s[0][nt][e] * scale_log2 - row_lse[e / 2]);
           if constexpr (decltype(mask_tag)::value) {
             const int r = warp * 16 + lane / 4 + (e / 2) * 8;
             const int c = nt * 8 + (lane % 4) * 2 + e % 2;
-            if (c >= keys_left || (mask_causal && c - r > diagonal)) s[nt][e] = 0.f;
+            if (c >= keys_left || (mask_causal && c - r > diagonal)) s[0][nt][e] = 0.f;
           }
         }
       }
@@ -338,27 +285,20 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
       probabilities(std::false_type{});
     }
     // dP = dO V^T; dS = P * (dP - delta).
-    float ds[kKeyTiles][4] = {};
-    mma_rows_by_rows<Elem, kHeadDim, kKeyTiles, kStride>(ds, do_frag, v_rows + buf_bytes);
+    float ds[1][kKeyTiles][4] = {};
+    mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(ds, do_frag, v_rows + buf_bytes);
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ds[nt][e] = s[nt][e] * (ds[nt][e] - row_delta[e / 2]);
+      for (int e = 0; e < 4; ++e) ds[0][nt][e] = s[0][nt][e] * (ds[0][nt][e] - row_delta[e / 2]);
     }
     // dQ += dS K (scaled at the end).
-    mma_regs_by_rows<Elem, kBlockStream, kHeadDim, kStride>(dq, ds, k_trans + buf_bytes);
+    mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dq, ds, k_trans + buf_bytes);
     __syncthreads();
   }
 
   store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dq, b, h), params.dq.stride_row, row0 + warp * 16, p.len_q, dim,
-                             dq, static_cast<float>(p.scale), lane);
-}
-
-template <typename Kernel>
-void launch(Kernel kernel, int64_t blocks, int warps, int smem_bytes, const BwdParams& params, cudaStream_t stream) {
-  if (blocks == 0) return;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  kernel<<<static_cast<unsigned>(blocks), warps * kWarpSize, smem_bytes, stream>>>(params);
+                             dq[0], static_cast<float>(p.scale), lane);
 }
 
 // Four warps per block for both passes: eight measured the same on an H100.
@@ -366,16 +306,17 @@ template <typename Elem, int kHeadDim, int kDkdvWarps = 4, int kDqWarps = 4>
 void backward_for(const BwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   constexpr int kStride = smem_stride<kHeadDim>();
-  launch(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), kWarps, 0, params, stream);
+  launch_kernel(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), kThreads, 0, params,
+                stream);
   constexpr int dkdv_rows = 16 * kDkdvWarps;
   constexpr int dkdv_smem =
       (2 * dkdv_rows + 4 * kBlockStream) * kStride * sizeof(Elem) + 4 * kBlockStream * sizeof(float);
-  launch(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps>, ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch,
-         kDkdvWarps, dkdv_smem, params, stream);
+  launch_kernel(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps>, ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch,
+                kDkdvWarps * kWarpSize, dkdv_smem, params, stream);
   constexpr int dq_rows = 16 * kDqWarps;
   constexpr int dq_smem = (2 * dq_rows + 4 * kBlockStream) * kStride * sizeof(Elem);
-  launch(attention_dq_kernel<Elem, kHeadDim, kDqWarps>, ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch, kDqWarps,
-         dq_smem, params, stream);
+  launch_kernel(attention_dq_kernel<Elem, kHeadDim, kDqWarps>, ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch,
+                kDqWarps * kWarpSize, dq_smem, params, stream);
 }
 
 template <typename Elem>

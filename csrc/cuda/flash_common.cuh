@@ -48,4 +48,86 @@ __device__ __forceinline__ int64_t causal_offset(const AttentionProblem& p) {
   return p.causal_lower_right ? p.len_k - p.len_q : 0;
 }
 
+// Lane offsets (in elements) of ldmatrix row addresses in a row-major tile of
+// row stride kStride. For A fragments and for B read transposed: lanes 0-15
+// give rows 0-15 at column 0, lanes 16-31 the same rows at column 8. For B read
+// as is: lanes 0-7 and 16-23 give rows 0-7 and 8-15 at column 0, lanes 8-15
+// and 24-31 the same rows at column 8.
+template <int kStride>
+__device__ __forceinline__ int a_lane_offset(int lane) {
+  return (lane % 16) * kStride + (lane / 16) * 8;
+}
+template <int kStride>
+__device__ __forceinline__ int b_lane_offset(int lane) {
+  return (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
+}
+
+// acc += A B^T for a warp: A is kMTiles x 16 rows of kK columns and B is
+// kNTiles x 8 rows of kK columns, both row-major in shared memory (a_frag,
+// b_frag: this lane's ldmatrix addresses, from a_lane_offset and b_lane_offset).
+// The pattern of S = Q K^T and of every "rows times rows transposed" product.
+template <typename Elem, int kMTiles, int kNTiles, int kK, int kStride>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kMTiles][kNTiles][4], uint32_t a_frag,
+                                                 uint32_t b_frag) {
+  constexpr int kElemBytes = sizeof(Elem);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(a[mt], a_frag + (mt * 16 * kStride + kk * 16) * kElemBytes);
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4(b, b_frag + (np * 16 * kStride + kk * 16) * kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc += X B for a warp: X is kMTiles x 16 rows of kK columns held as float
+// accumulators in registers (rounded to Elem on the way), B is kK rows of kN
+// columns, row-major in shared memory and read transposed (b_frag from
+// a_lane_offset). The pattern of O += P V: two adjacent n8 accumulator tiles
+// are exactly the A fragment of one k16 step.
+template <typename Elem, int kMTiles, int kK, int kN, int kStride>
+__device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kMTiles][kN / 8][4],
+                                                 const float (&x)[kMTiles][kK / 8][4], uint32_t b_frag) {
+  constexpr int kElemBytes = sizeof(Elem);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      a[mt][0] = ptx::pack2<Elem>(x[mt][2 * kk][0], x[mt][2 * kk][1]);
+      a[mt][1] = ptx::pack2<Elem>(x[mt][2 * kk][2], x[mt][2 * kk][3]);
+      a[mt][2] = ptx::pack2<Elem>(x[mt][2 * kk + 1][0], x[mt][2 * kk + 1][1]);
+      a[mt][3] = ptx::pack2<Elem>(x[mt][2 * kk + 1][2], x[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      ptx::ldmatrix_x4_trans(b, b_frag + (kk * 16 * kStride + np * 16) * kElemBytes);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Launches a kernel taking one params struct over a flattened 1-d grid (no
+// 65535 limit), with its dynamic shared memory; nothing to do for 0 blocks.
+template <typename Kernel, typename Params>
+void launch_kernel(Kernel kernel, int64_t blocks, int threads, int smem_bytes, const Params& params,
+                   cudaStream_t stream) {
+  if (blocks == 0) return;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem_bytes, stream>>>(params);
+}
+
 }  // namespace flashattn_ext::cuda

@@ -70,15 +70,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   if (n_blocks > 0) load_kv(0);
   ptx::cp_async_commit();
 
-  // Each lane's ldmatrix row address in the Q, K and V tiles (shared space).
-  // A fragments (Q) and the transposed V: lanes 0-15 rows 0-15 at column 0,
-  // lanes 16-31 the same rows at column 8. K: lanes 0-7 and 16-23 give rows
-  // 0-7 and 8-15 at column 0, lanes 8-15 and 24-31 the same at column 8.
+  // Each lane's ldmatrix row addresses in the Q, K and V tiles (shared space).
   constexpr int kElemBytes = sizeof(Elem);
   constexpr uint32_t kTileBytes = kBlockN * kStride * kElemBytes;
-  const uint32_t q_frag = ptx::smem_addr(s_q) + ((warp_row0 + lane % 16) * kStride + (lane / 16) * 8) * kElemBytes;
-  const uint32_t k_frag = ptx::smem_addr(s_k) + ((lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8) * kElemBytes;
-  const uint32_t v_frag = ptx::smem_addr(s_v) + ((lane % 16) * kStride + (lane / 16) * 8) * kElemBytes;
+  const uint32_t q_frag = ptx::smem_addr(s_q) + (warp_row0 * kStride + a_lane_offset<kStride>(lane)) * kElemBytes;
+  const uint32_t k_frag = ptx::smem_addr(s_k) + b_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t v_frag = ptx::smem_addr(s_v) + a_lane_offset<kStride>(lane) * kElemBytes;
 
   // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
@@ -101,22 +98,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     const uint32_t k_tile = k_frag + (n_block & 1) * kTileBytes;
     const uint32_t v_tile = v_frag + (n_block & 1) * kTileBytes;
     float s[kMTiles][kKeyTiles][4] = {};
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(a[mt], q_frag + (mt * 16 * kStride + kk * 16) * kElemBytes);
-#pragma unroll
-      for (int np = 0; np < kBlockN / 16; ++np) {
-        uint32_t bk[4];
-        ptx::ldmatrix_x4(bk, k_tile + (np * 16 * kStride + kk * 16) * kElemBytes);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          ptx::mma_16x8x16<Elem>(s[mt][2 * np], a[mt], bk[0], bk[1]);
-          ptx::mma_16x8x16<Elem>(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
-        }
-      }
-    }
+    mma_rows_by_rows<Elem, kMTiles, kKeyTiles, kHeadDim, kStride>(s, q_frag, k_tile);
 
     // Scale; mask keys past the end, and above the diagonal where the tile
     // crosses it. In tile coordinates (r, c): key c is past the end if
@@ -177,29 +159,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
       }
     }
 
-    // O += P V. The score accumulators of two adjacent n8 tiles are exactly the
-    // A fragment of one k16 step, so P goes to the tensor cores from registers.
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      uint32_t a[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        a[mt][0] = ptx::pack2<Elem>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = ptx::pack2<Elem>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = ptx::pack2<Elem>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = ptx::pack2<Elem>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-      }
-#pragma unroll
-      for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-        uint32_t bv[4];
-        ptx::ldmatrix_x4_trans(bv, v_tile + (kk * 16 * kStride + dp * 16) * kElemBytes);
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          ptx::mma_16x8x16<Elem>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
-          ptx::mma_16x8x16<Elem>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
-        }
-      }
-    }
+    // O += P V, with P taken from the score registers.
+    mma_regs_by_rows<Elem, kMTiles, kBlockN, kHeadDim, kStride>(acc_o, s, v_tile);
   };
 
   for (int n_block = 0; n_block < n_blocks; ++n_block) {
@@ -247,12 +208,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 template <typename Elem, typename Cfg>
 void launch_forward(const FwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  const int64_t blocks = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
-  if (blocks == 0) return;
-  constexpr int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
-  auto kernel = attention_forward_kernel<Elem, Cfg>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(params);
+  launch_kernel(attention_forward_kernel<Elem, Cfg>, ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch,
+                Cfg::kThreads, Cfg::kSmemElems * sizeof(Elem), params, stream);
 }
 
 template <typename Elem>
