@@ -33,22 +33,34 @@ struct AttentionProblem {
   bool causal_lower_right = false;
 };
 
+// How attn_mask enters the scores: kBool hides the pairs where it is false;
+// kAdditive is added to the scaled scores (and has the inputs' dtype).
+enum class MaskKind : int { kNone, kBool, kAdditive };
+
 // The forward pass reads q, k, v and writes out and the per-row log-sum-exp.
 // lse is contiguous (batch, heads_q, len_q), in the accumulation type
 // (float, or double for double inputs); fully masked rows get lse = -inf and out = 0.
+// An optional mask is seen as (batch, heads_q, len_q, len_k) through its
+// strides: a broadcast mask has stride 0 where it repeats.
 struct FwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out;
   void* lse = nullptr;
+  MaskKind mask_kind = MaskKind::kNone;
+  TensorView4d mask;
 };
 
-// The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv.
+// The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv,
+// and, where dmask.data is set, the gradient of an additive mask, shaped
+// (batch, heads_q, len_q, len_k) and zero-filled beforehand.
 // delta is a contiguous (batch, heads_q, len_q) workspace in the accumulation type.
 struct BwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out, dout, dq, dk, dv;
   const void* lse = nullptr;
   void* delta = nullptr;
+  MaskKind mask_kind = MaskKind::kNone;
+  TensorView4d mask, dmask;
 };
 
 }  // namespace flashattn_ext

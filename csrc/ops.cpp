@@ -53,8 +53,6 @@ void check_rank4(const at::Tensor& t, const char* name) {
 void check_options(const AttentionOptions& options) {
   TORCH_CHECK_VALUE(options.dropout_p >= 0.0 && options.dropout_p <= 1.0,
                     "flashattn_ext: dropout_p must be in [0, 1], got ", options.dropout_p);
-  TORCH_CHECK_NOT_IMPLEMENTED(!options.attn_mask.has_value(),
-                              "flashattn_ext: attn_mask is not supported yet; use is_causal for causal masking");
   TORCH_CHECK_NOT_IMPLEMENTED(options.dropout_p == 0.0, "flashattn_ext: dropout_p > 0 is not supported yet (got ",
                               options.dropout_p, ")");
   TORCH_CHECK_VALUE(!std::isnan(options.scale), "flashattn_ext: scale must not be NaN");
@@ -80,6 +78,19 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(k.size(3) == q.size(3), "flashattn_ext: key head dim ", k.size(3), " does not match query head dim ",
               q.size(3));
 
+  if (options.attn_mask.has_value()) {
+    const at::Tensor& mask = *options.attn_mask;
+    TORCH_CHECK(mask.device() == q.device(), "flashattn_ext: attn_mask is on ", mask.device(), " but query is on ",
+                q.device());
+    TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(),
+                     "flashattn_ext: attn_mask must be bool or have query's dtype ", q.scalar_type(), ", got ",
+                     mask.scalar_type());
+    const std::vector<int64_t> mask_shape{q.size(0), q.size(1), q.size(2), k.size(2)};
+    TORCH_CHECK(mask.sizes() == at::IntArrayRef(mask_shape), "flashattn_ext: attn_mask must have shape ",
+                at::IntArrayRef(mask_shape), " (batch, query heads, query length, key length; broadcast views are fine), got ",
+                mask.sizes());
+  }
+
   AttentionProblem p;
   p.batch = q.size(0);
   p.heads_q = q.size(1);
@@ -104,6 +115,13 @@ void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected
               t.sizes());
 }
 
+MaskKind mask_kind(const std::optional<at::Tensor>& attn_mask) {
+  if (!attn_mask.has_value()) return MaskKind::kNone;
+  return attn_mask->scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
+}
+
+TensorView4d optional_view(const std::optional<at::Tensor>& t) { return t.has_value() ? view_of(*t) : TensorView4d{}; }
+
 }  // namespace
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
@@ -122,12 +140,17 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
   params.v = view_of(v);
   params.out = view_of(out);
   params.lse = lse.data_ptr();
+  params.mask_kind = mask_kind(options.attn_mask);
+  params.mask = optional_view(options.attn_mask);
   return params;
 }
 
 BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
-                           at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& delta) {
+                           bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                           at::Tensor& delta, at::Tensor& grad_attn_mask) {
+  TORCH_CHECK(!compute_grad_attn_mask || mask_kind(options.attn_mask) == MaskKind::kAdditive,
+              "flashattn_ext: compute_grad_attn_mask needs a float attn_mask");
   BwdParams params;
   params.problem = check_qkv(q, k, v, options);
   const AttentionProblem& p = params.problem;
@@ -152,10 +175,14 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   params.dv = view_of(dv);
   params.lse = lse.data_ptr();
   params.delta = delta.data_ptr();
+  params.mask_kind = mask_kind(options.attn_mask);
+  params.mask = optional_view(options.attn_mask);
+  // Pairs that the kernels skip (above the causal diagonal) keep a zero gradient.
+  grad_attn_mask = compute_grad_attn_mask ? at::zeros({p.batch, p.heads_q, p.len_q, p.len_k}, q.options())
+                                          : at::empty({0}, q.options());
+  if (compute_grad_attn_mask) params.dmask = view_of(grad_attn_mask);
   return params;
 }
-
-at::Tensor no_mask_grad(const at::Tensor& q) { return at::empty({0}, q.options()); }
 
 }  // namespace flashattn_ext
 

@@ -19,4 +19,5 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
 @torch.library.register_fake("flashattn_ext::attention_backward")
 def _attention_backward_fake(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
                              causal_lower_right, scale, dropout_seed, dropout_offset, compute_grad_attn_mask):
-    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), query.new_empty((0,)))
+    grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
+    return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)

@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 
 def scaled_dot_product_attention(
@@ -27,6 +28,8 @@ def scaled_dot_product_attention(
 
     query (N, ..., Hq, L, E), key (N, ..., H, S, E), value (N, ..., H, S, Ev)
     -> (N, ..., Hq, L, Ev). is_causal aligns the mask top-left, as torch does.
+    attn_mask: bool (True takes part) or float (added to the scores), broadcasting
+    to (N, ..., Hq, L, S), or one of torch's CausalBias objects.
     """
     out, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return out
@@ -71,6 +74,17 @@ def attention_with_lse(
         )
     if attn_mask is not None and is_causal:
         raise RuntimeError("flashattn_ext: attn_mask must be None when is_causal=True")
+    if isinstance(attn_mask, CausalBias):
+        # torch's causal_upper_left / causal_lower_right objects: plain causal masking, no mask to read.
+        if (attn_mask.seq_len_q, attn_mask.seq_len_kv) != (query.shape[-2], key.shape[-2]):
+            raise RuntimeError(
+                f"flashattn_ext: attn_mask is a CausalBias for {attn_mask.seq_len_q} queries and "
+                f"{attn_mask.seq_len_kv} keys, but there are {query.shape[-2]} and {key.shape[-2]}"
+            )
+        is_causal, causal_lower_right = True, attn_mask.variant == CausalVariant.LOWER_RIGHT
+        attn_mask = None
+    elif attn_mask is not None and not isinstance(attn_mask, Tensor):
+        raise TypeError(f"flashattn_ext: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
     if key.shape[-1] != query.shape[-1]:
         raise RuntimeError(
             f"flashattn_ext: key head dim {key.shape[-1]} does not match query head dim {query.shape[-1]}"
@@ -99,6 +113,16 @@ def attention_with_lse(
     q = q.expand(*batch, heads_q, len_q, head_dim).reshape(flat_batch, heads_q, len_q, head_dim)
     k = k.expand(*batch, heads_kv, len_k, head_dim).reshape(flat_batch, heads_kv, len_k, head_dim)
     v = v.expand(*batch, heads_kv, len_k, head_dim_v).reshape(flat_batch, heads_kv, len_k, head_dim_v)
+    if attn_mask is not None:
+        # Broadcast to (*batch, heads, L, S) as a stride-0 view: the kernels read it in place.
+        try:
+            attn_mask = attn_mask.expand(*batch, heads_q, len_q, len_k)
+        except RuntimeError:
+            raise RuntimeError(
+                f"flashattn_ext: attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"{(*batch, heads_q, len_q, len_k)}"
+            ) from None
+        attn_mask = attn_mask.reshape(flat_batch, heads_q, len_q, len_k)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
 

@@ -254,3 +254,72 @@ def test_swaps_into_a_model(device):
     theirs(x).square().sum().backward()
     torch.testing.assert_close(ours(x), theirs(x))
     torch.testing.assert_close(ours.qkv.weight.grad, theirs.qkv.weight.grad)
+
+
+MASKS = {
+    # name: (shape, dtype); shapes broadcast to (batch=2, heads=3, L=70, S=90)
+    "bool (L, S)": ((70, 90), torch.bool),
+    "bool (B, 1, 1, S) padding": ((2, 1, 1, 90), torch.bool),
+    "float (L, S)": ((70, 90), torch.float64),
+    "float (B, H, L, S)": ((2, 3, 70, 90), torch.float64),
+    "float (1, H, 1, S)": ((1, 3, 1, 90), torch.float64),
+}
+
+
+def random_mask(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.3
+    return torch.randn(shape, generator=gen, dtype=dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_attn_mask_matches_sdpa(mask_name, device):
+    """Bool and float masks of broadcast shapes, read in place; the float mask's gradient too."""
+    skip_unless_kernel_covers(device, torch.float64)
+    shape, dtype = MASKS[mask_name]
+    q, k, v = random_qkv((2, 3, 70, 16), (2, 3, 90, 16), (2, 3, 90, 16), torch.float64, device)
+    mask = random_mask(shape, dtype, seed=1).to(device)
+    if dtype != torch.bool:
+        mask.requires_grad_()
+    leaves = (q, k, v, mask) if mask.requires_grad else (q, k, v)
+    grad_out = torch.randn(2, 3, 70, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    want_grads = torch.autograd.grad(want, leaves, grad_out)
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
+def test_causal_bias_objects_match_sdpa(variant, device):
+    skip_unless_kernel_covers(device, torch.float64)
+    q, k, v = random_qkv((1, 2, 40, 16), (1, 2, 100, 16), (1, 2, 100, 16), torch.float64, device)
+    causal = getattr(sdpa_bias, f"causal_{variant}")(40, 100)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+    torch.testing.assert_close(out, want)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_a_mask_hides_entirely_give_zero(device):
+    """A bool mask that hides every key of some rows: those rows get 0, as in torch SDPA, and finite gradients."""
+    skip_unless_kernel_covers(device, torch.float64)
+    q, k, v = random_qkv((1, 2, 20, 8), (1, 2, 30, 8), (1, 2, 30, 8), torch.float64, device)
+    mask = random_mask((20, 30), torch.bool, seed=3).to(device)
+    mask[[0, 7, 19]] = False
+    out, lse = flashattn_ext.attention_with_lse(q, k, v, attn_mask=mask)
+    assert (out[:, :, [0, 7, 19]] == 0).all() and torch.isneginf(lse[:, :, [0, 7, 19]]).all()
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()

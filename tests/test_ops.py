@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from torch.nn.attention.bias import causal_lower_right
+
 import flashattn_ext
 from helpers import DEVICES, random_qkv, seq_major_qkv, skip_unless_kernel_covers
 
@@ -31,6 +33,33 @@ def test_gradcheck(mode, heads_kv, len_q, len_k, device):
         return ops.attention_forward(*forward_args(q, k, v, is_causal, lower_right))[0]
 
     assert torch.autograd.gradcheck(out_of_op, (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_through_a_float_mask(device):
+    skip_unless_kernel_covers(device, torch.float64)
+    q, k, v = random_qkv((1, 2, 5, 6), (1, 2, 7, 6), (1, 2, 7, 6), torch.float64, device)
+    mask = torch.randn(1, 1, 5, 7, dtype=torch.float64, device=device, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, mask: flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v, mask)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_masks(device):
+    skip_unless_kernel_covers(device, torch.float64)
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), torch.float64, device)
+    bool_mask = (torch.rand(33, 17, device=device) > 0.2).expand(2, 4, 33, 17)
+    float_mask = torch.randn(2, 1, 33, 17, dtype=torch.float64, device=device).expand(2, 4, 33, 17)
+    for mask in (bool_mask, float_mask):
+        args = (q, k, v, mask, 0.0, False, False, 0.5, 0, 0)
+        torch.library.opcheck(ops.attention_forward.default, args)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse = ops.attention_forward(q, k, v, float_mask, 0.0, False, False, 0.5, 0, 0)
+    torch.library.opcheck(
+        ops.attention_backward.default,
+        (torch.randn_like(out), q, k, v, out, lse, float_mask, 0.0, False, False, 0.5, 0, 0, True),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -111,8 +140,14 @@ BAD_SHIM_CALLS = [
      RuntimeError, "batch dimensions of query, key and value do not broadcast"),
     ("mask with causal", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 8, dtype=torch.bool), is_causal=True),
      RuntimeError, "attn_mask must be None when is_causal=True"),
-    ("attn_mask", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 8, dtype=torch.bool)),
-     NotImplementedError, "attn_mask is not supported yet"),
+    ("mask dtype", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 8, dtype=torch.int32)),
+     TypeError, "attn_mask must be bool or have query's dtype Float, got Int"),
+    ("mask shape", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=torch.ones(8, 7, dtype=torch.bool)),
+     RuntimeError, r"attn_mask of shape \(8, 7\) does not broadcast to \(1, 2, 8, 8\)"),
+    ("mask type", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=[[True]]),
+     TypeError, "attn_mask must be a torch.Tensor or None"),
+    ("causal bias size", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=causal_lower_right(8, 9)),
+     RuntimeError, "CausalBias for 8 queries and 9 keys, but there are 8 and 8"),
     ("dropout", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=0.1), NotImplementedError,
      "dropout_p > 0 is not supported yet"),
     ("dropout range", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=1.5), ValueError,
@@ -142,8 +177,10 @@ def test_bad_arguments_to_the_ops():
         ops.attention_backward(out, q, k, v, out, lse[:, :, :4], *backward_options)
     with pytest.raises(TypeError, match="grad_out must have dtype Float"):
         ops.attention_backward(out.double(), q, k, v, out, lse, *backward_options)
-    with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs an attn_mask"):
+    with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs a float attn_mask"):
         ops.attention_backward(out, q, k, v, out, lse, *backward_options[:-1], True)
+    with pytest.raises(RuntimeError, match=r"attn_mask must have shape \[1, 2, 8, 8\]"):
+        ops.attention_forward(q, k, v, torch.ones(1, 2, 8, 7, dtype=torch.bool), *forward_args(q, k, v)[4:])
 
 
 

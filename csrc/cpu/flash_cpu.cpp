@@ -76,10 +76,39 @@ struct Visibility {
   bool tile_is_partial(int64_t row0, int64_t col_last) const { return causal && col_last > row0 + offset; }
 };
 
-// scores[r][c] = scale * <q_r, k_c>, or -inf where query row0 + r may not see key col0 + c.
-template <typename A>
+// The attn_mask of one (batch, head): applied to the scaled score of query i and key j.
+template <typename T, typename A>
+struct HeadMask {
+  MaskKind kind = MaskKind::kNone;
+  const char* base = nullptr;
+  int64_t stride_row = 0, stride_col = 0;
+
+  HeadMask(MaskKind kind_, const TensorView4d& mask, int64_t b, int64_t h) : kind(kind_) {
+    if (kind == MaskKind::kNone) return;
+    const int64_t elem_size = kind == MaskKind::kBool ? sizeof(bool) : sizeof(T);
+    base = static_cast<const char*>(mask.data) + (b * mask.stride_batch + h * mask.stride_head) * elem_size;
+    stride_row = mask.stride_row;
+    stride_col = mask.stride_col;
+  }
+
+  A apply(A score, int64_t i, int64_t j) const {
+    const int64_t offset = i * stride_row + j * stride_col;
+    switch (kind) {
+      case MaskKind::kBool:
+        return reinterpret_cast<const bool*>(base)[offset] ? score : kNegInf<A>;
+      case MaskKind::kAdditive:
+        return score + static_cast<A>(reinterpret_cast<const T*>(base)[offset]);
+      default:
+        return score;
+    }
+  }
+};
+
+// scores[r][c] = scale * <q_r, k_c> with the mask applied, or -inf where query
+// row0 + r may not see key col0 + c.
+template <typename T, typename A>
 void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t dim, A scale,
-                    const Visibility& vis, int64_t row0, int64_t col0, A* scores) {
+                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* scores) {
   const bool partial = vis.tile_is_partial(row0, col0 + cols - 1);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
@@ -89,7 +118,7 @@ void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t 
       }
       A dot = 0;
       for (int64_t d = 0; d < dim; ++d) dot += q[r * dim + d] * k[c * dim + d];
-      scores[r * cols + c] = dot * scale;
+      scores[r * cols + c] = mask.apply(dot * scale, row0 + r, col0 + c);
     }
   }
 }
@@ -116,6 +145,7 @@ void forward_tiles(const FwdParams& params) {
       const int64_t row0 = q_block * kBlockQ;
       const int64_t rows = std::min(kBlockQ, p.len_q - row0);
 
+      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
@@ -126,7 +156,7 @@ void forward_tiles(const FwdParams& params) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
         load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k.data(), rows, cols, dim, scale, vis, row0, col0, scores.data());
+        compute_scores(q.data(), k.data(), rows, cols, dim, scale, vis, mask, row0, col0, scores.data());
 
         // Online softmax: fold this tile into the running max, sum and output.
         for (int64_t r = 0; r < rows; ++r) {
@@ -195,11 +225,11 @@ void compute_delta(const BwdParams& params) {
 
 // For one (query tile, key tile) pair: recomputes P = exp(S - lse) into probs
 // and dS = P * (dO V^T - delta) into dscores. Rows with lse = -inf see no key.
-template <typename A>
+template <typename T, typename A>
 void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* lse, const A* delta,
                     int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
-                    int64_t row0, int64_t col0, A* probs, A* dscores) {
-  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), vis, row0, col0, probs);
+                    const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* probs, A* dscores) {
+  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), vis, mask, row0, col0, probs);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       A& prob = probs[r * cols + c];
@@ -243,6 +273,7 @@ void backward_dkdv(const BwdParams& params) {
 
       const int64_t first_row = vis.query_begin(col0) / kBlockQ * kBlockQ;
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+        const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
         const A* lse_head = lse_all + (b * p.heads_q + h) * p.len_q;
         const A* delta_head = delta_all + (b * p.heads_q + h) * p.len_q;
         for (int64_t row0 = first_row; row0 < p.len_q; row0 += kBlockQ) {
@@ -250,7 +281,7 @@ void backward_dkdv(const BwdParams& params) {
           load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
           load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
           recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
-                         cols, p, vis, row0, col0, probs.data(), dscores.data());
+                         cols, p, vis, mask, row0, col0, probs.data(), dscores.data());
           // Sum this tile pair's share apart, then add it: blockwise summation
           // keeps the rounding error of long float32 sums down.
           std::fill(dk_tile.begin(), dk_tile.end(), A(0));
@@ -300,6 +331,7 @@ void backward_dq(const BwdParams& params) {
       const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
       const A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
 
+      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
       std::fill(dq.begin(), dq.end(), A(0));
@@ -309,8 +341,19 @@ void backward_dq(const BwdParams& params) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
         load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, row0, col0,
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, row0, col0,
                        probs.data(), dscores.data());
+        // An additive mask enters the scores as is: its gradient is dS. This pass
+        // visits every (query, key) pair once; pairs it skips keep their zero.
+        if (params.dmask.data != nullptr) {
+          T* dmask = static_cast<T*>(params.dmask.data) + b * params.dmask.stride_batch + h * params.dmask.stride_head;
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) {
+              dmask[(row0 + r) * params.dmask.stride_row + (col0 + c) * params.dmask.stride_col] =
+                  static_cast<T>(dscores[r * cols + c]);
+            }
+          }
+        }
         std::fill(dq_tile.begin(), dq_tile.end(), A(0));
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t c = 0; c < cols; ++c) {

@@ -18,7 +18,8 @@ cuda::ElementType element_type(const at::Tensor& q) {
   return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
 }
 
-void check_kernel_coverage(const AttentionProblem& p) {
+void check_kernel_coverage(const AttentionProblem& p, const std::optional<at::Tensor>& attn_mask) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask.has_value(), "flashattn_ext: attn_mask on CUDA is not supported yet");
   TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim % 8 == 0 && p.head_dim <= cuda::kMaxHeadDim,
                               "flashattn_ext: on CUDA the head dim must be a multiple of 8 and at most ",
                               cuda::kMaxHeadDim, ", got ", p.head_dim);
@@ -49,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, c
   const FwdParams params = prepare_forward(with_aligned_rows(q), with_aligned_rows(k), with_aligned_rows(v),
                                            {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
   const cuda::ElementType type = element_type(q);
-  check_kernel_coverage(params.problem);
+  check_kernel_coverage(params.problem, attn_mask);
   cuda::attention_forward(params, type, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
@@ -60,19 +61,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
     bool compute_grad_attn_mask) {
-  TORCH_CHECK(!compute_grad_attn_mask || attn_mask.has_value(),
-              "flashattn_ext: compute_grad_attn_mask needs an attn_mask");
   const c10::cuda::CUDAGuard device_guard(q.device());
-  at::Tensor dq, dk, dv, delta;
+  at::Tensor dq, dk, dv, delta, dmask;
   const BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
                                             with_aligned_rows(v), with_aligned_rows(out), lse,
-                                            {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, dq, dk,
-                                            dv, delta);
+                                            {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
+                                            compute_grad_attn_mask, dq, dk, dv, delta, dmask);
   const cuda::ElementType type = element_type(q);
-  check_kernel_coverage(params.problem);
+  check_kernel_coverage(params.problem, attn_mask);
   cuda::attention_backward(params, type, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {dq, dk, dv, no_mask_grad(q)};
+  return {dq, dk, dv, dmask};
 }
 
 }  // namespace
