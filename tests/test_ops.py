@@ -201,3 +201,26 @@ def test_compiles_without_graph_breaks(device):
     torch.testing.assert_close(out, want)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_with_masks_without_graph_breaks(device):
+    """A float mask that requires grad, and a CausalBias object, trace into one graph too."""
+    if device == "cuda":
+        pytest.skip("attn_mask on CUDA is not supported yet")
+    q, k, v = random_qkv((2, 4, 40, 16), (2, 4, 40, 16), (2, 4, 40, 16), torch.float32, device)
+    mask = torch.randn(40, 40, device=device, requires_grad=True)
+    causal = causal_lower_right(40, 40)  # dynamo cannot construct a CausalBias inside the graph
+
+    def attention(q, k, v, mask):
+        masked = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return masked + flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=causal)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, mask)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, mask))
+    want = attention(q, k, v, mask)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v, mask))
+    torch.testing.assert_close(out, want)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
