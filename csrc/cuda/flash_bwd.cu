@@ -319,28 +319,14 @@ void backward_for(const BwdParams& params, cudaStream_t stream) {
                 kDqWarps * kWarpSize, dq_smem, params, stream);
 }
 
-template <typename Elem>
-void backward_for_head_dim(const BwdParams& params, cudaStream_t stream) {
-  const int64_t dim = params.problem.head_dim;
-  if (dim <= 64) {
-    backward_for<Elem, 64>(params, stream);
-  } else if (dim <= 96) {
-    backward_for<Elem, 96>(params, stream);
-  } else if (dim <= 128) {
-    backward_for<Elem, 128>(params, stream);
-  } else {
-    backward_for<Elem, 256>(params, stream);
-  }
-}
-
 }  // namespace
 
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
-  if (type == ElementType::kBFloat16) {
-    backward_for_head_dim<__nv_bfloat16>(params, stream);
-  } else {
-    backward_for_head_dim<__half>(params, stream);
-  }
+  dispatch_element_type(type, [&](auto elem) {
+    dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
+      backward_for<decltype(elem), decltype(head_dim)::value>(params, stream);
+    });
+  });
 }
 
 }  // namespace flashattn_ext::cuda

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
+#include "cuda/flash_cuda.h"
 #include "cuda/ptx.cuh"
 #include "flash_params.h"
 
@@ -117,6 +119,32 @@ __device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kMTiles][kN / 8][4
         ptx::mma_16x8x16<Elem>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
       }
     }
+  }
+}
+
+// Calls fn with the 16-bit element type of the inputs, as a value of that type.
+template <typename Fn>
+void dispatch_element_type(ElementType type, Fn&& fn) {
+  if (type == ElementType::kBFloat16) {
+    fn(__nv_bfloat16{});
+  } else {
+    fn(__half{});
+  }
+}
+
+// Calls fn with the head dim the kernels are specialized for that serves dim,
+// as a std::integral_constant: 64, 96, 128 or 256. Head dims between them run
+// in the next larger one, padded with zeros.
+template <typename Fn>
+void dispatch_head_dim(int64_t dim, Fn&& fn) {
+  if (dim <= 64) {
+    fn(std::integral_constant<int, 64>{});
+  } else if (dim <= 96) {
+    fn(std::integral_constant<int, 96>{});
+  } else if (dim <= 128) {
+    fn(std::integral_constant<int, 128>{});
+  } else {
+    fn(std::integral_constant<int, 256>{});
   }
 }
 

@@ -212,29 +212,16 @@ void launch_forward(const FwdParams& params, cudaStream_t stream) {
                 Cfg::kThreads, Cfg::kSmemElems * sizeof(Elem), params, stream);
 }
 
-template <typename Elem>
-void forward_for_head_dim(const FwdParams& params, cudaStream_t stream) {
-  // Head dims between the specializations run in the next larger one, padded with zeros.
-  const int64_t dim = params.problem.head_dim;
-  if (dim <= 64) {
-    launch_forward<Elem, FwdConfig<64, 2>>(params, stream);
-  } else if (dim <= 96) {
-    launch_forward<Elem, FwdConfig<96, 2>>(params, stream);
-  } else if (dim <= 128) {
-    launch_forward<Elem, FwdConfig<128, 2>>(params, stream);
-  } else {
-    launch_forward<Elem, FwdConfig<256, 1>>(params, stream);
-  }
-}
-
 }  // namespace
 
 void attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
-  if (type == ElementType::kBFloat16) {
-    forward_for_head_dim<__nv_bfloat16>(params, stream);
-  } else {
-    forward_for_head_dim<__half>(params, stream);
-  }
+  dispatch_element_type(type, [&](auto elem) {
+    dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
+      // Two 16-row tiles per warp; one at head dim 256, whose output alone takes 128 registers a tile.
+      constexpr int kHeadDim = decltype(head_dim)::value;
+      launch_forward<decltype(elem), FwdConfig<kHeadDim, kHeadDim <= 128 ? 2 : 1>>(params, stream);
+    });
+  });
 }
 
 }  // namespace flashattn_ext::cuda
