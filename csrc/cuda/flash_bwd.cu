@@ -35,14 +35,6 @@ __global__ void __launch_bounds__(kThreads) attention_delta_kernel(const BwdPara
   if (lane == 0) static_cast<float*>(params.delta)[row] = sum;
 }
 
-// The log-sum-exp in log2 units, with rows that see no key (lse = -inf) and rows
-// past the end mapped to +inf, so that exp2(s - lse) is 0 for them.
-__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t len) {
-  if (row >= len) return INFINITY;
-  const float x = lse[row];
-  return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
-}
-
 // Writes a warp's 16 x kHeadDim accumulator tile (times factor) to rows row0.. of a head.
 template <typename Elem, int kHeadDim>
 __device__ __forceinline__ void store_rows(Elem* head, int64_t stride_row, int64_t row0, int64_t len, int dim,
@@ -303,11 +295,9 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
 
 // Four warps per block for both passes: eight measured the same on an H100.
 template <typename Elem, int kHeadDim, int kDkdvWarps = 4, int kDqWarps = 4>
-void backward_for(const BwdParams& params, cudaStream_t stream) {
+void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   constexpr int kStride = smem_stride<kHeadDim>();
-  launch_kernel(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), kThreads, 0, params,
-                stream);
   constexpr int dkdv_rows = 16 * kDkdvWarps;
   constexpr int dkdv_smem =
       (2 * dkdv_rows + 4 * kBlockStream) * kStride * sizeof(Elem) + 4 * kBlockStream * sizeof(float);
@@ -322,10 +312,16 @@ void backward_for(const BwdParams& params, cudaStream_t stream) {
 }  // namespace
 
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
   dispatch_element_type(type, [&](auto elem) {
-    dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
-      backward_for<decltype(elem), decltype(head_dim)::value>(params, stream);
-    });
+    using Elem = decltype(elem);
+    launch_kernel(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), kThreads, 0, params,
+                  stream);
+    if (params.dq_accum != nullptr) {
+      attention_backward_atomic_dq(params, type, stream);
+      return;
+    }
+    dispatch_head_dim(p.head_dim, [&](auto head_dim) { two_pass_backward<Elem, decltype(head_dim)::value>(params, stream); });
   });
 }
 

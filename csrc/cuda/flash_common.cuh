@@ -2,6 +2,7 @@
 // shared memory and the index arithmetic of a flattened grid.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -120,6 +121,58 @@ __device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kMTiles][kN / 8][4
       }
     }
   }
+}
+
+// How an mma operand tile sits in shared memory: kRowMajor keeps its M (for A)
+// or N (for B) index along the rows and K along each row; kKMajor keeps K
+// along the rows, so ldmatrix reads it transposed.
+enum class Operand { kRowMajor, kKMajor };
+
+// acc += A B for a warp, A (kMTiles x 16 by kK) and B (kK by kNTiles x 8)
+// both in shared memory: a_tile and b_tile are the shared-space addresses of
+// their (0, 0) elements, in the layouts kA and kB with row strides kStrideA
+// and kStrideB (elements).
+template <typename Elem, int kMTiles, int kNTiles, int kK, Operand kA, int kStrideA, Operand kB, int kStrideB>
+__device__ __forceinline__ void mma_smem_by_smem(float (&acc)[kMTiles][kNTiles][4], uint32_t a_tile,
+                                                 uint32_t b_tile, int lane) {
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr bool kARows = kA == Operand::kRowMajor, kBRows = kB == Operand::kRowMajor;
+  const uint32_t a_lane = a_tile + (kARows ? a_lane_offset<kStrideA>(lane) : b_lane_offset<kStrideA>(lane)) * kElemBytes;
+  const uint32_t b_lane = b_tile + (kBRows ? b_lane_offset<kStrideB>(lane) : a_lane_offset<kStrideB>(lane)) * kElemBytes;
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      if constexpr (kARows) {
+        ptx::ldmatrix_x4(a[mt], a_lane + (mt * 16 * kStrideA + kk * 16) * kElemBytes);
+      } else {
+        ptx::ldmatrix_x4_trans(a[mt], a_lane + (kk * 16 * kStrideA + mt * 16) * kElemBytes);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      uint32_t b[4];
+      if constexpr (kBRows) {
+        ptx::ldmatrix_x4(b, b_lane + (np * 16 * kStrideB + kk * 16) * kElemBytes);
+      } else {
+        ptx::ldmatrix_x4_trans(b, b_lane + (kk * 16 * kStrideB + np * 16) * kElemBytes);
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
+        ptx::mma_16x8x16<Elem>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// The log-sum-exp in log2 units, with rows that see no key (lse = -inf) and rows
+// past the end mapped to +inf, so that exp2(s - lse) is 0 for them.
+__device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t len) {
+  if (row >= len) return INFINITY;
+  const float x = lse[row];
+  return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
 }
 
 // Calls fn with the 16-bit element type of the inputs, as a value of that type.

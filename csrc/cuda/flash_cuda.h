@@ -15,8 +15,16 @@ constexpr int kMaxHeadDim = 256;
 
 void attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
-// Computes delta, then dK and dV (one pass over key blocks) and dQ (one pass
-// over query blocks): deterministic, and without a float32 dQ accumulator.
+// Head dims up to this one have the faster backward with atomic dQ.
+constexpr int kMaxAtomicDqHeadDim = 128;
+
+// Computes delta, then dK, dV and dQ. With params.dq_accum set (head dim at most
+// kMaxAtomicDqHeadDim), one pass over key blocks computes all three, dQ by
+// float32 atomics; else dK and dV come from one pass over key blocks and dQ
+// from a separate one over query blocks: deterministic, no float32 accumulator.
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+// The atomic-dQ pass and dq's final rounding, after delta (flash_bwd_atomic.cu).
+void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace flashattn_ext::cuda

@@ -63,12 +63,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     bool compute_grad_attn_mask) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, delta, dmask;
-  const BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
+  BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
                                             with_aligned_rows(v), with_aligned_rows(out), lse,
                                             {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
                                             compute_grad_attn_mask, dq, dk, dv, delta, dmask);
   const cuda::ElementType type = element_type(q);
   check_kernel_coverage(params.problem, attn_mask);
+  // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
+  at::Tensor dq_accum;
+  if (!at::globalContext().deterministicAlgorithms() && params.problem.head_dim <= cuda::kMaxAtomicDqHeadDim) {
+    const AttentionProblem& p = params.problem;
+    dq_accum = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, q.options().dtype(at::kFloat));
+    params.dq_accum = dq_accum.data_ptr<float>();
+  }
   cuda::attention_backward(params, type, at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv, dmask};

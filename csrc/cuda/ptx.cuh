@@ -71,6 +71,18 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// red.global.add.v2.f32: adds two floats to two adjacent floats in global
+// memory (8-byte aligned) without returning the old values; the vector form
+// needs sm_90, older GPUs issue two scalar red.global.add.f32.
+__device__ __forceinline__ void red_add_v2_f32(float* gmem, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b) : "memory");
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 1), "f"(b) : "memory");
+#endif
+}
+
 // Two floats rounded to one register of two 16-bit elements (low half first).
 template <typename Elem>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

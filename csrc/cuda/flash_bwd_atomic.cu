@@ -1,0 +1,273 @@
+// The default backward for head dims up to 128 (kMaxAtomicDqHeadDim): one pass
+// over key blocks computes dK, dV and dQ, adding dQ into a float32 accumulator
+// with atomics. One block of 8 warps per (128 keys, key/value head, batch); it
+// streams 64-query tiles of every query head of the group through two
+// shared-memory buffers. Per tile:
+//   1. S^T = K Q^T and dP^T = V dO^T, 32 keys x 32 queries per warp; P^T and
+//      dS^T = P^T * (dP^T - delta) go to shared memory, rounded to Elem;
+//   2. dV += P^T dO and dK += dS^T Q, 32 keys x D/2 columns per warp, kept in
+//      registers for the whole pass;
+//   3. dQ tile = dS K, one piece per warp, added to dq_accum (red.global.add).
+// The warps change roles between phases, so each mma operand comes from shared
+// memory in 32-wide tiles (about two mma per ldmatrix). A last kernel scales
+// dq_accum and rounds it into dq. Delta = rowsum(dO * O) comes from flash_bwd.cu.
+#include <cmath>
+#include <type_traits>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+
+namespace flashattn_ext::cuda {
+namespace {
+
+template <int kHeadDim_>
+struct AtomicBwdConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kBlockN = 128;  // keys per block: 4 groups of 32
+  static constexpr int kBlockM = 64;   // queries per streamed tile: 2 groups of 32
+  static constexpr int kStride = smem_stride<kHeadDim>();
+  static constexpr int kScoreStride = smem_stride<kBlockM>();  // of the P^T and dS^T rows
+  // Phase 3 splits the kBlockM x kHeadDim dQ tile over the warps as 2 x 4
+  // pieces, or 4 x 2 where a quarter of the columns is no whole ldmatrix (D = 96).
+  static constexpr int kDqWarpRows = (kHeadDim / 4) % 16 == 0 ? 2 : 4;
+  static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpRows;
+  static constexpr int kDqNTiles = kHeadDim / 8 / (kWarps / kDqWarpRows);
+  // K, V; two buffers of Q, dO; P^T, dS^T (16-bit elements); two of lse, delta.
+  static constexpr int kSmemBytes =
+      ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kScoreStride) * 2 + 4 * kBlockM * sizeof(float);
+};
+
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kStride = Cfg::kStride,
+                kScoreStride = Cfg::kScoreStride, kThreads = Cfg::kThreads;
+  constexpr int kTile = kBlockM * kStride;  // elements of one streamed tile
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr int kHalfDimTiles = kHeadDim / 16;  // n8 tiles of a warp's dK/dV columns
+  constexpr Operand kRows = Operand::kRowMajor, kKMajor = Operand::kKMajor;
+  static_assert(kElemBytes == 2, "kSmemBytes counts 16-bit elements");
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* s_k = reinterpret_cast<Elem*>(smem);
+  Elem* s_v = s_k + kBlockN * kStride;
+  Elem* s_q = s_v + kBlockN * kStride;                    // two buffers
+  Elem* s_do = s_q + 2 * kTile;                           // two buffers
+  Elem* s_pt = s_do + 2 * kTile;                          // P^T: kBlockN x kBlockM
+  Elem* s_dst = s_pt + kBlockN * kScoreStride;            // dS^T: kBlockN x kBlockM
+  float* s_lse = reinterpret_cast<float*>(s_dst + kBlockN * kScoreStride);  // two buffers
+  float* s_delta = s_lse + 2 * kBlockM;                                     // two buffers
+
+  const AttentionProblem& p = params.problem;
+  const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
+  const int64_t n_block = blockIdx.x % n_blocks;
+  const int64_t h_kv = (blockIdx.x / n_blocks) % p.heads_kv;
+  const int64_t b = blockIdx.x / (n_blocks * p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t col0 = n_block * kBlockN;  // first key of the block
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int dim = static_cast<int>(p.head_dim);
+
+  load_tile_async<kBlockN, kHeadDim, kThreads>(s_k, head_ptr<const Elem>(params.k, b, h_kv), params.k.stride_row, col0,
+                                               p.len_k, dim);
+  load_tile_async<kBlockN, kHeadDim, kThreads>(s_v, head_ptr<const Elem>(params.v, b, h_kv), params.v.stride_row, col0,
+                                               p.len_k, dim);
+
+  // Query tiles that see some key of this block, for each query head of the group.
+  const int64_t offset = causal_offset(p);
+  const int64_t first_query = p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
+  const int64_t m_begin = first_query / kBlockM;
+  const int64_t m_count = ceil_div(p.len_q, kBlockM) - m_begin;
+  const int64_t steps = m_count * group;
+
+  auto load_queries = [&](int64_t step) {
+    const int buf = step & 1;
+    const int64_t h = h_kv * group + step / m_count;
+    const int64_t m0 = (m_begin + step % m_count) * kBlockM;
+    load_tile_async<kBlockM, kHeadDim, kThreads>(s_q + buf * kTile, head_ptr<const Elem>(params.q, b, h),
+                                                 params.q.stride_row, m0, p.len_q, dim);
+    load_tile_async<kBlockM, kHeadDim, kThreads>(s_do + buf * kTile, head_ptr<const Elem>(params.dout, b, h),
+                                                 params.dout.stride_row, m0, p.len_q, dim);
+    if (threadIdx.x < kBlockM) {
+      const int64_t row_base = (b * p.heads_q + h) * p.len_q;
+      const int64_t row = m0 + threadIdx.x;
+      s_lse[buf * kBlockM + threadIdx.x] = lse_log2(static_cast<const float*>(params.lse) + row_base, row, p.len_q);
+      s_delta[buf * kBlockM + threadIdx.x] = row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
+    }
+  };
+  if (steps > 0) load_queries(0);
+  ptx::cp_async_commit();
+
+  // Warp roles: phases 1 and 2 give the warp keys key0..key0+31; phase 1 queries
+  // query0..query0+31, phase 2 columns dim0..dim0+D/2-1; phase 3 one dQ piece.
+  const int key0 = (warp % 4) * 32, query0 = (warp / 4) * 32, dim0 = (warp / 4) * (kHeadDim / 2);
+  const int dq_row0 = (warp % Cfg::kDqWarpRows) * Cfg::kDqMTiles * 16;
+  const int dq_col0 = (warp / Cfg::kDqWarpRows) * Cfg::kDqNTiles * 8;
+  const uint32_t k_smem = ptx::smem_addr(s_k), v_smem = ptx::smem_addr(s_v), q_smem = ptx::smem_addr(s_q),
+                 do_smem = ptx::smem_addr(s_do), pt_smem = ptx::smem_addr(s_pt), dst_smem = ptx::smem_addr(s_dst);
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  // Keys past the end must be masked: their S is 0, so P would not be.
+  const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+
+  float dk[2][kHalfDimTiles][4] = {}, dv[2][kHalfDimTiles][4] = {};
+  for (int64_t step = 0; step < steps; ++step) {
+    // The tile of this step has landed and every warp is done with the last one,
+    // so the next tile may load into the other buffer while this one is used.
+    ptx::cp_async_wait<0>();
+    __syncthreads();
+    if (step + 1 < steps) load_queries(step + 1);
+    ptx::cp_async_commit();
+    const int buf = step & 1;
+    const uint32_t q_buf = q_smem + buf * kTile * kElemBytes, do_buf = do_smem + buf * kTile * kElemBytes;
+    const float* lse = s_lse + buf * kBlockM;
+    const float* delta = s_delta + buf * kBlockM;
+    const int64_t m0 = (m_begin + step % m_count) * kBlockM;
+
+    // 1. P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T * (dP^T - delta).
+    float pt[2][4][4] = {}, dst[2][4][4] = {};
+    mma_smem_by_smem<Elem, 2, 4, kHeadDim, kRows, kStride, kRows, kStride>(pt, k_smem + key0 * kStride * kElemBytes,
+                                                                          q_buf + query0 * kStride * kElemBytes, lane);
+    mma_smem_by_smem<Elem, 2, 4, kHeadDim, kRows, kStride, kRows, kStride>(dst, v_smem + key0 * kStride * kElemBytes,
+                                                                          do_buf + query0 * kStride * kElemBytes, lane);
+    float col_lse[4][2], col_delta[4][2];  // of this lane's 8 query columns
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int c = query0 + nt * 8 + (lane % 4) * 2;
+      const float2 l = *reinterpret_cast<const float2*>(lse + c), d = *reinterpret_cast<const float2*>(delta + c);
+      col_lse[nt][0] = l.x, col_lse[nt][1] = l.y, col_delta[nt][0] = d.x, col_delta[nt][1] = d.y;
+    }
+    // Key r, query c of the block: hidden iff causal and r - c > diagonal (clamped
+    // to the range of r - c), or r >= keys_left. Only tiles that cross the
+    // diagonal or the end of the keys pay for the test.
+    const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > m0 + offset;
+    const bool mask_keys = keys_left < kBlockN;
+    const int diagonal = static_cast<int>(min(max(m0 + offset - col0, int64_t(-kBlockM)), int64_t(kBlockN)));
+    auto scores_to_gradients = [&](auto mask_tag) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float prob = ptx::exp2_approx(pt[mt][nt][e] * scale_log2 - col_lse[nt][e % 2]);
+            if constexpr (decltype(mask_tag)::value) {
+              const int r = key0 + mt * 16 + lane / 4 + (e / 2) * 8;
+              const int c = query0 + nt * 8 + (lane % 4) * 2 + e % 2;
+              if ((mask_causal && r - c > diagonal) || r >= keys_left) prob = 0.f;
+            }
+            pt[mt][nt][e] = prob;
+            dst[mt][nt][e] = prob * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+          }
+        }
+      }
+    };
+    if (mask_causal || mask_keys) {
+      scores_to_gradients(std::true_type{});
+    } else {
+      scores_to_gradients(std::false_type{});
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int at = (key0 + mt * 16 + lane / 4 + half * 8) * kScoreStride + query0 + nt * 8 + (lane % 4) * 2;
+          *reinterpret_cast<uint32_t*>(s_pt + at) = ptx::pack2<Elem>(pt[mt][nt][2 * half], pt[mt][nt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(s_dst + at) =
+              ptx::pack2<Elem>(dst[mt][nt][2 * half], dst[mt][nt][2 * half + 1]);
+        }
+      }
+    }
+    __syncthreads();
+
+    // 2. dV += P^T dO, dK += dS^T Q (scaled at the end).
+    mma_smem_by_smem<Elem, 2, kHalfDimTiles, kBlockM, kRows, kScoreStride, kKMajor, kStride>(
+        dv, pt_smem + key0 * kScoreStride * kElemBytes, do_buf + dim0 * kElemBytes, lane);
+    mma_smem_by_smem<Elem, 2, kHalfDimTiles, kBlockM, kRows, kScoreStride, kKMajor, kStride>(
+        dk, dst_smem + key0 * kScoreStride * kElemBytes, q_buf + dim0 * kElemBytes, lane);
+
+    // 3. dQ piece = dS K, with dS read transposed from dS^T; added to dq_accum.
+    float dq[Cfg::kDqMTiles][Cfg::kDqNTiles][4] = {};
+    mma_smem_by_smem<Elem, Cfg::kDqMTiles, Cfg::kDqNTiles, kBlockN, kKMajor, kScoreStride, kKMajor, kStride>(
+        dq, dst_smem + dq_row0 * kElemBytes, k_smem + dq_col0 * kElemBytes, lane);
+    const int64_t h = h_kv * group + step / m_count;
+    float* dq_head = params.dq_accum + (b * p.heads_q + h) * p.len_q * dim;
+#pragma unroll
+    for (int mt = 0; mt < Cfg::kDqMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = m0 + dq_row0 + mt * 16 + lane / 4 + half * 8;
+        if (row >= p.len_q) continue;
+#pragma unroll
+        for (int nt = 0; nt < Cfg::kDqNTiles; ++nt) {
+          const int col = dq_col0 + nt * 8 + (lane % 4) * 2;
+          if (col < dim) {
+            ptx::red_add_v2_f32(dq_head + row * dim + col, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+          }
+        }
+      }
+    }
+  }
+
+  // dK (times scale) and dV of this warp's keys and columns.
+  const float scale = static_cast<float>(p.scale);
+  Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
+  Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t key = col0 + key0 + mt * 16 + lane / 4 + half * 8;
+      if (key >= p.len_k) continue;
+#pragma unroll
+      for (int nt = 0; nt < kHalfDimTiles; ++nt) {
+        const int col = dim0 + nt * 8 + (lane % 4) * 2;
+        if (col >= dim) continue;
+        *reinterpret_cast<uint32_t*>(dk_head + key * params.dk.stride_row + col) =
+            ptx::pack2<Elem>(dk[mt][nt][2 * half] * scale, dk[mt][nt][2 * half + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dv_head + key * params.dv.stride_row + col) =
+            ptx::pack2<Elem>(dv[mt][nt][2 * half], dv[mt][nt][2 * half + 1]);
+      }
+    }
+  }
+}
+
+constexpr int kConvertThreads = 256;
+
+// dq = dq_accum * scale, rounded to Elem; one thread per pair of columns.
+template <typename Elem>
+__global__ void __launch_bounds__(kConvertThreads) attention_dq_convert_kernel(const BwdParams params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t pair = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
+  const int64_t pairs_per_row = p.head_dim / 2;
+  if (pair >= p.batch * p.heads_q * p.len_q * pairs_per_row) return;
+  const int64_t col = (pair % pairs_per_row) * 2, row = pair / pairs_per_row;
+  const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
+  const float2 acc = reinterpret_cast<const float2*>(params.dq_accum)[pair];
+  const float scale = static_cast<float>(p.scale);
+  *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
+      ptx::pack2<Elem>(acc.x * scale, acc.y * scale);
+}
+
+}  // namespace
+
+void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+      if constexpr (decltype(head_dim)::value <= kMaxAtomicDqHeadDim) {
+        using Cfg = AtomicBwdConfig<decltype(head_dim)::value>;
+        launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg>,
+                      ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
+                      stream);
+      }
+    });
+    launch_kernel(attention_dq_convert_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads),
+                  kConvertThreads, 0, params, stream);
+  });
+}
+
+}  // namespace flashattn_ext::cuda
