@@ -54,9 +54,9 @@ struct FwdParams {
 // and, where dmask.data is set, the gradient of an additive mask, shaped
 // (batch, heads_q, len_q, len_k) and zero-filled beforehand.
 // delta is a contiguous (batch, heads_q, len_q) workspace in the accumulation type.
-// dq_accum (CUDA only), when set, is a zero-filled contiguous float32
-// (batch, heads_q, len_q, head_dim) workspace: the dK/dV pass then adds dQ into
-// it with atomics instead of a separate, deterministic dQ pass.
+// dq_accum (CUDA only), when set, is a zero-filled float32 workspace (its size
+// from cuda::dq_accum_floats): the dK/dV pass then adds dQ into it with atomics
+// instead of a separate, deterministic dQ pass.
 struct BwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out, dout, dq, dk, dv;

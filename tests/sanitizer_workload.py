@@ -54,10 +54,14 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
     torch.manual_seed(0)
-    for case in CASES:
-        for dtype in DTYPES:
-            run(case, dtype)
-            print(f"ok {case} {dtype}", flush=True)
+    # The backward has two dQ paths: float32 atomics (default) and a separate
+    # pass (deterministic mode); both run every case.
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        for case in CASES:
+            for dtype in DTYPES:
+                run(case, dtype)
+                print(f"ok {case} {dtype} deterministic={deterministic}", flush=True)
 
 
 if __name__ == "__main__":

@@ -77,26 +77,31 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   // Query tiles that see some key of this block, for each query head of the group.
   const int64_t offset = causal_offset(p);
   const int64_t first_query = p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
-  const int64_t m_begin = first_query / kBlockM;
-  const int64_t m_count = ceil_div(p.len_q, kBlockM) - m_begin;
-  const int64_t steps = m_count * group;
+  const int64_t m_begin = first_query / kBlockM, m_end = ceil_div(p.len_q, kBlockM);
+  const int64_t steps = (m_end - m_begin) * group;
 
-  auto load_queries = [&](int64_t step) {
-    const int buf = step & 1;
-    const int64_t h = h_kv * group + step / m_count;
-    const int64_t m0 = (m_begin + step % m_count) * kBlockM;
-    load_tile_async<kBlockM, kHeadDim, kThreads>(s_q + buf * kTile, head_ptr<const Elem>(params.q, b, h),
+  // A step's work: query tile m (rows m * kBlockM..) of query head h. Steps run
+  // through the tiles of one head, then of the next head of the group; counted
+  // along, not divided out (64-bit division is slow).
+  struct Work {
+    int64_t m, h;
+  };
+  auto next = [&](Work w) { return w.m + 1 < m_end ? Work{w.m + 1, w.h} : Work{m_begin, w.h + 1}; };
+  auto load_queries = [&](Work w, int buf) {
+    const int64_t m0 = w.m * kBlockM;
+    load_tile_async<kBlockM, kHeadDim, kThreads>(s_q + buf * kTile, head_ptr<const Elem>(params.q, b, w.h),
                                                  params.q.stride_row, m0, p.len_q, dim);
-    load_tile_async<kBlockM, kHeadDim, kThreads>(s_do + buf * kTile, head_ptr<const Elem>(params.dout, b, h),
+    load_tile_async<kBlockM, kHeadDim, kThreads>(s_do + buf * kTile, head_ptr<const Elem>(params.dout, b, w.h),
                                                  params.dout.stride_row, m0, p.len_q, dim);
     if (threadIdx.x < kBlockM) {
-      const int64_t row_base = (b * p.heads_q + h) * p.len_q;
+      const int64_t row_base = (b * p.heads_q + w.h) * p.len_q;
       const int64_t row = m0 + threadIdx.x;
       s_lse[buf * kBlockM + threadIdx.x] = lse_log2(static_cast<const float*>(params.lse) + row_base, row, p.len_q);
       s_delta[buf * kBlockM + threadIdx.x] = row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
     }
   };
-  if (steps > 0) load_queries(0);
+  Work work{m_begin, h_kv * group};
+  if (steps > 0) load_queries(work, 0);
   ptx::cp_async_commit();
 
   // Warp roles: phases 1 and 2 give the warp keys key0..key0+31; phase 1 queries
@@ -107,6 +112,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   const uint32_t k_smem = ptx::smem_addr(s_k), v_smem = ptx::smem_addr(s_v), q_smem = ptx::smem_addr(s_q),
                  do_smem = ptx::smem_addr(s_do), pt_smem = ptx::smem_addr(s_pt), dst_smem = ptx::smem_addr(s_dst);
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  // dq_accum is (batch, heads_q, padded_len_q, kHeadDim): rows and columns past
+  // the ends take the zeros that dS (P = 0) and K (zero-filled) give them, so
+  // the atomics need no bounds checks.
+  const int64_t padded_len_q = ceil_div(p.len_q, kBlockM) * kBlockM;
   // Keys past the end must be masked: their S is 0, so P would not be.
   const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 
@@ -116,13 +125,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     // so the next tile may load into the other buffer while this one is used.
     ptx::cp_async_wait<0>();
     __syncthreads();
-    if (step + 1 < steps) load_queries(step + 1);
-    ptx::cp_async_commit();
     const int buf = step & 1;
+    const Work next_work = next(work);
+    if (step + 1 < steps) load_queries(next_work, buf ^ 1);
+    ptx::cp_async_commit();
     const uint32_t q_buf = q_smem + buf * kTile * kElemBytes, do_buf = do_smem + buf * kTile * kElemBytes;
     const float* lse = s_lse + buf * kBlockM;
     const float* delta = s_delta + buf * kBlockM;
-    const int64_t m0 = (m_begin + step % m_count) * kBlockM;
+    const int64_t m0 = work.m * kBlockM;
 
     // 1. P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T * (dP^T - delta).
     float pt[2][4][4] = {}, dst[2][4][4] = {};
@@ -192,23 +202,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     float dq[Cfg::kDqMTiles][Cfg::kDqNTiles][4] = {};
     mma_smem_by_smem<Elem, Cfg::kDqMTiles, Cfg::kDqNTiles, kBlockN, kKMajor, kScoreStride, kKMajor, kStride>(
         dq, dst_smem + dq_row0 * kElemBytes, k_smem + dq_col0 * kElemBytes, lane);
-    const int64_t h = h_kv * group + step / m_count;
-    float* dq_head = params.dq_accum + (b * p.heads_q + h) * p.len_q * dim;
+    float* dq_piece = params.dq_accum + ((b * p.heads_q + work.h) * padded_len_q + m0 + dq_row0) * kHeadDim + dq_col0;
 #pragma unroll
     for (int mt = 0; mt < Cfg::kDqMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int64_t row = m0 + dq_row0 + mt * 16 + lane / 4 + half * 8;
-        if (row >= p.len_q) continue;
+        float* row = dq_piece + (mt * 16 + lane / 4 + half * 8) * kHeadDim + (lane % 4) * 2;
 #pragma unroll
         for (int nt = 0; nt < Cfg::kDqNTiles; ++nt) {
-          const int col = dq_col0 + nt * 8 + (lane % 4) * 2;
-          if (col < dim) {
-            ptx::red_add_v2_f32(dq_head + row * dim + col, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
-          }
+          ptx::red_add_v2_f32(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
         }
       }
     }
+    work = next_work;
   }
 
   // dK (times scale) and dV of this warp's keys and columns.
@@ -237,7 +243,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
 constexpr int kConvertThreads = 256;
 
 // dq = dq_accum * scale, rounded to Elem; one thread per pair of columns.
-template <typename Elem>
+template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(kConvertThreads) attention_dq_convert_kernel(const BwdParams params) {
   const AttentionProblem& p = params.problem;
   const int64_t pair = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
@@ -245,28 +251,46 @@ __global__ void __launch_bounds__(kConvertThreads) attention_dq_convert_kernel(c
   if (pair >= p.batch * p.heads_q * p.len_q * pairs_per_row) return;
   const int64_t col = (pair % pairs_per_row) * 2, row = pair / pairs_per_row;
   const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
-  const float2 acc = reinterpret_cast<const float2*>(params.dq_accum)[pair];
+  const int64_t padded_len_q = ceil_div(p.len_q, Cfg::kBlockM) * Cfg::kBlockM;
+  const float2 acc = *reinterpret_cast<const float2*>(
+      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * Cfg::kHeadDim + col);
   const float scale = static_cast<float>(p.scale);
   *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
       ptx::pack2<Elem>(acc.x * scale, acc.y * scale);
 }
 
+// Calls fn with the AtomicBwdConfig serving head dim p.head_dim, if there is one.
+template <typename Fn>
+void dispatch_atomic_config(const AttentionProblem& p, Fn&& fn) {
+  dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    if constexpr (decltype(head_dim)::value <= kMaxAtomicDqHeadDim) fn(AtomicBwdConfig<decltype(head_dim)::value>{});
+  });
+}
+
 }  // namespace
+
+int64_t dq_accum_floats(const AttentionProblem& p) {
+  int64_t floats = 0;
+  dispatch_atomic_config(p, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    floats = p.batch * p.heads_q * ceil_div(p.len_q, Cfg::kBlockM) * Cfg::kBlockM * Cfg::kHeadDim;
+  });
+  return floats;
+}
 
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-      if constexpr (decltype(head_dim)::value <= kMaxAtomicDqHeadDim) {
-        using Cfg = AtomicBwdConfig<decltype(head_dim)::value>;
-        launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg>,
-                      ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
-                      stream);
-      }
+    dispatch_atomic_config(p, [&](auto cfg) {
+      using Cfg = decltype(cfg);
+      launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg>,
+                    ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
+                    stream);
+      launch_kernel(attention_dq_convert_kernel<Elem, Cfg>,
+                    ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
+                    params, stream);
     });
-    launch_kernel(attention_dq_convert_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads),
-                  kConvertThreads, 0, params, stream);
   });
 }
 

@@ -18,11 +18,15 @@ void attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 // Head dims up to this one have the faster backward with atomic dQ.
 constexpr int kMaxAtomicDqHeadDim = 128;
 
-// Computes delta, then dK, dV and dQ. With params.dq_accum set (head dim at most
-// kMaxAtomicDqHeadDim), one pass over key blocks computes all three, dQ by
+// Computes delta, then dK, dV and dQ. With params.dq_accum set (see
+// dq_accum_floats), one pass over key blocks computes all three, dQ by
 // float32 atomics; else dK and dV come from one pass over key blocks and dQ
 // from a separate one over query blocks: deterministic, no float32 accumulator.
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+// Floats of the zero-filled dq_accum workspace of the atomic-dQ backward, or 0
+// where the problem has none (head dim above kMaxAtomicDqHeadDim).
+int64_t dq_accum_floats(const AttentionProblem& p);
 
 // The atomic-dQ pass and dq's final rounding, after delta (flash_bwd_atomic.cu).
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream);

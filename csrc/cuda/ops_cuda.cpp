@@ -71,9 +71,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   check_kernel_coverage(params.problem, attn_mask);
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
   at::Tensor dq_accum;
-  if (!at::globalContext().deterministicAlgorithms() && params.problem.head_dim <= cuda::kMaxAtomicDqHeadDim) {
-    const AttentionProblem& p = params.problem;
-    dq_accum = at::zeros({p.batch, p.heads_q, p.len_q, p.head_dim}, q.options().dtype(at::kFloat));
+  const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
+  if (!at::globalContext().deterministicAlgorithms() && dq_accum_floats > 0) {
+    dq_accum = at::zeros({dq_accum_floats}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   cuda::attention_backward(params, type, at::cuda::getCurrentCUDAStream());
