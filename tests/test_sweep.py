@@ -6,6 +6,7 @@ Each sweep case is drawn from random.Random(seed) with the seed in the test id, 
 ``pytest tests/test_sweep.py -k cuda-seed17`` reruns one case; every assertion message prints
 the case it drew.
 """
+import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -214,6 +215,18 @@ def check_against_reference(case, inputs, got, got_lse, context):
     )
 
 
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside, the caller's setting restored after."""
+    was_enabled = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
+
+
 @pytest.mark.parametrize("device,seed", list(sweep_params()))
 def test_sweep(device, seed):
     case = draw_case(device, seed)
@@ -225,6 +238,18 @@ def test_sweep(device, seed):
 def cuda_test(fn):
     """Marks a GPU-only test: the cuda marker, and a skip with a reason where there is no GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)(fn))
+
+
+@cuda_test
+@pytest.mark.parametrize("seed", range(0, CASES_PER_DEVICE["cuda"], 2))
+def test_sweep_deterministic_backward(seed):
+    """Every other CUDA sweep case again in deterministic mode, whose backward computes dQ in a
+    separate pass instead of with atomics (the default the plain sweep runs)."""
+    case = draw_case("cuda", seed)
+    inputs = make_inputs(case, "cuda", seed)
+    with deterministic_algorithms():
+        got, lse = ours(case, *inputs, poison=True)
+    check_against_reference(case, inputs, got, lse, f"cuda seed {seed}, deterministic: {case}")
 
 
 def check_head(case, inputs, got, lse, index, context):
@@ -331,13 +356,8 @@ def test_deterministic_algorithms_give_bitwise_identical_gradients():
     sums dk and dv over query heads, and long sequences sum dq over many key blocks."""
     case = Case(torch.bfloat16, batch=2, heads_kv=2, group=4, len_q=1000, len_k=1000, head_dim=128, mode="causal")
     inputs = make_inputs(case, "cuda", seed=0)
-    was_enabled = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         first, _ = ours(case, *inputs)
         second, _ = ours(case, *inputs)
-    finally:
-        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), f"{name} differs between two runs; {case}"
