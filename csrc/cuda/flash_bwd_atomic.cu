@@ -135,11 +135,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     const int64_t m0 = work.m * kBlockM;
 
     // 1. P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T * (dP^T - delta).
+    // The two products go k-step by k-step, so that 16 independent accumulators
+    // (not 8) hide the latency of each mma.
     float pt[2][4][4] = {}, dst[2][4][4] = {};
-    mma_smem_by_smem<Elem, 2, 4, kHeadDim, kRows, kStride, kRows, kStride>(pt, k_smem + key0 * kStride * kElemBytes,
-                                                                          q_buf + query0 * kStride * kElemBytes, lane);
-    mma_smem_by_smem<Elem, 2, 4, kHeadDim, kRows, kStride, kRows, kStride>(dst, v_smem + key0 * kStride * kElemBytes,
-                                                                          do_buf + query0 * kStride * kElemBytes, lane);
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t k_step = kk * 16 * kElemBytes;
+      mma_smem_by_smem<Elem, 2, 4, 16, kRows, kStride, kRows, kStride>(
+          pt, k_smem + key0 * kStride * kElemBytes + k_step, q_buf + query0 * kStride * kElemBytes + k_step, lane);
+      mma_smem_by_smem<Elem, 2, 4, 16, kRows, kStride, kRows, kStride>(
+          dst, v_smem + key0 * kStride * kElemBytes + k_step, do_buf + query0 * kStride * kElemBytes + k_step, lane);
+    }
     float col_lse[4][2], col_delta[4][2];  // of this lane's 8 query columns
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -193,10 +199,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     __syncthreads();
 
     // 2. dV += P^T dO, dK += dS^T Q (scaled at the end).
-    mma_smem_by_smem<Elem, 2, kHalfDimTiles, kBlockM, kRows, kScoreStride, kKMajor, kStride>(
-        dv, pt_smem + key0 * kScoreStride * kElemBytes, do_buf + dim0 * kElemBytes, lane);
-    mma_smem_by_smem<Elem, 2, kHalfDimTiles, kBlockM, kRows, kScoreStride, kKMajor, kStride>(
-        dk, dst_smem + key0 * kScoreStride * kElemBytes, q_buf + dim0 * kElemBytes, lane);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      const uint32_t a_step = kk * 16 * kElemBytes, b_step = kk * 16 * kStride * kElemBytes;
+      mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
+          dv, pt_smem + key0 * kScoreStride * kElemBytes + a_step, do_buf + dim0 * kElemBytes + b_step, lane);
+      mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
+          dk, dst_smem + key0 * kScoreStride * kElemBytes + a_step, q_buf + dim0 * kElemBytes + b_step, lane);
+    }
 
     // 3. dQ piece = dS K, with dS read transposed from dS^T; added to dq_accum.
     float dq[Cfg::kDqMTiles][Cfg::kDqNTiles][4] = {};

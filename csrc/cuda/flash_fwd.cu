@@ -25,6 +25,23 @@ struct FwdConfig {
   static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kStride;
 };
 
+__device__ __forceinline__ float fmaxf_op(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float add_op(float a, float b) { return a + b; }
+
+// op over the 2 * kTiles scores x[0..kTiles)[e0, e0 + 1] of one row, as a tree.
+template <int kTiles, typename Op>
+__device__ __forceinline__ float tree_reduce(const float (&x)[kTiles][4], int e0, Op op) {
+  float v[kTiles];
+#pragma unroll
+  for (int nt = 0; nt < kTiles; ++nt) v[nt] = op(x[nt][e0], x[nt][e0 + 1]);
+#pragma unroll
+  for (int width = kTiles / 2; width > 0; width /= 2) {
+#pragma unroll
+    for (int i = 0; i < width; ++i) v[i] = op(v[i], v[i + width]);
+  }
+  return v[0];
+}
+
 template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const FwdParams params) {
   constexpr int kHeadDim = Cfg::kHeadDim, kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM,
@@ -129,11 +146,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = row_max[mt][half];
-#pragma unroll
-        for (int nt = 0; nt < kKeyTiles; ++nt) {
-          tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-        }
+        // Max and sum as trees, not chains of dependent instructions.
+        float tile_max = fmaxf(row_max[mt][half], tree_reduce<kKeyTiles>(s[mt], 2 * half, fmaxf_op));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
         // A row with nothing visible yet keeps max -inf; subtract 0 instead so
@@ -141,15 +155,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
         const float max_used = tile_max == -INFINITY ? 0.f : tile_max;
         const float rescale = ptx::exp2_approx(row_max[mt][half] - max_used);
         row_max[mt][half] = tile_max;
-        float tile_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) {
-            s[mt][nt][e] = ptx::exp2_approx(s[mt][nt][e] - max_used);
-            tile_sum += s[mt][nt][e];
-          }
+          for (int e = 2 * half; e < 2 * half + 2; ++e) s[mt][nt][e] = ptx::exp2_approx(s[mt][nt][e] - max_used);
         }
+        const float tile_sum = tree_reduce<kKeyTiles>(s[mt], 2 * half, add_op);
         row_sum[mt][half] = row_sum[mt][half] * rescale + tile_sum;  // per-lane partial sum
 #pragma unroll
         for (int dt = 0; dt < kDimTiles; ++dt) {
