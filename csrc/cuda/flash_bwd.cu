@@ -1,11 +1,13 @@
-// The backward kernels. P = exp(S - lse) is recomputed tile by tile; then
+// The backward: the delta kernel, the choice between the two backward paths,
+// and the deterministic one. P = exp(S - lse) is recomputed tile by tile; then
 //   dV += P^T dO,  dP = dO V^T,  dS = P * (dP - delta),  dK += dS^T Q * scale,  dQ += dS K * scale
-// with delta = rowsum(dO * O). Two passes share the work without atomics:
+// with delta = rowsum(dO * O). The default path (flash_bwd_atomic.cu) adds dQ
+// with atomics; the deterministic one here splits the work in two passes:
 //   - dK/dV: one block per (key block, key/value head, batch); warps own 16 keys
 //     each and work on the transposed scores S^T = K Q^T, streaming query blocks
 //     of every query head of the group through double-buffered shared memory;
 //   - dQ: one block per (query block, query head, batch), streaming key blocks.
-// So the result is deterministic and needs no float32 dQ accumulator.
+// So its result is deterministic and needs no float32 dQ accumulator.
 #include <cmath>
 #include <type_traits>
 
@@ -321,7 +323,8 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
       attention_backward_atomic_dq(params, type, stream);
       return;
     }
-    dispatch_head_dim(p.head_dim, [&](auto head_dim) { two_pass_backward<Elem, decltype(head_dim)::value>(params, stream); });
+    dispatch_head_dim(p.head_dim,
+                      [&](auto head_dim) { two_pass_backward<Elem, decltype(head_dim)::value>(params, stream); });
   });
 }
 

@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
       const int64_t row_base = (b * p.heads_q + w.h) * p.len_q;
       const int64_t row = m0 + threadIdx.x;
       s_lse[buf * kBlockM + threadIdx.x] = lse_log2(static_cast<const float*>(params.lse) + row_base, row, p.len_q);
-      s_delta[buf * kBlockM + threadIdx.x] = row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
+      s_delta[buf * kBlockM + threadIdx.x] =
+          row < p.len_q ? static_cast<const float*>(params.delta)[row_base + row] : 0.f;
     }
   };
   Work work{m_begin, h_kv * group};

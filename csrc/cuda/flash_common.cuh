@@ -143,8 +143,9 @@ __device__ __forceinline__ void mma_smem_by_smem(float (&acc)[kMTiles][kNTiles][
                                                  uint32_t b_tile, int lane) {
   constexpr int kElemBytes = sizeof(Elem);
   constexpr bool kARows = kA == Operand::kRowMajor, kBRows = kB == Operand::kRowMajor;
-  const uint32_t a_lane = a_tile + (kARows ? a_lane_offset<kStrideA>(lane) : b_lane_offset<kStrideA>(lane)) * kElemBytes;
-  const uint32_t b_lane = b_tile + (kBRows ? b_lane_offset<kStrideB>(lane) : a_lane_offset<kStrideB>(lane)) * kElemBytes;
+  const int a_offset = kARows ? a_lane_offset<kStrideA>(lane) : b_lane_offset<kStrideA>(lane);
+  const int b_offset = kBRows ? b_lane_offset<kStrideB>(lane) : a_lane_offset<kStrideB>(lane);
+  const uint32_t a_lane = a_tile + a_offset * kElemBytes, b_lane = b_tile + b_offset * kElemBytes;
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[kMTiles][4];

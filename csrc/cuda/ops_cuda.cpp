@@ -64,9 +64,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, delta, dmask;
   BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
-                                            with_aligned_rows(v), with_aligned_rows(out), lse,
-                                            {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
-                                            compute_grad_attn_mask, dq, dk, dv, delta, dmask);
+                                      with_aligned_rows(v), with_aligned_rows(out), lse,
+                                      {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
+                                      compute_grad_attn_mask, dq, dk, dv, delta, dmask);
   const cuda::ElementType type = element_type(q);
   check_kernel_coverage(params.problem, attn_mask);
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
