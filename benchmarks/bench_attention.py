@@ -24,6 +24,7 @@ Usage (from the repository root):
 import argparse
 import datetime
 import math
+import os
 import platform
 import re
 import shlex
@@ -406,6 +407,10 @@ def cudnn_version() -> str:
 
 
 def git_commit() -> str:
+    """The commit measured: $FLASHATTN_EXT_COMMIT where set (a copy of the tree on another machine
+    may carry stale git metadata, so set it where the tree came from), else git describe."""
+    if os.environ.get("FLASHATTN_EXT_COMMIT"):
+        return os.environ["FLASHATTN_EXT_COMMIT"]
     try:
         result = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
                                 capture_output=True, text=True, timeout=10)

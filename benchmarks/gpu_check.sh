@@ -2,6 +2,9 @@
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
 #   bash benchmarks/gpu_check.sh [test] [sanitize] [bench] [bench-full]
+# On a copy of the tree whose git metadata may be stale (the device tool's), pass the
+# commit, written out where the tree came from, for the benchmark to stamp its results:
+#   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
 set -uo pipefail
 OUT="${OUT:-/tmp/flashattn_ext_gpu_check}"
 mkdir -p "$OUT"
