@@ -90,8 +90,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
 
   // Query blocks that see some key of this block, for each query head of the group.
   const int64_t offset = causal_offset(p);
-  const int64_t first_query = p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
-  const int64_t m_begin = first_query / kBlockStream;
+  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockStream;
   const int64_t m_count = ceil_div(p.len_q, kBlockStream) - m_begin;
   const int64_t steps = m_count * group;
 
@@ -213,9 +212,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   load_tile_async<kBlockRows, kHeadDim, kBlockThreads>(s_do, head_ptr<const Elem>(params.dout, b, h),
                                                   params.dout.stride_row, row0, p.len_q, dim);
   const int64_t offset = causal_offset(p);
-  const int64_t last_row = min(row0 + kBlockRows, p.len_q) - 1;
-  const int64_t key_end = p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
-  const int n_steps = static_cast<int>(ceil_div(key_end, kBlockStream));
+  const int n_steps = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockRows), kBlockStream));
   auto load_keys = [&](int step) {
     const int buf = step & 1;
     load_tile_async<kBlockStream, kHeadDim, kBlockThreads>(s_k + buf * kTile, k, params.k.stride_row,

@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
 
   // Query tiles that see some key of this block, for each query head of the group.
   const int64_t offset = causal_offset(p);
-  const int64_t first_query = p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
-  const int64_t m_begin = first_query / kBlockM, m_end = ceil_div(p.len_q, kBlockM);
+  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockM, m_end = ceil_div(p.len_q, kBlockM);
   const int64_t steps = (m_end - m_begin) * group;
 
   // A step's work: query tile m (rows m * kBlockM..) of query head h. Steps run

@@ -57,6 +57,20 @@ __device__ __forceinline__ int64_t causal_offset(const AttentionProblem& p) {
   return p.causal_lower_right ? p.len_k - p.len_q : 0;
 }
 
+// Keys [0, key_end) that some query row of [row0, row0 + rows) sees; offset
+// from causal_offset.
+__device__ __forceinline__ int64_t visible_key_end(const AttentionProblem& p, int64_t offset, int64_t row0,
+                                                   int64_t rows) {
+  const int64_t last_row = min(row0 + rows, p.len_q) - 1;
+  return p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
+}
+
+// The first query row that sees key col0 or a later one (len_q if none does);
+// offset from causal_offset.
+__device__ __forceinline__ int64_t first_visible_query(const AttentionProblem& p, int64_t offset, int64_t col0) {
+  return p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
+}
+
 // Lane offsets (in elements) of ldmatrix row addresses in a row-major tile of
 // row stride kStride. For A fragments and for B read transposed: lanes 0-15
 // give rows 0-15 at column 0, lanes 16-31 the same rows at column 8. For B read

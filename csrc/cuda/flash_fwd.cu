@@ -72,9 +72,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const int dim = static_cast<int>(p.head_dim);
 
   const int64_t offset = causal_offset(p);
-  const int64_t last_row = min(row0 + kBlockM, p.len_q) - 1;
-  const int64_t key_end = p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
-  const int n_blocks = static_cast<int>(ceil_div(key_end, kBlockN));
+  const int n_blocks = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockM), kBlockN));
 
   auto load_kv = [&](int n_block) {
     const int buf = n_block & 1;
