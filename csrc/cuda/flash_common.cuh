@@ -85,23 +85,45 @@ __device__ __forceinline__ int b_lane_offset(int lane) {
   return (lane % 8 + (lane / 16) * 8) * kStride + ((lane / 8) % 2) * 8;
 }
 
-// acc += A B^T for a warp: A is kMTiles x 16 rows of kK columns and B is
-// kNTiles x 8 rows of kK columns, both row-major in shared memory (a_frag,
-// b_frag: this lane's ldmatrix addresses, from a_lane_offset and b_lane_offset).
-// The pattern of S = Q K^T and of every "rows times rows transposed" product.
-template <typename Elem, int kMTiles, int kNTiles, int kK, int kStride>
-__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kMTiles][kNTiles][4], uint32_t a_frag,
-                                                 uint32_t b_frag) {
+// How an mma operand tile sits in shared memory: kRowMajor keeps its M (for A)
+// or N (for B) index along the rows and K along each row; kKMajor keeps K
+// along the rows, so ldmatrix reads it transposed.
+enum class Operand { kRowMajor, kKMajor };
+
+// This lane's ldmatrix offset (elements) in an A or B operand tile of the given layout.
+template <Operand kLayout, int kStride, bool kIsA>
+__device__ __forceinline__ int operand_lane_offset(int lane) {
+  return (kLayout == Operand::kRowMajor) == kIsA ? a_lane_offset<kStride>(lane) : b_lane_offset<kStride>(lane);
+}
+
+// acc += A B for a warp, A (kMTiles x 16 by kK) and B (kK by kNTiles x 8)
+// both in shared memory, in the layouts kA and kB with row strides kStrideA
+// and kStrideB (elements). a_frag and b_frag are this lane's ldmatrix
+// addresses of their (0, 0) elements: the tiles' shared-space addresses plus
+// operand_lane_offset, which callers in a loop compute once.
+template <typename Elem, int kMTiles, int kNTiles, int kK, Operand kA, int kStrideA, Operand kB, int kStrideB>
+__device__ __forceinline__ void mma_smem_fragments(float (&acc)[kMTiles][kNTiles][4], uint32_t a_frag,
+                                                   uint32_t b_frag) {
   constexpr int kElemBytes = sizeof(Elem);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
     uint32_t a[kMTiles][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) ptx::ldmatrix_x4(a[mt], a_frag + (mt * 16 * kStride + kk * 16) * kElemBytes);
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      if constexpr (kA == Operand::kRowMajor) {
+        ptx::ldmatrix_x4(a[mt], a_frag + (mt * 16 * kStrideA + kk * 16) * kElemBytes);
+      } else {
+        ptx::ldmatrix_x4_trans(a[mt], a_frag + (kk * 16 * kStrideA + mt * 16) * kElemBytes);
+      }
+    }
 #pragma unroll
     for (int np = 0; np < kNTiles / 2; ++np) {
       uint32_t b[4];
-      ptx::ldmatrix_x4(b, b_frag + (np * 16 * kStride + kk * 16) * kElemBytes);
+      if constexpr (kB == Operand::kRowMajor) {
+        ptx::ldmatrix_x4(b, b_frag + (np * 16 * kStrideB + kk * 16) * kElemBytes);
+      } else {
+        ptx::ldmatrix_x4_trans(b, b_frag + (kk * 16 * kStrideB + np * 16) * kElemBytes);
+      }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
@@ -109,6 +131,25 @@ __device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kMTiles][kNTiles][
       }
     }
   }
+}
+
+// The same from the tiles' shared-space addresses a_tile and b_tile.
+template <typename Elem, int kMTiles, int kNTiles, int kK, Operand kA, int kStrideA, Operand kB, int kStrideB>
+__device__ __forceinline__ void mma_smem_by_smem(float (&acc)[kMTiles][kNTiles][4], uint32_t a_tile,
+                                                 uint32_t b_tile, int lane) {
+  constexpr int kElemBytes = sizeof(Elem);
+  mma_smem_fragments<Elem, kMTiles, kNTiles, kK, kA, kStrideA, kB, kStrideB>(
+      acc, a_tile + operand_lane_offset<kA, kStrideA, true>(lane) * kElemBytes,
+      b_tile + operand_lane_offset<kB, kStrideB, false>(lane) * kElemBytes);
+}
+
+// acc += A B^T with A and B both row-major (kMTiles x 16 and kNTiles x 8 rows
+// of kK columns): the pattern of S = Q K^T. a_frag, b_frag as for mma_smem_fragments.
+template <typename Elem, int kMTiles, int kNTiles, int kK, int kStride>
+__device__ __forceinline__ void mma_rows_by_rows(float (&acc)[kMTiles][kNTiles][4], uint32_t a_frag,
+                                                 uint32_t b_frag) {
+  mma_smem_fragments<Elem, kMTiles, kNTiles, kK, Operand::kRowMajor, kStride, Operand::kRowMajor, kStride>(acc, a_frag,
+                                                                                                         b_frag);
 }
 
 // acc += X B for a warp: X is kMTiles x 16 rows of kK columns held as float
@@ -134,51 +175,6 @@ __device__ __forceinline__ void mma_regs_by_rows(float (&acc)[kMTiles][kN / 8][4
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t b[4];
       ptx::ldmatrix_x4_trans(b, b_frag + (kk * 16 * kStride + np * 16) * kElemBytes);
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
-        ptx::mma_16x8x16<Elem>(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
-      }
-    }
-  }
-}
-
-// How an mma operand tile sits in shared memory: kRowMajor keeps its M (for A)
-// or N (for B) index along the rows and K along each row; kKMajor keeps K
-// along the rows, so ldmatrix reads it transposed.
-enum class Operand { kRowMajor, kKMajor };
-
-// acc += A B for a warp, A (kMTiles x 16 by kK) and B (kK by kNTiles x 8)
-// both in shared memory: a_tile and b_tile are the shared-space addresses of
-// their (0, 0) elements, in the layouts kA and kB with row strides kStrideA
-// and kStrideB (elements).
-template <typename Elem, int kMTiles, int kNTiles, int kK, Operand kA, int kStrideA, Operand kB, int kStrideB>
-__device__ __forceinline__ void mma_smem_by_smem(float (&acc)[kMTiles][kNTiles][4], uint32_t a_tile,
-                                                 uint32_t b_tile, int lane) {
-  constexpr int kElemBytes = sizeof(Elem);
-  constexpr bool kARows = kA == Operand::kRowMajor, kBRows = kB == Operand::kRowMajor;
-  const int a_offset = kARows ? a_lane_offset<kStrideA>(lane) : b_lane_offset<kStrideA>(lane);
-  const int b_offset = kBRows ? b_lane_offset<kStrideB>(lane) : a_lane_offset<kStrideB>(lane);
-  const uint32_t a_lane = a_tile + a_offset * kElemBytes, b_lane = b_tile + b_offset * kElemBytes;
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      if constexpr (kARows) {
-        ptx::ldmatrix_x4(a[mt], a_lane + (mt * 16 * kStrideA + kk * 16) * kElemBytes);
-      } else {
-        ptx::ldmatrix_x4_trans(a[mt], a_lane + (kk * 16 * kStrideA + mt * 16) * kElemBytes);
-      }
-    }
-#pragma unroll
-    for (int np = 0; np < kNTiles / 2; ++np) {
-      uint32_t b[4];
-      if constexpr (kBRows) {
-        ptx::ldmatrix_x4(b, b_lane + (np * 16 * kStrideB + kk * 16) * kElemBytes);
-      } else {
-        ptx::ldmatrix_x4_trans(b, b_lane + (kk * 16 * kStrideB + np * 16) * kElemBytes);
-      }
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
         ptx::mma_16x8x16<Elem>(acc[mt][2 * np], a[mt], b[0], b[1]);
