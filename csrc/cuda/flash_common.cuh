@@ -26,22 +26,31 @@ __host__ __device__ constexpr int smem_stride() {
 
 // Start an asynchronous copy of rows [row0, row0 + kRows) of one head into
 // shared memory; rows at or past len, and columns at or past dim, read as 0.
+// Each thread copies one fixed 16-byte column chunk of every kRowsPerPass-th
+// row, so that a row step is one pointer increment: the index arithmetic of a
+// flat loop over all chunks took more instructions than the copies themselves.
 template <int kRows, int kHeadDim, int kThreads, typename Elem>
 __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* head, int64_t stride_row, int64_t row0,
                                                 int64_t len, int dim) {
-  constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
-  // Short loops are unrolled (measured faster); longer ones stay rolled, since
-  // their hoisted addresses made the head-dim-128 forward spill.
-  constexpr int kIters = ceil_div(kRows * kChunks, kThreads);
-#pragma unroll(kIters <= 4 ? kIters : 1)
-  for (int it = 0; it < kIters; ++it) {
-    const int i = it * kThreads + threadIdx.x;
-    if ((kRows * kChunks) % kThreads != 0 && i >= kRows * kChunks) break;
-    const int r = i / kChunks;
-    const int c = (i % kChunks) * 8;
-    const bool valid = row0 + r < len && c < dim;
-    const Elem* src = valid ? head + (row0 + r) * stride_row + c : head;
-    ptx::cp_async_16(smem + r * smem_stride<kHeadDim>() + c, src, valid);
+  constexpr int kChunks = kHeadDim / 8;                                      // 16-byte chunks per row
+  constexpr int kChunkSlots = kChunks <= 8 ? 8 : kChunks <= 16 ? 16 : 32;  // threads per row, a power of two
+  constexpr int kRowsPerPass = kThreads / kChunkSlots;
+  static_assert(kChunks <= 32 && kThreads % kChunkSlots == 0 && kRows % kRowsPerPass == 0,
+                "the tile must split into whole passes of the block's threads");
+  const int r = threadIdx.x / kChunkSlots;
+  const int c = (threadIdx.x % kChunkSlots) * 8;
+  if (c >= kHeadDim) return;  // a slot past the row (head dim 96)
+  // This thread's rows it * kRowsPerPass < rows_left exist.
+  const int rows_left = static_cast<int>(min(len - row0 - r, int64_t(kRows)));
+  const Elem* src = head + (row0 + r) * stride_row + c;
+  Elem* dst = smem + r * smem_stride<kHeadDim>() + c;
+  // Unrolled by up to 4: the hoisted addresses of 8 passes made the head-dim-128 forward spill.
+  constexpr int kPasses = kRows / kRowsPerPass;
+#pragma unroll(kPasses <= 4 ? kPasses : 4)
+  for (int it = 0; it < kPasses; ++it) {
+    const bool valid = it * kRowsPerPass < rows_left && c < dim;
+    ptx::cp_async_16(dst + it * kRowsPerPass * smem_stride<kHeadDim>(), valid ? src : head, valid);
+    src += kRowsPerPass * stride_row;
   }
 }
 
