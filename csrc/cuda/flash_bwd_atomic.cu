@@ -6,7 +6,7 @@
 //   1. S^T = K Q^T and dP^T = V dO^T, 32 keys x 32 queries per warp; P^T and
 //      dS^T = P^T * (dP^T - delta) go to shared memory, rounded to Elem;
 //   2. dV += P^T dO and dK += dS^T Q, 32 keys x D/2 columns per warp, kept in
-//      registers for the whole pass;
+//      registers for the whole pass; between the two,
 //   3. dQ tile = dS K, one piece per warp, added to dq_accum (red.global.add).
 // The warps change roles between phases, so each mma operand comes from shared
 // memory in 32-wide tiles (about two mma per ldmatrix). A last kernel scales
@@ -135,16 +135,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     const int64_t m0 = work.m * kBlockM;
 
     // 1. P^T = exp2(S^T * scale * log2(e) - lse) and dS^T = P^T * (dP^T - delta).
-    // The two products go k-step by k-step, so that 16 independent accumulators
-    // (not 8) hide the latency of each mma.
+    // P^T is computed before dP^T, so that its exponentials overlap the mma of
+    // dP^T (one basic block; the masking comes after both).
     float pt[2][4][4] = {}, dst[2][4][4] = {};
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
       const uint32_t k_step = kk * 16 * kElemBytes;
       mma_smem_by_smem<Elem, 2, 4, 16, kRows, kStride, kRows, kStride>(
           pt, k_smem + key0 * kStride * kElemBytes + k_step, q_buf + query0 * kStride * kElemBytes + k_step, lane);
-      mma_smem_by_smem<Elem, 2, 4, 16, kRows, kStride, kRows, kStride>(
-          dst, v_smem + key0 * kStride * kElemBytes + k_step, do_buf + query0 * kStride * kElemBytes + k_step, lane);
     }
     float col_lse[4][2], col_delta[4][2];  // of this lane's 8 query columns
 #pragma unroll
@@ -153,35 +151,47 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
       const float2 l = *reinterpret_cast<const float2*>(lse + c), d = *reinterpret_cast<const float2*>(delta + c);
       col_lse[nt][0] = l.x, col_lse[nt][1] = l.y, col_delta[nt][0] = d.x, col_delta[nt][1] = d.y;
     }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) pt[mt][nt][e] = ptx::exp2_approx(pt[mt][nt][e] * scale_log2 - col_lse[nt][e % 2]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const uint32_t k_step = kk * 16 * kElemBytes;
+      mma_smem_by_smem<Elem, 2, 4, 16, kRows, kStride, kRows, kStride>(
+          dst, v_smem + key0 * kStride * kElemBytes + k_step, do_buf + query0 * kStride * kElemBytes + k_step, lane);
+    }
     // Key r, query c of the block: hidden iff causal and r - c > diagonal (clamped
     // to the range of r - c), or r >= keys_left. Only tiles that cross the
     // diagonal or the end of the keys pay for the test.
     const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > m0 + offset;
     const bool mask_keys = keys_left < kBlockN;
     const int diagonal = static_cast<int>(min(max(m0 + offset - col0, int64_t(-kBlockM)), int64_t(kBlockN)));
-    auto scores_to_gradients = [&](auto mask_tag) {
+    if (mask_causal || mask_keys) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float prob = ptx::exp2_approx(pt[mt][nt][e] * scale_log2 - col_lse[nt][e % 2]);
-            if constexpr (decltype(mask_tag)::value) {
-              const int r = key0 + mt * 16 + lane / 4 + (e / 2) * 8;
-              const int c = query0 + nt * 8 + (lane % 4) * 2 + e % 2;
-              if ((mask_causal && r - c > diagonal) || r >= keys_left) prob = 0.f;
-            }
-            pt[mt][nt][e] = prob;
-            dst[mt][nt][e] = prob * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+            const int r = key0 + mt * 16 + lane / 4 + (e / 2) * 8;
+            const int c = query0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            if ((mask_causal && r - c > diagonal) || r >= keys_left) pt[mt][nt][e] = 0.f;
           }
         }
       }
-    };
-    if (mask_causal || mask_keys) {
-      scores_to_gradients(std::true_type{});
-    } else {
-      scores_to_gradients(std::false_type{});
+    }
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[mt][nt][e] = pt[mt][nt][e] * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+      }
     }
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -198,17 +208,15 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     }
     __syncthreads();
 
-    // 2. dV += P^T dO, dK += dS^T Q (scaled at the end).
+    // 2. dV += P^T dO; 3. a dQ piece = dS K, with dS read transposed from dS^T,
+    // added to dq_accum; 4. dK += dS^T Q (scaled at the end). The atomics go out
+    // while the tensor cores work on dK.
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      const uint32_t a_step = kk * 16 * kElemBytes, b_step = kk * 16 * kStride * kElemBytes;
       mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
-          dv, pt_smem + key0 * kScoreStride * kElemBytes + a_step, do_buf + dim0 * kElemBytes + b_step, lane);
-      mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
-          dk, dst_smem + key0 * kScoreStride * kElemBytes + a_step, q_buf + dim0 * kElemBytes + b_step, lane);
+          dv, pt_smem + (key0 * kScoreStride + kk * 16) * kElemBytes, do_buf + (dim0 + kk * 16 * kStride) * kElemBytes,
+          lane);
     }
-
-    // 3. dQ piece = dS K, with dS read transposed from dS^T; added to dq_accum.
     float dq[Cfg::kDqMTiles][Cfg::kDqNTiles][4] = {};
     mma_smem_by_smem<Elem, Cfg::kDqMTiles, Cfg::kDqNTiles, kBlockN, kKMajor, kScoreStride, kKMajor, kStride>(
         dq, dst_smem + dq_row0 * kElemBytes, k_smem + dq_col0 * kElemBytes, lane);
@@ -223,6 +231,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
           ptx::red_add_v2_f32(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
         }
       }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
+          dk, dst_smem + (key0 * kScoreStride + kk * 16) * kElemBytes, q_buf + (dim0 + kk * 16 * kStride) * kElemBytes,
+          lane);
     }
     work = next_work;
   }
