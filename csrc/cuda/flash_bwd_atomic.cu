@@ -127,8 +127,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     __syncthreads();
     const int buf = step & 1;
     const Work next_work = next(work);
-    if (step + 1 < steps) load_queries(next_work, buf ^ 1);
-    ptx::cp_async_commit();
     const uint32_t q_buf = q_smem + buf * kTile * kElemBytes, do_buf = do_smem + buf * kTile * kElemBytes;
     const float* lse = s_lse + buf * kBlockM;
     const float* delta = s_delta + buf * kBlockM;
@@ -207,6 +205,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
       }
     }
     __syncthreads();
+    // The next tile loads from here, apart from the last step's dQ atomics in the memory queue.
+    if (step + 1 < steps) load_queries(next_work, buf ^ 1);
+    ptx::cp_async_commit();
 
     // 2. dV += P^T dO; 3. a dQ piece = dS K, with dS read transposed from dS^T,
     // added to dq_accum; 4. dK += dS^T Q (scaled at the end). The atomics go out
