@@ -34,10 +34,19 @@ struct AtomicBwdConfig {
   static constexpr int kDqWarpRows = (kHeadDim / 4) % 16 == 0 ? 2 : 4;
   static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpRows;
   static constexpr int kDqNTiles = kHeadDim / 8 / (kWarps / kDqWarpRows);
+  static_assert(kDqNTiles % 2 == 0, "dQ pieces are whole groups of 16 columns (see dq_accum_column)");
   // K, V; two buffers of Q, dO; P^T, dS^T (16-bit elements); two of lse, delta.
   static constexpr int kSmemBytes =
       ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kScoreStride) * 2 + 4 * kBlockM * sizeof(float);
 };
+
+// dq_accum permutes the columns of each group of 16 so that a lane's values of
+// two adjacent n8 mma tiles lie side by side: one red.global.add.v4 adds them,
+// half the atomic instructions of pairs (which crowd the memory queue). Column
+// nt * 8 + q * 2 + e of a group (nt < 2, q < 4, e < 2) is kept at q * 4 + nt * 2 + e.
+__host__ __device__ constexpr int dq_accum_column(int col) {
+  return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
+}
 
 template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {
@@ -226,10 +235,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     for (int mt = 0; mt < Cfg::kDqMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float* row = dq_piece + (mt * 16 + lane / 4 + half * 8) * kHeadDim + (lane % 4) * 2;
+        float* row = dq_piece + (mt * 16 + lane / 4 + half * 8) * kHeadDim + dq_accum_column((lane % 4) * 2);
 #pragma unroll
-        for (int nt = 0; nt < Cfg::kDqNTiles; ++nt) {
-          ptx::red_add_v2_f32(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1]);
+        for (int nt = 0; nt < Cfg::kDqNTiles; nt += 2) {
+          ptx::red_add_v4_f32(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1], dq[mt][nt + 1][2 * half],
+                              dq[mt][nt + 1][2 * half + 1]);
         }
       }
     }
@@ -278,7 +288,7 @@ __global__ void __launch_bounds__(kConvertThreads) attention_dq_convert_kernel(c
   const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
   const int64_t padded_len_q = ceil_div(p.len_q, Cfg::kBlockM) * Cfg::kBlockM;
   const float2 acc = *reinterpret_cast<const float2*>(
-      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * Cfg::kHeadDim + col);
+      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * Cfg::kHeadDim + dq_accum_column(col));
   const float scale = static_cast<float>(p.scale);
   *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
       ptx::pack2<Elem>(acc.x * scale, acc.y * scale);

@@ -71,15 +71,18 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// red.global.add.v2.f32: adds two floats to two adjacent floats in global
-// memory (8-byte aligned) without returning the old values; the vector form
-// needs sm_90, older GPUs issue two scalar red.global.add.f32.
-__device__ __forceinline__ void red_add_v2_f32(float* gmem, float a, float b) {
+// red.global.add.v4.f32: adds four floats to four adjacent floats in global
+// memory (16-byte aligned) without returning the old values; the vector form
+// needs sm_90, older GPUs issue four scalar red.global.add.f32.
+__device__ __forceinline__ void red_add_v4_f32(float* gmem, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b) : "memory");
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(gmem), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
 #else
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(a) : "memory");
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 1), "f"(b) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 2), "f"(c) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem + 3), "f"(d) : "memory");
 #endif
 }
 
