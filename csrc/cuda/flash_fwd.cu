@@ -103,11 +103,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     }
   }
 
-  // One key tile; kMask says whether any score of it may need masking. Only
-  // the last tile and those crossing the causal diagonal do, so the others run
-  // a body without any masking instructions.
-  auto process_tile = [&](int n_block, auto mask_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
+  // One key tile. The general body (kGeneral) scales every score, then masks
+  // keys past the end and above the causal diagonal. The fast body serves
+  // tiles with nothing to mask when the scale is positive: the row max of the
+  // unscaled scores, times the scale, is the max of the scaled ones, so scaling
+  // and subtracting the max fold into one fma per score.
+  auto process_tile = [&](int n_block, auto general_tag) {
+    constexpr bool kGeneral = decltype(general_tag)::value;
 
     // S = Q K^T for this warp's rows and the tile's kBlockN keys.
     const uint32_t k_tile = k_frag + (n_block & 1) * kTileBytes;
@@ -115,22 +117,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     float s[kMTiles][kKeyTiles][4] = {};
     mma_rows_by_rows<Elem, kMTiles, kKeyTiles, kHeadDim, kStride>(s, q_frag, k_tile);
 
-    // Scale; mask keys past the end, and above the diagonal where the tile
-    // crosses it. In tile coordinates (r, c): key c is past the end if
-    // c >= keys_left, and above the diagonal if c - r > diagonal.
-    const int64_t col0 = int64_t(n_block) * kBlockN;
-    const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-    const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
-    const int diagonal = static_cast<int>(min(max(row0 + offset - col0, int64_t(-kBlockM - 1)), int64_t(kBlockN)));
+    if constexpr (kGeneral) {
+      // Scale; mask keys past the end, and above the diagonal where the tile
+      // crosses it. In tile coordinates (r, c): key c is past the end if
+      // c >= keys_left, and above the diagonal if c - r > diagonal.
+      const int64_t col0 = int64_t(n_block) * kBlockN;
+      const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+      const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+      const int diagonal = static_cast<int>(min(max(row0 + offset - col0, int64_t(-kBlockM - 1)), int64_t(kBlockN)));
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < kKeyTiles; ++nt) {
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float& x = s[mt][nt][e];
-          x *= scale_log2;
-          if constexpr (kMask) {
+          for (int e = 0; e < 4; ++e) {
+            float& x = s[mt][nt][e];
+            x *= scale_log2;
             const int r = warp_row0 + mt * 16 + lane / 4 + (e / 2) * 8;
             const int c = nt * 8 + (lane % 4) * 2 + e % 2;
             if (c >= keys_left || (mask_causal && c - r > diagonal)) x = -INFINITY;
@@ -140,30 +142,46 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     }
 
     // Online softmax. Each row lives in the 4 lanes of a quad, two rows per m-tile.
+    float rescale[kMTiles][2];
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // Max and sum as trees, not chains of dependent instructions.
-        float tile_max = fmaxf(row_max[mt][half], tree_reduce<kKeyTiles>(s[mt], 2 * half, fmaxf_op));
+        float tile_max = tree_reduce<kKeyTiles>(s[mt], 2 * half, fmaxf_op);
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+        if constexpr (!kGeneral) tile_max *= scale_log2;
+        tile_max = fmaxf(row_max[mt][half], tile_max);
         // A row with nothing visible yet keeps max -inf; subtract 0 instead so
         // that exp2(-inf - max) stays 0 rather than NaN.
         const float max_used = tile_max == -INFINITY ? 0.f : tile_max;
-        const float rescale = ptx::exp2_approx(row_max[mt][half] - max_used);
+        rescale[mt][half] = ptx::exp2_approx(row_max[mt][half] - max_used);
         row_max[mt][half] = tile_max;
 #pragma unroll
         for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-          for (int e = 2 * half; e < 2 * half + 2; ++e) s[mt][nt][e] = ptx::exp2_approx(s[mt][nt][e] - max_used);
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            float& x = s[mt][nt][e];
+            x = ptx::exp2_approx(kGeneral ? x - max_used : fmaf(x, scale_log2, -max_used));
+          }
         }
         const float tile_sum = tree_reduce<kKeyTiles>(s[mt], 2 * half, add_op);
-        row_sum[mt][half] = row_sum[mt][half] * rescale + tile_sum;  // per-lane partial sum
+        row_sum[mt][half] = row_sum[mt][half] * rescale[mt][half] + tile_sum;  // per-lane partial sum
+      }
+    }
+    // The output needs rescaling only where a row max grew; after the first
+    // tiles that is rare, and the warp skips the multiplies (a factor of exactly 1).
+    bool max_grew = false;
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) max_grew |= rescale[mt][0] != 1.f || rescale[mt][1] != 1.f;
+    if (__any_sync(0xffffffff, max_grew)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
         for (int dt = 0; dt < kDimTiles; ++dt) {
-          acc_o[mt][dt][2 * half] *= rescale;
-          acc_o[mt][dt][2 * half + 1] *= rescale;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] *= rescale[mt][e / 2];
         }
       }
     }
@@ -178,7 +196,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     ptx::cp_async_wait<1>();  // everything but the prefetch just issued has landed
     __syncthreads();
     const int64_t col_last = int64_t(n_block + 1) * kBlockN - 1;
-    if (col_last >= p.len_k || (p.is_causal && col_last > row0 + offset)) {
+    if (!(scale_log2 > 0.f) || col_last >= p.len_k || (p.is_causal && col_last > row0 + offset)) {
       process_tile(n_block, std::true_type{});
     } else {
       process_tile(n_block, std::false_type{});
