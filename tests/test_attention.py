@@ -119,6 +119,36 @@ def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0], ids=["negative", "zero", "large"])
+def test_any_scale_error_within_twice_sdpa(scale, device):
+    """The forward's fast path folds a positive scale into the row max; zero and negative scales take
+    the general path. With whole key tiles (200 keys) both paths run; each must give SDPA's answer."""
+    dtype = torch.bfloat16
+    shape = (2, 4, 2, 130, 200, 64, 64)
+    skip_unless_kernel_covers(device, dtype, shape[5], shape[6])
+    inputs = make_inputs(shape, dtype, device)
+    grad_out = random_grad_out(shape, device)
+
+    def ours(q, k, v):
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+    want = forward_and_grads(sdpa, [t.detach().double() for t in inputs], grad_out)
+    got = forward_and_grads(ours, inputs, grad_out)
+    baseline = forward_and_grads(sdpa, inputs, grad_out)
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
+        assert torch.isfinite(g).all(), name
+        ours_error = relative_error(g, w, zero_scale=problem_scale)
+        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
+            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
 def test_lse_is_logsumexp_of_scaled_scores(mode, device):
     q, k, v = make_inputs((2, 4, 2, 65, 130, 32, 32), torch.float32 if device == "cpu" else torch.bfloat16, device)
