@@ -50,6 +50,21 @@ def run(case, dtype):
             raise RuntimeError(f"{name} is not finite for {case} in {dtype}")
 
 
+def run_copied_inputs(dtype):
+    """A query at an odd storage offset and a stride-0 upstream gradient: the glue copies both to
+    aligned rows, and the copies must live until the kernels have run (memcheck would report a read
+    of freed memory otherwise, the caching allocator being off)."""
+    storage = torch.randn(1 + 2 * 3 * 70 * 64, device="cuda", dtype=dtype)
+    q = storage[1:].view(2, 3, 70, 64).requires_grad_()
+    k, v = (torch.randn(2, 3, 70, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.sum().backward()  # its gradient is a stride-0 expanded one
+    torch.cuda.synchronize()
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        if not torch.isfinite(t).all():
+            raise RuntimeError(f"{name} is not finite for the copied inputs in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -62,6 +77,9 @@ def main():
             for dtype in DTYPES:
                 run(case, dtype)
                 print(f"ok {case} {dtype} deterministic={deterministic}", flush=True)
+        for dtype in DTYPES:
+            run_copied_inputs(dtype)
+            print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)
 
 
 if __name__ == "__main__":

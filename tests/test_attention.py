@@ -1,6 +1,8 @@
 """Values and gradients of flashattn_ext against a naive float64 reference and torch SDPA.
 
 Each test runs on CPU, and on CUDA where a GPU is present."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -203,6 +205,27 @@ def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
     out.sum().backward()
     for t in (q, k, v):
         assert t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_at_odd_storage_offsets(device):
+    """q, k, v and grad_out that start 2 bytes into their storage, so no row is 16-byte aligned: the CUDA
+    glue copies them to aligned rows first. Results match those of aligned copies of the same values."""
+    shape = (2, 3, 70, 64)
+
+    def at_odd_offset(seed):
+        values = torch.randn(1 + math.prod(shape), generator=torch.Generator().manual_seed(seed))
+        return values.to(device=device, dtype=torch.bfloat16)[1:].view(shape)
+
+    q, k, v, grad_out = (at_odd_offset(seed) for seed in range(4))
+    results = []
+    for inputs, upstream in (((q, k, v), grad_out), ([t.clone() for t in (q, k, v)], grad_out.clone())):
+        assert all((t.data_ptr() % 16 == 0) == (upstream is not grad_out) for t in (*inputs, upstream))
+        inputs = [t.requires_grad_() for t in inputs]
+        out = flashattn_ext.scaled_dot_product_attention(*inputs, is_causal=True)
+        results.append((out, *torch.autograd.grad(out, inputs, upstream)))
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(got, want, msg=name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

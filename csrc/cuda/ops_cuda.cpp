@@ -30,13 +30,14 @@ void check_kernel_coverage(const AttentionProblem& p, const std::optional<at::Te
 
 // The kernels copy rows in 16-byte pieces: the last dim must be contiguous and
 // every row start 16-byte aligned. Anything else (rare: a stride-0 grad_out,
-// an odd storage offset) is copied into a contiguous tensor first.
+// an odd storage offset) is copied into a fresh contiguous tensor first: a
+// clone, since contiguous() keeps a contiguous tensor at an odd offset as it is.
 at::Tensor with_aligned_rows(const at::Tensor& t) {
   const int64_t elems_per_16_bytes = 16 / t.element_size();
   const bool aligned = t.stride(3) == 1 && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
                        t.stride(0) % elems_per_16_bytes == 0 && t.stride(1) % elems_per_16_bytes == 0 &&
                        t.stride(2) % elems_per_16_bytes == 0;
-  return aligned ? t : t.contiguous();
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -47,8 +48,11 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, c
                                                           int64_t /*dropout_offset*/) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out, lse;
-  const FwdParams params = prepare_forward(with_aligned_rows(q), with_aligned_rows(k), with_aligned_rows(v),
-                                           {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
+  // Named, so that a copy made for alignment lives until the kernel has been
+  // enqueued (params keeps only its pointer).
+  const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
+  const FwdParams params =
+      prepare_forward(q_rows, k_rows, v_rows, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
   const cuda::ElementType type = element_type(q);
   check_kernel_coverage(params.problem, attn_mask);
   cuda::attention_forward(params, type, at::cuda::getCurrentCUDAStream());
@@ -63,8 +67,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     bool compute_grad_attn_mask) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, delta, dmask;
-  BwdParams params = prepare_backward(with_aligned_rows(dout), with_aligned_rows(q), with_aligned_rows(k),
-                                      with_aligned_rows(v), with_aligned_rows(out), lse,
+  // Named, so that copies made for alignment live until the kernels have been enqueued.
+  const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
+                   v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
+  BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse,
                                       {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
                                       compute_grad_attn_mask, dq, dk, dv, delta, dmask);
   const cuda::ElementType type = element_type(q);
