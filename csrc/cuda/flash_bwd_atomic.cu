@@ -218,9 +218,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     if (step + 1 < steps) load_queries(next_work, buf ^ 1);
     ptx::cp_async_commit();
 
-    // 2. dV += P^T dO; 3. a dQ piece = dS K, with dS read transposed from dS^T,
-    // added to dq_accum; 4. dK += dS^T Q (scaled at the end). The atomics go out
-    // while the tensor cores work on dK.
+    // 2. dV += P^T dO; then 3., the dQ piece = dS K (dS read transposed from
+    // dS^T) added to dq_accum; then dK += dS^T Q (scaled at the end), so that
+    // the atomics go out while the tensor cores work on dK.
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) {
       mma_smem_by_smem<Elem, 2, kHalfDimTiles, 16, kRows, kScoreStride, kKMajor, kStride>(
