@@ -4,6 +4,7 @@ FLASHATTN_EXT_REQUIRE_CUDA=1 makes a missing CUDA toolchain an error (CI sets it
 """
 import glob
 import os
+import subprocess
 
 import torch
 from setuptools import find_packages, setup
@@ -25,6 +26,21 @@ def cuda_build_status():
     return True, ""
 
 
+def shared_libstdcxx_link_args():
+    """Link flags that keep the C++ runtime shared with torch's.
+
+    A compiler that finds no libstdc++.so in its own search path (a GCC wrapper whose
+    lib dir holds only libstdc++.a) links a static copy into the extension; with that
+    second runtime beside torch's, formatting a number into an error message crashed.
+    Then name the shared library itself."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    return [] if os.path.isabs(found.strip()) else ["-l:libstdc++.so.6"]
+
+
 def sources(*patterns):
     return sorted(path for pattern in patterns for path in glob.glob(pattern))
 
@@ -42,6 +58,7 @@ if build_cuda:
         common_sources + sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu"),
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+        extra_link_args=shared_libstdcxx_link_args(),
     )
 else:
     print(f"flashattn_ext: building for CPU only ({why_not}); CUDA tensors will raise an error")
@@ -50,6 +67,7 @@ else:
         common_sources,
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=shared_libstdcxx_link_args(),
     )
 
 setup(

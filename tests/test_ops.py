@@ -1,11 +1,14 @@
 """The registered ops themselves: gradcheck, opcheck, autograd wiring and argument errors."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import DEVICES, random_qkv, seq_major_qkv, skip_unless_kernel_covers
+from helpers import CUDA_REASON, DEVICES, random_qkv, seq_major_qkv, skip_unless_kernel_covers
 
 ops = torch.ops.flashattn_ext
 
@@ -224,3 +227,27 @@ def test_compiles_with_masks_without_graph_breaks(device):
     torch.testing.assert_close(out, want)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)
+def test_error_messages_with_numbers_on_cuda():
+    """Errors raised from the library on CUDA tensors, with numbers in their messages, arrive as exceptions.
+    A build that linked its own static copy of the C++ runtime crashed formatting those numbers (a
+    toolchain whose lib dir held only libstdc++.a); run in a subprocess, so that a crash fails this test."""
+    script = """
+import torch, flashattn_ext
+ops = torch.ops.flashattn_ext
+q = torch.randn(1, 2, 8, 3, device="cuda", dtype=torch.float16)
+for k, message in ((torch.randn(1, 3, 8, 3, device="cuda", dtype=torch.float16), "the 3 key/value heads must divide the 2 query heads"),
+                   (q, "got 3")):
+    try:
+        ops.attention_forward(q, k, k, None, 0.0, False, False, 0.5, 0, 0)
+    except (RuntimeError, NotImplementedError) as e:
+        assert message in str(e), str(e)
+    else:
+        raise AssertionError("no error")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
