@@ -11,6 +11,11 @@ DEVICES = [
 ]
 
 
+def cuda_test(fn):
+    """Marks a GPU-only test: the cuda marker, and a skip with a reason where there is no GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)(fn))
+
+
 # Our error may exceed twice torch SDPA's own by this much: about one unit in the
 # last place of each dtype, relative to the tensor's scale.
 ERROR_FLOOR = {torch.float32: 2e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
@@ -67,23 +72,6 @@ def random_qkv(shape_q, shape_k, shape_v, dtype, device, seed=0):
         torch.randn(shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype).requires_grad_()
         for shape in (shape_q, shape_k, shape_v)
     )
-
-
-def skip_unless_kernel_covers(device, dtype, head_dim=8, head_dim_v=None):
-    """Skips CUDA cases the CUDA kernels do not cover yet: they take float16 and
-    bfloat16, head dims that are multiples of 8 up to 256, and Ev == E. The
-    fallback for everything else is the next step (issue 4)."""
-    if device != "cuda":
-        return
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    covered = (
-        dtype in (torch.float16, torch.bfloat16)
-        and head_dim % 8 == 0
-        and head_dim <= 256
-        and head_dim_v == head_dim
-    )
-    if not covered:
-        pytest.skip(f"CUDA kernels do not cover {dtype}, E={head_dim}, Ev={head_dim_v} yet")
 
 
 def seq_major_qkv(batch, length, heads, head_dim, device, seed):

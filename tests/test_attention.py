@@ -2,6 +2,8 @@
 
 Each test runs on CPU, and on CUDA where a GPU is present."""
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,11 +15,11 @@ import flashattn_ext
 from helpers import (
     DEVICES,
     ERROR_FLOOR,
+    cuda_test,
     naive_attention,
     random_qkv,
     relative_error,
     seq_major_qkv,
-    skip_unless_kernel_covers,
 )
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): ragged lengths,
@@ -68,7 +70,6 @@ def forward_and_grads(fn, inputs, grad_out):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_float64_matches_naive_reference(shape, mode, device):
     """In float64 the kernel must agree with the naive formula to rounding."""
-    skip_unless_kernel_covers(device, torch.float64)
     inputs = make_inputs(shape, torch.float64, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
     gqa = shape[1] != shape[2]
@@ -83,11 +84,12 @@ def test_float64_matches_naive_reference(shape, mode, device):
         return naive_attention(q, k, v, is_causal, lower_right, enable_gqa=gqa)[0]
 
     grad_out = random_grad_out(shape, device)
-    for name, got, want in zip(
-        ("out", "dq", "dk", "dv"), forward_and_grads(ours, inputs, grad_out), forward_and_grads(reference, inputs, grad_out)
-    ):
-        assert torch.isfinite(got).all(), name
-        assert relative_error(got, want) < 1e-12, name
+    got, want = forward_and_grads(ours, inputs, grad_out), forward_and_grads(reference, inputs, grad_out)
+    # Where every row sees one key, dq is exactly 0: measured against the problem's scale.
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.isfinite(g).all(), name
+        assert relative_error(g, w, zero_scale=problem_scale) < 1e-12, name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -96,7 +98,6 @@ def test_float64_matches_naive_reference(shape, mode, device):
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
     """Error against a float64 reference: at most twice torch SDPA's own error in the same dtype, plus a floor."""
-    skip_unless_kernel_covers(device, dtype, shape[5], shape[6])
     inputs = make_inputs(shape, dtype, device)
     gqa = shape[1] != shape[2]
     grad_out = random_grad_out(shape, device)
@@ -128,7 +129,6 @@ def test_any_scale_error_within_twice_sdpa(scale, device):
     the general path. With whole key tiles (200 keys) both paths run; each must give SDPA's answer."""
     dtype = torch.bfloat16
     shape = (2, 4, 2, 130, 200, 64, 64)
-    skip_unless_kernel_covers(device, dtype, shape[5], shape[6])
     inputs = make_inputs(shape, dtype, device)
     grad_out = random_grad_out(shape, device)
 
@@ -170,7 +170,6 @@ def test_lse_is_logsumexp_of_scaled_scores(mode, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_sdpa_lower_right_causal_bias(device):
     """Bottom-right alignment means what torch's causal_lower_right bias means."""
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 40, 100, 16, 16), torch.float64, device)
     ours, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias.causal_lower_right(40, 100))
@@ -180,7 +179,6 @@ def test_matches_torch_sdpa_lower_right_causal_bias(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
     """Bottom-right causal with len_q > len_k: the first len_q - len_k rows see no key."""
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 9, 4, 8, 8), torch.float64, device)
     out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
@@ -231,7 +229,6 @@ def test_inputs_at_odd_storage_offsets(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_views_and_non_contiguous_grad_out(device):
     """(B, N, H, D) memory transposed to (B, H, N, D), and the stride-0 grad of out.sum()."""
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = seq_major_qkv(2, 33, 3, 16, device, seed=1)
     assert not q.is_contiguous()
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -259,7 +256,6 @@ def test_views_and_non_contiguous_grad_out(device):
     ],
 )
 def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, device):
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv(shape_q, shape_k, shape_v, torch.float64, device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
@@ -274,7 +270,6 @@ def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, dev
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_explicit_scale_and_partial_requires_grad(device):
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, device)
     k.requires_grad_(False)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, scale=0.7)
@@ -289,7 +284,6 @@ def test_explicit_scale_and_partial_requires_grad(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_swaps_into_a_model(device):
     """A module written for F.scaled_dot_product_attention runs unchanged on the shim."""
-    skip_unless_kernel_covers(device, torch.float64)
 
     class SelfAttention(torch.nn.Module):
         def __init__(self, attention):
@@ -334,7 +328,6 @@ def random_mask(shape, dtype, seed):
 @pytest.mark.parametrize("mask_name", list(MASKS))
 def test_attn_mask_matches_sdpa(mask_name, device):
     """Bool and float masks of broadcast shapes, read in place; the float mask's gradient too."""
-    skip_unless_kernel_covers(device, torch.float64)
     shape, dtype = MASKS[mask_name]
     q, k, v = random_qkv((2, 3, 70, 16), (2, 3, 90, 16), (2, 3, 90, 16), torch.float64, device)
     mask = random_mask(shape, dtype, seed=1).to(device)
@@ -355,7 +348,6 @@ def test_attn_mask_matches_sdpa(mask_name, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
 def test_causal_bias_objects_match_sdpa(variant, device):
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv((1, 2, 40, 16), (1, 2, 100, 16), (1, 2, 100, 16), torch.float64, device)
     causal = getattr(sdpa_bias, f"causal_{variant}")(40, 100)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=causal)
@@ -370,7 +362,6 @@ def test_causal_bias_objects_match_sdpa(variant, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_a_mask_hides_entirely_give_zero(device):
     """A bool mask that hides every key of some rows: those rows get 0, as in torch SDPA, and finite gradients."""
-    skip_unless_kernel_covers(device, torch.float64)
     q, k, v = random_qkv((1, 2, 20, 8), (1, 2, 30, 8), (1, 2, 30, 8), torch.float64, device)
     mask = random_mask((20, 30), torch.bool, seed=3).to(device)
     mask[[0, 7, 19]] = False
@@ -380,3 +371,47 @@ def test_rows_a_mask_hides_entirely_give_zero(device):
     out.sum().backward()
     for t in (q, k, v):
         assert torch.isfinite(t.grad).all()
+
+
+@cuda_test
+def test_fallback_chunks_match_reference():
+    """Calls the CUDA kernels do not cover (here float64) run the ATen fallback, which takes
+    query rows in chunks of about 128 MiB of scores: with 2**20 keys, 2 rows per chunk, so 5
+    rows make 3 chunks, causal lower-right and a float mask crossing their boundaries."""
+    shapes = (2, 4, 5, 8), (2, 2, 2**20, 8), (2, 2, 2**20, 8)
+    q, k, v = random_qkv(*shapes, torch.float64, "cuda")
+    grad_out = torch.randn(2, 4, 5, 8, dtype=torch.float64, device="cuda")
+
+    def ours(q, k, v):
+        lower_right, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True, enable_gqa=True)
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True) + lower_right
+
+    def reference(q, k, v):
+        return naive_attention(q, k, v, enable_gqa=True)[0] + naive_attention(q, k, v, True, True, enable_gqa=True)[0]
+
+    got, want = forward_and_grads(ours, (q, k, v), grad_out), forward_and_grads(reference, (q, k, v), grad_out)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 1e-12, name
+
+    mask = torch.randn(5, 2**20, dtype=torch.float64, device="cuda", requires_grad=True)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, want)
+    for g, w in zip(torch.autograd.grad(out, (q, mask), grad_out), torch.autograd.grad(want, (q, mask), grad_out)):
+        torch.testing.assert_close(g, w)
+
+
+@cuda_test
+def test_fallback_warns_once():
+    """The first call the CUDA kernels do not cover warns, once, that it falls back. The warning is
+    torch's C++ TORCH_WARN_ONCE: custom ops called through torch.ops print it to stderr."""
+    script = (
+        "import torch, flashattn_ext\n"
+        "q = torch.randn(1, 2, 9, 8, device='cuda', requires_grad=True)\n"
+        "for _ in range(3):\n"
+        "    flashattn_ext.scaled_dot_product_attention(q, q, q).sum().backward()\n"
+        "torch.cuda.synchronize()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    warnings = [line for line in result.stderr.splitlines() if "fallback" in line]
+    assert len(warnings) == 1 and "not Float" in warnings[0], result.stderr[-2000:]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import CUDA_REASON, DEVICES, ERROR_FLOOR, naive_attention, relative_error
+from helpers import DEVICES, ERROR_FLOOR, cuda_test, naive_attention, relative_error
 
 LENGTHS = (1, 7, 63, 64, 65, 127, 128, 129, 255, 257, 1000)
 CUDA_ONLY_LENGTHS = (2048, 2049)
@@ -233,11 +233,6 @@ def test_sweep(device, seed):
     inputs = make_inputs(case, device, seed)
     got, lse = ours(case, *inputs, poison=device == "cuda")
     check_against_reference(case, inputs, got, lse, f"{device} seed {seed}: {case}")
-
-
-def cuda_test(fn):
-    """Marks a GPU-only test: the cuda marker, and a skip with a reason where there is no GPU."""
-    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)(fn))
 
 
 @cuda_test

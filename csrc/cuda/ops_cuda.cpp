@@ -1,31 +1,46 @@
-// CUDA implementations of the flashattn_ext ops: checks of what the kernels
-// cover, device guard, current stream, launch-error checks.
+// CUDA implementations of the flashattn_ext ops: device guard, current stream,
+// launch-error checks; what the hand-written kernels do not cover goes to the
+// ATen-operation fallback (fallback.h) with a one-time warning.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <optional>
+#include <string>
+
 #include "cuda/flash_cuda.h"
+#include "fallback.h"
 #include "ops.h"
 
 namespace flashattn_ext {
 namespace {
 
-cuda::ElementType element_type(const at::Tensor& q) {
-  TORCH_CHECK_NOT_IMPLEMENTED(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-                              "flashattn_ext: on CUDA only float16 and bfloat16 are supported yet, got ",
-                              q.scalar_type());
-  return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
+// Why the hand-written kernels cannot take a call, or nothing when they can.
+std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p,
+                                      const std::optional<at::Tensor>& attn_mask) {
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
+    return c10::str("the CUDA kernels take float16 and bfloat16, not ", q.scalar_type());
+  }
+  if (p.head_dim % 8 != 0 || p.head_dim > cuda::kMaxHeadDim) {
+    return c10::str("the CUDA kernels take head dims that are multiples of 8 up to ", cuda::kMaxHeadDim, ", not ",
+                    p.head_dim);
+  }
+  if (p.head_dim_v != p.head_dim) {
+    return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
+                    p.head_dim);
+  }
+  if (attn_mask.has_value()) return std::string("the CUDA kernels do not read a tensor attn_mask yet");
+  return std::nullopt;
 }
 
-void check_kernel_coverage(const AttentionProblem& p, const std::optional<at::Tensor>& attn_mask) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!attn_mask.has_value(), "flashattn_ext: attn_mask on CUDA is not supported yet");
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim % 8 == 0 && p.head_dim <= cuda::kMaxHeadDim,
-                              "flashattn_ext: on CUDA the head dim must be a multiple of 8 and at most ",
-                              cuda::kMaxHeadDim, ", got ", p.head_dim);
-  TORCH_CHECK_NOT_IMPLEMENTED(p.head_dim_v == p.head_dim,
-                              "flashattn_ext: on CUDA value's head dim must equal query's yet, got ", p.head_dim_v,
-                              " and ", p.head_dim);
+void warn_fallback(const std::string& gap) {
+  TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
+                  "built from ATen operations.");
+}
+
+cuda::ElementType element_type(const at::Tensor& q) {
+  return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
 }
 
 // The kernels copy rows in 16-byte pieces: the last dim must be contiguous and
@@ -48,14 +63,15 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, c
                                                           int64_t /*dropout_offset*/) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor out, lse;
-  // Named, so that a copy made for alignment lives until the kernel has been
-  // enqueued (params keeps only its pointer).
+  const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
-  const FwdParams params =
-      prepare_forward(q_rows, k_rows, v_rows, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
-  const cuda::ElementType type = element_type(q);
-  check_kernel_coverage(params.problem, attn_mask);
-  cuda::attention_forward(params, type, at::cuda::getCurrentCUDAStream());
+  const FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
+  if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
+    warn_fallback(*gap);
+    fallback_forward(q_rows, k_rows, v_rows, attn_mask, params.problem, out, lse);
+    return {out, lse};
+  }
+  cuda::attention_forward(params, element_type(q), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
@@ -67,14 +83,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     bool compute_grad_attn_mask) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, delta, dmask;
-  // Named, so that copies made for alignment live until the kernels have been enqueued.
+  const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
   const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
-  BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse,
-                                      {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
-                                      compute_grad_attn_mask, dq, dk, dv, delta, dmask);
-  const cuda::ElementType type = element_type(q);
-  check_kernel_coverage(params.problem, attn_mask);
+  BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, options, compute_grad_attn_mask,
+                                      dq, dk, dv, delta, dmask);
+  if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
+    warn_fallback(*gap);
+    fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, params.problem, dq, dk, dv, dmask);
+    return {dq, dk, dv, dmask};
+  }
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
   at::Tensor dq_accum;
   const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
@@ -82,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     dq_accum = at::zeros({dq_accum_floats}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
-  cuda::attention_backward(params, type, at::cuda::getCurrentCUDAStream());
+  cuda::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv, dmask};
 }

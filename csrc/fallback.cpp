@@ -1,0 +1,110 @@
+// The ATen-operation fallback (see fallback.h).
+#include "fallback.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace flashattn_ext {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// Query rows per chunk: as many as keep one chunk's scores within kFallbackChunkBytes.
+int64_t rows_per_chunk(const AttentionProblem& p, at::ScalarType acc) {
+  const int64_t bytes_per_row = std::max<int64_t>(1, p.batch * p.heads_q * p.len_k * int64_t(at::elementSize(acc)));
+  return std::clamp<int64_t>(kFallbackChunkBytes / bytes_per_row, 1, std::max<int64_t>(p.len_q, 1));
+}
+
+// Rows [r0, r0 + rows) of a (batch, heads_q, len, x) tensor in the accumulation
+// type, as (batch, heads_kv, group * rows, x): the query heads of a group
+// stacked, so that one matmul with a (batch, heads_kv, ...) key or value covers them.
+at::Tensor grouped_rows(const at::Tensor& t, const AttentionProblem& p, int64_t r0, int64_t rows,
+                        at::ScalarType acc) {
+  return t.narrow(2, r0, rows).to(acc).reshape({p.batch, p.heads_kv, p.heads_q / p.heads_kv * rows, t.size(3)});
+}
+
+// (batch, heads_kv, group * rows, x) back to (batch, heads_q, rows, x).
+at::Tensor ungrouped(const at::Tensor& t, const AttentionProblem& p, int64_t rows) {
+  return t.reshape({p.batch, p.heads_q, rows, t.size(3)});
+}
+
+// The scaled, masked scores of query rows [r0, r0 + rows): (batch, heads_q, rows, len_k).
+at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const std::optional<at::Tensor>& attn_mask,
+                        const AttentionProblem& p, int64_t r0, int64_t rows) {
+  at::Tensor s = ungrouped(at::matmul(q_rows, k_acc.transpose(-2, -1)).mul_(p.scale), p, rows);
+  if (attn_mask.has_value()) {
+    const at::Tensor mask = attn_mask->narrow(2, r0, rows);
+    if (mask.scalar_type() == at::kBool) {
+      s.masked_fill_(mask.logical_not(), -kInf);
+    } else {
+      s.add_(mask);
+    }
+  }
+  if (p.is_causal) {  // query i sees key j iff j <= i + offset
+    const int64_t offset = p.causal_lower_right ? p.len_k - p.len_q : 0;
+    const at::Tensor query = at::arange(r0, r0 + rows, s.options().dtype(at::kLong)).unsqueeze(1);
+    const at::Tensor key = at::arange(p.len_k, s.options().dtype(at::kLong)).unsqueeze(0);
+    s.masked_fill_(key > query + offset, -kInf);
+  }
+  return s;
+}
+
+// P = softmax(s) by rows, with the row max subtracted (more accurate in float32
+// than exp(s - lse)); 0 on rows that see no key.
+at::Tensor probabilities(const at::Tensor& s) { return at::_safe_softmax(s, -1); }
+
+// The type the fallback computes in: float32 for 16-bit inputs, float64 for
+// float32 and float64 ones (in float32, cuBLAS's sums over long rows came out
+// 3x less accurate than torch's fused float32 kernels).
+at::ScalarType accumulation_type(const at::Tensor& q) {
+  return q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? at::kFloat : at::kDouble;
+}
+
+}  // namespace
+
+void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& attn_mask, const AttentionProblem& p, at::Tensor& out,
+                      at::Tensor& lse) {
+  const at::ScalarType acc = accumulation_type(q);
+  const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
+  const int64_t chunk = rows_per_chunk(p, acc);
+  for (int64_t r0 = 0; r0 < p.len_q; r0 += chunk) {
+    const int64_t rows = std::min(chunk, p.len_q - r0);
+    const at::Tensor s = chunk_scores(grouped_rows(q, p, r0, rows, acc), k_acc, attn_mask, p, r0, rows);
+    const at::Tensor row_lse = at::logsumexp(s, -1, /*keepdim=*/true);
+    const at::Tensor prob = probabilities(s);
+    const at::Tensor out_rows = at::matmul(prob.reshape({p.batch, p.heads_kv, -1, p.len_k}), v_acc);
+    out.narrow(2, r0, rows).copy_(ungrouped(out_rows, p, rows));
+    lse.narrow(2, r0, rows).copy_(row_lse.squeeze(-1));
+  }
+}
+
+void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                       at::Tensor& grad_attn_mask) {
+  const at::ScalarType acc = accumulation_type(q);
+  const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
+  at::Tensor dk_acc = at::zeros(k_acc.sizes(), k_acc.options());
+  at::Tensor dv_acc = at::zeros(v_acc.sizes(), v_acc.options());
+  const int64_t chunk = rows_per_chunk(p, acc);
+  for (int64_t r0 = 0; r0 < p.len_q; r0 += chunk) {
+    const int64_t rows = std::min(chunk, p.len_q - r0);
+    const at::Tensor q_rows = grouped_rows(q, p, r0, rows, acc);
+    const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows));
+    const at::Tensor dout_rows = grouped_rows(dout, p, r0, rows, acc);
+    const at::Tensor delta = (ungrouped(dout_rows, p, rows) * out.narrow(2, r0, rows).to(acc)).sum(-1, true);
+    const at::Tensor prob_grouped = prob.reshape({p.batch, p.heads_kv, -1, p.len_k});
+    dv_acc.add_(at::matmul(prob_grouped.transpose(-2, -1), dout_rows));
+    const at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
+    const at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled scores
+    if (grad_attn_mask.numel() > 0) grad_attn_mask.narrow(2, r0, rows).copy_(dscores);
+    const at::Tensor dscores_grouped = dscores.reshape({p.batch, p.heads_kv, -1, p.len_k});
+    dq.narrow(2, r0, rows).copy_(ungrouped(at::matmul(dscores_grouped, k_acc).mul_(p.scale), p, rows));
+    dk_acc.add_(at::matmul(dscores_grouped.transpose(-2, -1), q_rows).mul_(p.scale));
+  }
+  dk.copy_(dk_acc);
+  dv.copy_(dv_acc);
+}
+
+}  // namespace flashattn_ext

@@ -1,0 +1,34 @@
+// Attention built from ATen operations, on any device, for the calls that the
+// hand-written CUDA kernels do not cover (float32 and float64 inputs, head dims
+// that are not a multiple of 8 or are above 256, Ev != E, a tensor attn_mask).
+// The same algorithm at a coarser grain: query rows go in chunks whose scores
+// (at most about kFallbackChunkBytes of them) are materialized, the forward
+// saves the LSE and the backward recomputes P. Accumulation in float32 for
+// 16-bit inputs, in float64 for float32 and float64 ones; GQA without
+// repeating key and value.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "flash_params.h"
+
+namespace flashattn_ext {
+
+constexpr int64_t kFallbackChunkBytes = int64_t(128) << 20;
+
+// Fills out and lse, as allocated by prepare_forward. q, k, v, attn_mask:
+// (batch, heads, rows, dim) as the ops receive them.
+void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& attn_mask, const AttentionProblem& p, at::Tensor& out,
+                      at::Tensor& lse);
+
+// Fills dq, dk, dv and, where it is not empty, grad_attn_mask, as allocated by
+// prepare_backward.
+void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
+                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                       at::Tensor& grad_attn_mask);
+
+}  // namespace flashattn_ext
