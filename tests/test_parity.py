@@ -6,8 +6,7 @@ objects) in any shape that broadcasts, an explicit scale (negative and zero incl
 inputs laid out as (N, ..., L, H, E) memory seen through transposed views. Values and every
 gradient (q, k, v, and a float mask's) are compared with SDPA's math backend in float64 on the
 same rounded inputs: within twice torch SDPA's own error in the same dtype, plus a floor.
-dropout_p > 0 is not drawn yet: it raises NotImplementedError. CPU float32 calls are expected to
-fail at times (xfail, not strict): see the note in the test.
+dropout_p > 0 is not drawn yet: it raises NotImplementedError.
 
 ``pytest tests/test_parity.py -k cpu-seed7`` reruns one case; failures print the case.
 """
@@ -145,15 +144,11 @@ def parity_params():
 
 
 @pytest.mark.parametrize("device,seed", list(parity_params()))
-def test_parity_with_sdpa(device, seed, request):
+def test_parity_with_sdpa(device, seed):
     call, redraw = draw_call(seed), seed
     while sees_no_key(call):  # draw again until every query row sees a key
         redraw += 10_000
         call = draw_call(redraw)
-    if device == "cpu" and call.dtype == torch.float32:
-        # Known gap: the CPU backward recomputes P = exp(s - lse) in float32 from the float32 LSE,
-        # so P carries |lse| units of rounding; gradients came out up to 4x SDPA's own error.
-        request.applymarker(pytest.mark.xfail(reason="CPU float32 backward: P from a float32 LSE", strict=False))
     q, k, v, mask, grad_out = make_inputs(call, device, seed)
     context = f"case {call} on {device}"
 

@@ -19,9 +19,15 @@ namespace {
 constexpr int64_t kBlockQ = 64;  // query rows per task
 constexpr int64_t kBlockK = 64;  // keys per streamed tile
 
-// Half types accumulate in float, double in double.
+// 16-bit types accumulate in float; float and double in double. (In float the
+// backward's P = exp(S - lse) carried |lse| units of rounding: float32
+// gradients came out up to 4x less accurate than torch's math backend.)
 template <typename T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, float>, double, float>;
+
+// The type of the saved log-sum-exp (the op's lse output): float, or double for double.
+template <typename T>
+using Lse = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -123,8 +129,10 @@ void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t 
   }
 }
 
-template <typename T>
-void forward_tiles(const FwdParams& params) {
+// The forward over every query block. lse_all (batch, heads_q, len_q) receives
+// the log-sum-exp in the type L; with kWithOutput the output goes to params.out.
+template <typename T, bool kWithOutput = true, typename L>
+void forward_tiles(const FwdParams& params, L* lse_all) {
   using A = Acc<T>;
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
@@ -132,7 +140,6 @@ void forward_tiles(const FwdParams& params) {
   const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
-  A* lse_all = static_cast<A*>(params.lse);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), scores(kBlockQ * kBlockK),
@@ -155,7 +162,7 @@ void forward_tiles(const FwdParams& params) {
       for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
-        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+        if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
         compute_scores(q.data(), k.data(), rows, cols, dim, scale, vis, mask, row0, col0, scores.data());
 
         // Online softmax: fold this tile into the running max, sum and output.
@@ -171,6 +178,7 @@ void forward_tiles(const FwdParams& params) {
           }
           row_max[r] = new_max;
           row_sum[r] = row_sum[r] * rescale + tile_sum;
+          if constexpr (!kWithOutput) continue;
           // The tile's share is summed apart and then added: blockwise
           // summation keeps the rounding error of long float32 sums down.
           std::fill(tile_out.begin(), tile_out.end(), A(0));
@@ -184,41 +192,16 @@ void forward_tiles(const FwdParams& params) {
         }
       }
 
-      A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+      L* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
       for (int64_t r = 0; r < rows; ++r) {
         // A row that sees no key (len_k == 0, or bottom-right causal with
         // len_q > len_k) gets out = 0 and lse = -inf.
         const bool empty = row_sum[r] == A(0);
         const A inv_sum = empty ? A(0) : A(1) / row_sum[r];
         for (int64_t d = 0; d < dim_v; ++d) acc[r * dim_v + d] *= inv_sum;
-        lse[r] = empty ? kNegInf<A> : row_max[r] + std::log(row_sum[r]);
+        lse[r] = static_cast<L>(empty ? kNegInf<A> : row_max[r] + std::log(row_sum[r]));
       }
-      store_tile<T>(params.out, b, h, row0, rows, dim_v, acc.data());
-    }
-  });
-}
-
-// delta[i] = rowsum(dO_i * O_i), the softmax-gradient correction of each row.
-template <typename T>
-void compute_delta(const BwdParams& params) {
-  using A = Acc<T>;
-  const AttentionProblem& p = params.problem;
-  A* delta = static_cast<A*>(params.delta);
-  const auto* out = static_cast<const T*>(params.out.data);
-  const auto* dout = static_cast<const T*>(params.dout.data);
-  at::parallel_for(0, p.batch * p.heads_q, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-      const T* o = out + b * params.out.stride_batch + h * params.out.stride_head;
-      const T* g = dout + b * params.dout.stride_batch + h * params.dout.stride_head;
-      for (int64_t i = 0; i < p.len_q; ++i) {
-        A sum = 0;
-        for (int64_t d = 0; d < p.head_dim_v; ++d) {
-          sum += static_cast<A>(o[i * params.out.stride_row + d * params.out.stride_col]) *
-                 static_cast<A>(g[i * params.dout.stride_row + d * params.dout.stride_col]);
-        }
-        delta[bh * p.len_q + i] = sum;
-      }
+      if constexpr (kWithOutput) store_tile<T>(params.out, b, h, row0, rows, dim_v, acc.data());
     }
   });
 }
@@ -241,19 +224,64 @@ void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* 
   }
 }
 
+// delta[i] = rowsum(P_i * dP_i), the softmax-gradient correction of each row.
+// It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
+// types that rounding, amplified where dP - delta cancels, made gradients up to
+// 6x less accurate than torch's: so it is summed from P and dP, one more pass.
+template <typename T, typename A = Acc<T>>
+void compute_delta(const BwdParams& params, const A* lse_all, A* delta_all) {
+  const AttentionProblem& p = params.problem;
+  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
+  const Visibility vis(p);
+  const std::vector<A> zeros(kBlockQ, A(0));
+
+  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
+        probs(kBlockQ * kBlockK), products(kBlockQ * kBlockK);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t q_block = task % q_blocks;
+      const int64_t h = (task / q_blocks) % p.heads_q;
+      const int64_t b = task / (q_blocks * p.heads_q);
+      const int64_t h_kv = h / group;
+      const int64_t row0 = q_block * kBlockQ;
+      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+      const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+      A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
+      std::fill(delta, delta + rows, A(0));
+
+      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+      load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+      const int64_t key_end = vis.key_end(row0 + rows - 1);
+      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+        const int64_t cols = std::min(kBlockK, key_end - col0);
+        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+        // With a zero delta, the tile's dS is P * dP.
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, row0,
+                       col0, probs.data(), products.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          A tile_sum = 0;
+          for (int64_t c = 0; c < cols; ++c) tile_sum += products[r * cols + c];
+          delta[r] += tile_sum;
+        }
+      }
+    }
+  });
+}
+
 // dK and dV: one task per (batch, key/value head, block of keys), looping over
 // every query head of its group and every query block that sees those keys.
-template <typename T>
-void backward_dkdv(const BwdParams& params) {
-  using A = Acc<T>;
+template <typename T, typename A = Acc<T>>
+void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t k_blocks = ceil_div(p.len_k, kBlockK);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
-  const A* lse_all = static_cast<const A*>(params.lse);
-  const A* delta_all = static_cast<const A*>(params.delta);
 
   at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
@@ -306,17 +334,14 @@ void backward_dkdv(const BwdParams& params) {
 
 // dQ: a separate pass, one task per (batch, query head, block of rows), so no
 // two tasks write the same element and the result is deterministic.
-template <typename T>
-void backward_dq(const BwdParams& params) {
-  using A = Acc<T>;
+template <typename T, typename A = Acc<T>>
+void backward_dq(const BwdParams& params, const A* lse_all, const A* delta_all) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
-  const A* lse_all = static_cast<const A*>(params.lse);
-  const A* delta_all = static_cast<const A*>(params.delta);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
@@ -372,14 +397,31 @@ void backward_dq(const BwdParams& params) {
 
 template <typename T>
 void attention_forward(const FwdParams& params) {
-  forward_tiles<T>(params);
+  forward_tiles<T>(params, static_cast<Lse<T>*>(params.lse));
 }
 
 template <typename T>
 void attention_backward(const BwdParams& params) {
-  compute_delta<T>(params);
-  backward_dq<T>(params);
-  if (params.problem.heads_kv > 0) backward_dkdv<T>(params);
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  // The backward recomputes P = exp(S - lse) with lse in the accumulation type:
+  // where the saved lse is narrower (float inputs), it is computed again.
+  std::vector<A> lse(rows), delta(rows);
+  if constexpr (std::is_same_v<Lse<T>, A>) {
+    std::copy_n(static_cast<const A*>(params.lse), rows, lse.data());
+  } else {
+    FwdParams lse_pass;
+    lse_pass.problem = p;
+    lse_pass.q = params.q;
+    lse_pass.k = params.k;
+    lse_pass.mask_kind = params.mask_kind;
+    lse_pass.mask = params.mask;
+    forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
+  }
+  compute_delta<T>(params, lse.data(), delta.data());
+  backward_dq<T>(params, lse.data(), delta.data());
+  if (p.heads_kv > 0) backward_dkdv<T>(params, lse.data(), delta.data());
 }
 
 #define FLASHATTN_EXT_INSTANTIATE(T)                          \
