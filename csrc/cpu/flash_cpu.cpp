@@ -224,54 +224,6 @@ void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* 
   }
 }
 
-// delta[i] = rowsum(P_i * dP_i), the softmax-gradient correction of each row.
-// It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
-// types that rounding, amplified where dP - delta cancels, made gradients up to
-// 6x less accurate than torch's: so it is summed from P and dP, one more pass.
-template <typename T, typename A = Acc<T>>
-void compute_delta(const BwdParams& params, const A* lse_all, A* delta_all) {
-  const AttentionProblem& p = params.problem;
-  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
-  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
-  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
-  const Visibility vis(p);
-  const std::vector<A> zeros(kBlockQ, A(0));
-
-  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), products(kBlockQ * kBlockK);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t q_block = task % q_blocks;
-      const int64_t h = (task / q_blocks) % p.heads_q;
-      const int64_t b = task / (q_blocks * p.heads_q);
-      const int64_t h_kv = h / group;
-      const int64_t row0 = q_block * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
-      const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
-      A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
-      std::fill(delta, delta + rows, A(0));
-
-      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
-      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
-      load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
-      const int64_t key_end = vis.key_end(row0 + rows - 1);
-      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - col0);
-        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
-        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        // With a zero delta, the tile's dS is P * dP.
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, row0,
-                       col0, probs.data(), products.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          A tile_sum = 0;
-          for (int64_t c = 0; c < cols; ++c) tile_sum += products[r * cols + c];
-          delta[r] += tile_sum;
-        }
-      }
-    }
-  });
-}
-
 // dK and dV: one task per (batch, key/value head, block of keys), looping over
 // every query head of its group and every query block that sees those keys.
 template <typename T, typename A = Acc<T>>
@@ -333,15 +285,22 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
 }
 
 // dQ: a separate pass, one task per (batch, query head, block of rows), so no
-// two tasks write the same element and the result is deterministic.
+// two tasks write the same element and the result is deterministic. It runs
+// first: each task also fills delta_all for its rows, which the dK/dV pass reads.
+// delta[i] = rowsum(P_i * dP_i), the softmax-gradient correction of each row.
+// It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
+// types that rounding, amplified where dP - delta cancels, made gradients up to
+// 6x less accurate than torch's: so it is summed from P and dP, one more pass
+// over the keys.
 template <typename T, typename A = Acc<T>>
-void backward_dq(const BwdParams& params, const A* lse_all, const A* delta_all) {
+void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
+  const std::vector<A> zeros(kBlockQ, A(0));
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
@@ -354,18 +313,36 @@ void backward_dq(const BwdParams& params, const A* lse_all, const A* delta_all) 
       const int64_t row0 = q_block * kBlockQ;
       const int64_t rows = std::min(kBlockQ, p.len_q - row0);
       const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
-      const A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
+      A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
 
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
-      std::fill(dq.begin(), dq.end(), A(0));
-
       const int64_t key_end = vis.key_end(row0 + rows - 1);
-      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
-        const int64_t cols = std::min(kBlockK, key_end - col0);
-        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
-        load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+      // Calls tile(col0, cols) for each block of keys these rows see, k and v loaded.
+      auto for_each_key_tile = [&](auto&& tile) {
+        for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+          const int64_t cols = std::min(kBlockK, key_end - col0);
+          load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+          load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
+          tile(col0, cols);
+        }
+      };
+
+      std::fill(delta, delta + rows, A(0));
+      for_each_key_tile([&](int64_t col0, int64_t cols) {
+        // With a zero delta, the tile's dS is P * dP.
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, row0,
+                       col0, probs.data(), dscores.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          A tile_sum = 0;
+          for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
+          delta[r] += tile_sum;
+        }
+      });
+
+      std::fill(dq.begin(), dq.end(), A(0));
+      for_each_key_tile([&](int64_t col0, int64_t cols) {
         recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, row0, col0,
                        probs.data(), dscores.data());
         // An additive mask enters the scores as is: its gradient is dS. This pass
@@ -387,7 +364,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, const A* delta_all) 
           }
         }
         for (size_t i = 0; i < dq.size(); ++i) dq[i] += dq_tile[i];
-      }
+      });
       store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
     }
   });
@@ -407,9 +384,10 @@ void attention_backward(const BwdParams& params) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   // The backward recomputes P = exp(S - lse) with lse in the accumulation type:
   // where the saved lse is narrower (float inputs), it is computed again.
-  std::vector<A> lse(rows), delta(rows);
+  const A* lse = nullptr;
+  std::vector<A> recomputed_lse, delta(rows);
   if constexpr (std::is_same_v<Lse<T>, A>) {
-    std::copy_n(static_cast<const A*>(params.lse), rows, lse.data());
+    lse = static_cast<const A*>(params.lse);
   } else {
     FwdParams lse_pass;
     lse_pass.problem = p;
@@ -417,11 +395,12 @@ void attention_backward(const BwdParams& params) {
     lse_pass.k = params.k;
     lse_pass.mask_kind = params.mask_kind;
     lse_pass.mask = params.mask;
-    forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
+    recomputed_lse.resize(rows);
+    forward_tiles<T, /*kWithOutput=*/false>(lse_pass, recomputed_lse.data());
+    lse = recomputed_lse.data();
   }
-  compute_delta<T>(params, lse.data(), delta.data());
-  backward_dq<T>(params, lse.data(), delta.data());
-  if (p.heads_kv > 0) backward_dkdv<T>(params, lse.data(), delta.data());
+  backward_dq<T>(params, lse, delta.data());  // fills delta
+  if (p.heads_kv > 0) backward_dkdv<T>(params, lse, delta.data());
 }
 
 #define FLASHATTN_EXT_INSTANTIATE(T)                          \
