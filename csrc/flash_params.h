@@ -53,8 +53,8 @@ struct FwdParams {
 // The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv,
 // and, where dmask.data is set, the gradient of an additive mask, shaped
 // (batch, heads_q, len_q, len_k) and zero-filled beforehand.
-// delta is a contiguous (batch, heads_q, len_q) workspace of the lse's type for
-// the CUDA kernels; the CPU backward keeps its own, in its accumulation type.
+// delta is a contiguous (batch, heads_q, len_q) workspace of the lse's type that
+// the CUDA glue allocates for its kernels; the CPU backward keeps its own.
 // dq_accum (CUDA only), when set, is a zero-filled float32 workspace (its size
 // from cuda::dq_accum_floats): the dK/dV pass then adds dQ into it with atomics
 // instead of a separate, deterministic dQ pass.

@@ -148,7 +148,7 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
 BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
                            bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                           at::Tensor& delta, at::Tensor& grad_attn_mask) {
+                           at::Tensor& grad_attn_mask) {
   TORCH_CHECK(!compute_grad_attn_mask || mask_kind(options.attn_mask) == MaskKind::kAdditive,
               "flashattn_ext: compute_grad_attn_mask needs a float attn_mask");
   BwdParams params;
@@ -164,7 +164,6 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   dq = at::empty_like(q);
   dk = at::empty_like(k);
   dv = at::empty_like(v);
-  delta = at::empty(lse_shape, lse.options());
   params.q = view_of(q);
   params.k = view_of(k);
   params.v = view_of(v);
@@ -174,7 +173,6 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   params.dk = view_of(dk);
   params.dv = view_of(dv);
   params.lse = lse.data_ptr();
-  params.delta = delta.data_ptr();
   params.mask_kind = mask_kind(options.attn_mask);
   params.mask = optional_view(options.attn_mask);
   // Pairs that the kernels skip (above the causal diagonal) keep a zero gradient.

@@ -27,12 +27,12 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype);
 FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& options, at::Tensor& out, at::Tensor& lse);
 
-// Checks the saved tensors and dout; allocates dq, dk, dv, the delta workspace
-// and, with compute_grad_attn_mask, the mask's gradient (else an empty tensor);
-// returns the kernel params.
+// Checks the saved tensors and dout; allocates dq, dk, dv and, with
+// compute_grad_attn_mask, the mask's gradient (else an empty tensor); returns
+// the kernel params (params.delta unset: a workspace of the CUDA kernels).
 BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
                            bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                           at::Tensor& delta, at::Tensor& grad_attn_mask);
+                           at::Tensor& grad_attn_mask);
 
 }  // namespace flashattn_ext

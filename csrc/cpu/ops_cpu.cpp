@@ -27,10 +27,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
     bool compute_grad_attn_mask) {
-  at::Tensor dq, dk, dv, delta, dmask;
+  at::Tensor dq, dk, dv, dmask;
   const BwdParams params =
       prepare_backward(dout, q, k, v, out, lse, {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
-                       compute_grad_attn_mask, dq, dk, dv, delta, dmask);
+                       compute_grad_attn_mask, dq, dk, dv, dmask);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu",
                                   [&] { cpu::attention_backward<scalar_t>(params); });
   return {dq, dk, dv, dmask};

@@ -82,17 +82,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
     bool compute_grad_attn_mask) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  at::Tensor dq, dk, dv, delta, dmask;
+  at::Tensor dq, dk, dv, dmask;
   const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
   const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, options, compute_grad_attn_mask,
-                                      dq, dk, dv, delta, dmask);
+                                      dq, dk, dv, dmask);
   if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
     warn_fallback(*gap);
     fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, params.problem, dq, dk, dv, dmask);
     return {dq, dk, dv, dmask};
   }
+  // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
+  const at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  params.delta = delta.data_ptr();
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
   at::Tensor dq_accum;
   const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
