@@ -54,6 +54,15 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* head, in
   }
 }
 
+// This block's place in a flattened grid ordered (block, head, batch), blocks
+// fastest: blocks_per_head blocks for each of heads heads of each batch.
+struct GridPosition {
+  int64_t block, head, batch;
+};
+__device__ __forceinline__ GridPosition grid_position(int64_t blocks_per_head, int64_t heads) {
+  return {blockIdx.x % blocks_per_head, (blockIdx.x / blocks_per_head) % heads, blockIdx.x / (blocks_per_head * heads)};
+}
+
 // The first element of head (b, h) of a tensor.
 template <typename Elem>
 __device__ __forceinline__ Elem* head_ptr(const TensorView4d& t, int64_t b, int64_t h) {
