@@ -1,6 +1,6 @@
 // Autograd for the flashattn_ext ops: a torch::autograd::Function that saves
-// q, k, v, out and the log-sum-exp (never the probabilities) and calls the
-// backward op. Registered for the Autograd key, so every device shares it.
+// q, k, v, out, the log-sum-exp and dropout's rng_state (never the
+// probabilities or a dropout mask) and calls the backward op. Registered for the Autograd key, so every device shares it.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -12,12 +12,12 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
 
-using ForwardOp = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                             double, bool, bool, double, int64_t, int64_t);
+using ForwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
+                                                     const std::optional<Tensor>&, double, bool, bool, double);
 using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                               const Tensor&, const Tensor&, const Tensor&,
-                                                              const std::optional<Tensor>&, double, bool, bool,
-                                                              double, int64_t, int64_t, bool);
+                                                              const Tensor&, const std::optional<Tensor>&, double,
+                                                              bool, bool, double, bool);
 
 c10::TypedOperatorHandle<ForwardOp> forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -37,19 +37,16 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
-                               bool causal_lower_right, double scale, int64_t dropout_seed, int64_t dropout_offset) {
+                               bool causal_lower_right, double scale) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                                        dropout_seed, dropout_offset);
-    ctx->save_for_backward({q, k, v, out, lse, attn_mask.value_or(Tensor())});
+    auto [out, lse, rng_state] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale);
+    ctx->save_for_backward({q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor())});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["causal_lower_right"] = causal_lower_right;
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["dropout_seed"] = dropout_seed;
-    ctx->saved_data["dropout_offset"] = dropout_offset;
-    ctx->mark_non_differentiable({lse});
-    return {out, lse};
+    ctx->mark_non_differentiable({lse, rng_state});
+    return {out, lse, rng_state};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -59,29 +56,27 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     const Tensor& v = saved[2];
     const Tensor& out = saved[3];
     const Tensor& lse = saved[4];
+    const Tensor& rng_state = saved[5];
     const std::optional<Tensor> attn_mask =
-        saved[5].defined() ? std::optional<Tensor>(saved[5]) : std::nullopt;
+        saved[6].defined() ? std::optional<Tensor>(saved[6]) : std::nullopt;
     const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
 
     auto [dq, dk, dv, dmask] = backward_op().call(
-        grads[0], q, k, v, out, lse, attn_mask, ctx->saved_data["dropout_p"].toDouble(),
+        grads[0], q, k, v, out, lse, rng_state, attn_mask, ctx->saved_data["dropout_p"].toDouble(),
         ctx->saved_data["is_causal"].toBool(), ctx->saved_data["causal_lower_right"].toBool(),
-        ctx->saved_data["scale"].toDouble(), ctx->saved_data["dropout_seed"].toInt(),
-        ctx->saved_data["dropout_offset"].toInt(), grad_attn_mask_needed);
+        ctx->saved_data["scale"].toDouble(), grad_attn_mask_needed);
     // One gradient per forward argument; undefined for the non-tensor ones.
-    return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor()};
+    return {dq, dk, dv, grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
-std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                      const std::optional<Tensor>& attn_mask, double dropout_p,
-                                                      bool is_causal, bool causal_lower_right, double scale,
-                                                      int64_t dropout_seed, int64_t dropout_offset) {
-  const variable_list outputs = FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal,
-                                                              causal_lower_right, scale, dropout_seed, dropout_offset);
-  return {outputs[0], outputs[1]};
+std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                              const std::optional<Tensor>& attn_mask,
+                                                              double dropout_p, bool is_causal,
+                                                              bool causal_lower_right, double scale) {
+  const variable_list outputs =
+      FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale);
+  return {outputs[0], outputs[1], outputs[2]};
 }
 
 // The backward op's own autograd: it runs (so backward(create_graph=True)
@@ -89,14 +84,12 @@ std::tuple<Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Ten
 class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAttentionBackwardFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
-                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                               const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& rng_state,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
-                               bool causal_lower_right, double scale, int64_t dropout_seed, int64_t dropout_offset,
-                               bool compute_grad_attn_mask) {
+                               bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dq, dk, dv, dmask] = backward_op().call(dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal,
-                                                  causal_lower_right, scale, dropout_seed, dropout_offset,
-                                                  compute_grad_attn_mask);
+    auto [dq, dk, dv, dmask] = backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
+                                                  causal_lower_right, scale, compute_grad_attn_mask);
     return {dq, dk, dv, dmask};
   }
 
@@ -109,11 +102,11 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-    const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal, bool causal_lower_right, double scale,
-    int64_t dropout_seed, int64_t dropout_offset, bool compute_grad_attn_mask) {
-  const variable_list grads = FlashAttentionBackwardFunction::apply(
-      dout, q, k, v, out, lse, attn_mask, dropout_p, is_causal, causal_lower_right, scale, dropout_seed,
-      dropout_offset, compute_grad_attn_mask);
+    const Tensor& rng_state, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
+    bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
+  const variable_list grads = FlashAttentionBackwardFunction::apply(dout, q, k, v, out, lse, rng_state, attn_mask,
+                                                                    dropout_p, is_causal, causal_lower_right, scale,
+                                                                    compute_grad_attn_mask);
   return {grads[0], grads[1], grads[2], grads[3]};
 }
 

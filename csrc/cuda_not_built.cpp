@@ -16,6 +16,7 @@ void cuda_not_built(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/)
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("attention_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("dropout_mask", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 
 }  // namespace flashattn_ext

@@ -1,6 +1,8 @@
 // The ATen-operation fallback (see fallback.h).
 #include "fallback.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <algorithm>
 #include <limits>
 
@@ -53,6 +55,19 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
 // than exp(s - lse)); 0 on rows that see no key.
 at::Tensor probabilities(const at::Tensor& s) { return at::_safe_softmax(s, -1); }
 
+// Dropout's factor Z of query rows [r0, r0 + rows), (batch, heads_q, rows,
+// len_k) in the accumulation type: 0 where dropped, 1 / (1 - p) where kept,
+// from the same numbers as the kernels (the dropout_mask op).
+at::Tensor dropout_factor(const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, int64_t r0,
+                          int64_t rows, at::ScalarType acc) {
+  static const auto dropout_mask =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("flashattn_ext::dropout_mask", "")
+          .typed<at::Tensor(const at::Tensor&, double, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t)>();
+  const at::Tensor keep = dropout_mask.call(rng_state, dropout_p, p.batch, p.heads_q, p.len_q, p.len_k, r0, r0 + rows);
+  return keep.to(acc).mul_(dropout_keep_scale(dropout_p));
+}
+
 // The type the fallback computes in: float32 for 16-bit inputs, float64 for
 // float32 and float64 ones (in float32, cuBLAS's sums over long rows came out
 // 3x less accurate than torch's fused float32 kernels).
@@ -63,8 +78,8 @@ at::ScalarType accumulation_type(const at::Tensor& q) {
 }  // namespace
 
 void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const std::optional<at::Tensor>& attn_mask, const AttentionProblem& p, at::Tensor& out,
-                      at::Tensor& lse) {
+                      const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
+                      const AttentionProblem& p, at::Tensor& out, at::Tensor& lse) {
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
   const int64_t chunk = rows_per_chunk(p, acc);
@@ -72,7 +87,8 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     const int64_t rows = std::min(chunk, p.len_q - r0);
     const at::Tensor s = chunk_scores(grouped_rows(q, p, r0, rows, acc), k_acc, attn_mask, p, r0, rows);
     const at::Tensor row_lse = at::logsumexp(s, -1, /*keepdim=*/true);
-    const at::Tensor prob = probabilities(s);
+    at::Tensor prob = probabilities(s);
+    if (dropout_p > 0.0) prob.mul_(dropout_factor(rng_state, dropout_p, p, r0, rows, acc));
     const at::Tensor out_rows = at::matmul(prob.reshape({p.batch, p.heads_kv, -1, p.len_k}), v_acc);
     out.narrow(2, r0, rows).copy_(ungrouped(out_rows, p, rows));
     lse.narrow(2, r0, rows).copy_(row_lse.squeeze(-1));
@@ -81,8 +97,8 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                       at::Tensor& grad_attn_mask) {
+                       const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
+                       at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask) {
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
   at::Tensor dk_acc = at::zeros(k_acc.sizes(), k_acc.options());
@@ -94,9 +110,12 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
     const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows));
     const at::Tensor dout_rows = grouped_rows(dout, p, r0, rows, acc);
     const at::Tensor delta = (ungrouped(dout_rows, p, rows) * out.narrow(2, r0, rows).to(acc)).sum(-1, true);
-    const at::Tensor prob_grouped = prob.reshape({p.batch, p.heads_kv, -1, p.len_k});
-    dv_acc.add_(at::matmul(prob_grouped.transpose(-2, -1), dout_rows));
-    const at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
+    // With dropout, the output used P * Z: dV = (P * Z)^T dO and dP = Z * dO V^T.
+    const at::Tensor factor = dropout_p > 0.0 ? dropout_factor(rng_state, dropout_p, p, r0, rows, acc) : at::Tensor();
+    const at::Tensor prob_used = factor.defined() ? prob * factor : prob;
+    dv_acc.add_(at::matmul(prob_used.reshape({p.batch, p.heads_kv, -1, p.len_k}).transpose(-2, -1), dout_rows));
+    at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
+    if (factor.defined()) dprob.mul_(factor);
     const at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled scores
     if (grad_attn_mask.numel() > 0) grad_attn_mask.narrow(2, r0, rows).copy_(dscores);
     const at::Tensor dscores_grouped = dscores.reshape({p.batch, p.heads_kv, -1, p.len_k});

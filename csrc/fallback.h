@@ -5,7 +5,7 @@
 // (at most about kFallbackChunkBytes of them) are materialized, the forward
 // saves the LSE and the backward recomputes P. Accumulation in float32 for
 // 16-bit inputs, in float64 for float32 and float64 ones; GQA without
-// repeating key and value.
+// repeating key and value. Dropout from the same random numbers as the kernels.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,16 +19,17 @@ namespace flashattn_ext {
 constexpr int64_t kFallbackChunkBytes = int64_t(128) << 20;
 
 // Fills out and lse, as allocated by prepare_forward. q, k, v, attn_mask:
-// (batch, heads, rows, dim) as the ops receive them.
+// (batch, heads, rows, dim) as the ops receive them; rng_state: dropout's
+// {seed, offset} as the forward op returns it (read only if dropout_p > 0).
 void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                      const std::optional<at::Tensor>& attn_mask, const AttentionProblem& p, at::Tensor& out,
-                      at::Tensor& lse);
+                      const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
+                      const AttentionProblem& p, at::Tensor& out, at::Tensor& lse);
 
 // Fills dq, dk, dv and, where it is not empty, grad_attn_mask, as allocated by
 // prepare_backward.
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                       at::Tensor& grad_attn_mask);
+                       const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
+                       at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask);
 
 }  // namespace flashattn_ext

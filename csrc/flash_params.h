@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "dropout.h"
+
 namespace flashattn_ext {
 
 // A 4-d tensor laid out as (batch, head, row, col), addressed through element
@@ -42,12 +44,15 @@ enum class MaskKind : int { kNone, kBool, kAdditive };
 // (float, or double for double inputs); fully masked rows get lse = -inf and out = 0.
 // An optional mask is seen as (batch, heads_q, len_q, len_k) through its
 // strides: a broadcast mask has stride 0 where it repeats.
+// With dropout, the output is P dropped (see dropout.h) times V over the
+// undropped row sums, and the lse is that of the undropped scores.
 struct FwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out;
   void* lse = nullptr;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask;
+  DropoutParams dropout;
 };
 
 // The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv,
@@ -66,6 +71,7 @@ struct BwdParams {
   float* dq_accum = nullptr;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask, dmask;
+  DropoutParams dropout;  // the forward's, with the same rng_state
 };
 
 }  // namespace flashattn_ext

@@ -12,18 +12,23 @@ namespace flashattn_ext {
 // The schemas cover the whole scaled_dot_product_attention surface. Inputs are
 // 4-d (batch, heads, seq_len, head_dim) with any strides; key and value may
 // have fewer heads than query (GQA) as long as they divide its count.
-// dropout_seed and dropout_offset seed the in-kernel RNG, so the backward can
-// regenerate the forward's dropout mask.
+// With dropout_p > 0 the forward draws from torch's default generator of the
+// inputs' device and returns what it drew as rng_state ({seed, offset}, int64;
+// empty without dropout), so the backward regenerates the same dropout mask;
+// dropout_mask gives that mask itself (True: kept), for query rows
+// [row_begin, row_end).
 TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
-      "bool is_causal, bool causal_lower_right, float scale, int dropout_seed, int dropout_offset) "
-      "-> (Tensor out, Tensor lse)");
+      "bool is_causal, bool causal_lower_right, float scale) -> (Tensor out, Tensor lse, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
-      "Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
-      "int dropout_seed, int dropout_offset, bool compute_grad_attn_mask) "
-      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+      "Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
+      "bool compute_grad_attn_mask) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+  m.def(
+      "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
+      "int row_end) -> Tensor");
 }
 
 namespace {
@@ -53,8 +58,6 @@ void check_rank4(const at::Tensor& t, const char* name) {
 void check_options(const AttentionOptions& options) {
   TORCH_CHECK_VALUE(options.dropout_p >= 0.0 && options.dropout_p <= 1.0,
                     "flashattn_ext: dropout_p must be in [0, 1], got ", options.dropout_p);
-  TORCH_CHECK_NOT_IMPLEMENTED(options.dropout_p == 0.0, "flashattn_ext: dropout_p > 0 is not supported yet (got ",
-                              options.dropout_p, ")");
   TORCH_CHECK_VALUE(!std::isnan(options.scale), "flashattn_ext: scale must not be NaN");
 }
 
@@ -115,6 +118,17 @@ void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected
               t.sizes());
 }
 
+// rng_state as the forward returned it: {seed, offset} with dropout, else empty.
+void check_rng_state(const at::Tensor& rng_state, double dropout_p, const at::Tensor& q) {
+  const int64_t expected_size = dropout_p > 0.0 ? 2 : 0;
+  TORCH_CHECK(rng_state.dim() == 1 && rng_state.size(0) == expected_size && rng_state.scalar_type() == at::kLong &&
+                  rng_state.is_contiguous(),
+              "flashattn_ext: rng_state must be the forward's: ", expected_size, " int64 values for dropout_p ",
+              dropout_p, ", got ", rng_state.scalar_type(), " of shape ", rng_state.sizes());
+  TORCH_CHECK(expected_size == 0 || rng_state.device() == q.device(), "flashattn_ext: rng_state is on ",
+              rng_state.device(), " but query is on ", q.device());
+}
+
 MaskKind mask_kind(const std::optional<at::Tensor>& attn_mask) {
   if (!attn_mask.has_value()) return MaskKind::kNone;
   return attn_mask->scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
@@ -142,12 +156,13 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
   params.lse = lse.data_ptr();
   params.mask_kind = mask_kind(options.attn_mask);
   params.mask = optional_view(options.attn_mask);
+  params.dropout.p = options.dropout_p;
   return params;
 }
 
 BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
-                           bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                           const at::Tensor& out, const at::Tensor& lse, const at::Tensor& rng_state,
+                           const AttentionOptions& options, bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
                            at::Tensor& grad_attn_mask) {
   TORCH_CHECK(!compute_grad_attn_mask || mask_kind(options.attn_mask) == MaskKind::kAdditive,
               "flashattn_ext: compute_grad_attn_mask needs a float attn_mask");
@@ -160,6 +175,7 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   check_saved(dout, "grad_out", out_shape, q.scalar_type(), q);
   check_saved(lse, "lse", lse_shape, lse_dtype(q.scalar_type()), q);
   TORCH_CHECK(lse.is_contiguous(), "flashattn_ext: lse must be contiguous");
+  check_rng_state(rng_state, options.dropout_p, q);
 
   dq = at::empty_like(q);
   dk = at::empty_like(k);
@@ -179,7 +195,21 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   grad_attn_mask = compute_grad_attn_mask ? at::zeros({p.batch, p.heads_q, p.len_q, p.len_k}, q.options())
                                           : at::empty({0}, q.options());
   if (compute_grad_attn_mask) params.dmask = view_of(grad_attn_mask);
+  params.dropout = {options.dropout_p, options.dropout_p > 0.0 ? rng_state.data_ptr<int64_t>() : nullptr};
   return params;
+}
+
+DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
+                                    int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end) {
+  TORCH_CHECK_VALUE(dropout_p > 0.0 && dropout_p <= 1.0, "flashattn_ext: dropout_mask needs dropout_p in (0, 1], got ",
+                    dropout_p);
+  check_rng_state(rng_state, dropout_p, rng_state);
+  TORCH_CHECK_VALUE(batch >= 0 && heads >= 0 && len_q >= 0 && len_k >= 0,
+                    "flashattn_ext: dropout_mask needs sizes >= 0, got batch ", batch, ", heads ", heads, ", len_q ",
+                    len_q, ", len_k ", len_k);
+  TORCH_CHECK_VALUE(0 <= row_begin && row_begin <= row_end && row_end <= len_q, "flashattn_ext: dropout_mask rows [",
+                    row_begin, ", ", row_end, ") are not within [0, len_q = ", len_q, "]");
+  return {batch, heads, len_q, len_k, row_begin, row_end};
 }
 
 }  // namespace flashattn_ext

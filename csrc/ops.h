@@ -23,7 +23,8 @@ struct AttentionOptions {
 // The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);
 
-// Checks q, k, v and the options; allocates out and lse; returns the kernel params.
+// Checks q, k, v and the options; allocates out and lse; returns the kernel
+// params (params.dropout.rng_state unset: each device draws its own).
 FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& options, at::Tensor& out, at::Tensor& lse);
 
@@ -31,8 +32,12 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
 // compute_grad_attn_mask, the mask's gradient (else an empty tensor); returns
 // the kernel params (params.delta unset: a workspace of the CUDA kernels).
 BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& options,
-                           bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                           const at::Tensor& out, const at::Tensor& lse, const at::Tensor& rng_state,
+                           const AttentionOptions& options, bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
                            at::Tensor& grad_attn_mask);
+
+// Checks the arguments of the dropout_mask op.
+DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
+                                    int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end);
 
 }  // namespace flashattn_ext

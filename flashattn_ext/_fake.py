@@ -1,5 +1,5 @@
 """Fake (meta) kernels: the output shapes, dtypes and strides of each op, without
-computing anything. They mirror the allocations in csrc/ops.cpp."""
+computing anything. They mirror the allocations in csrc/ops.cpp and the device files."""
 import torch
 
 
@@ -8,16 +8,21 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
-def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                            dropout_seed, dropout_offset):
+def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale):
     batch, heads, len_q, _ = query.shape
     out = query.new_empty((batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
-    return out, lse
+    rng_state = query.new_empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64)
+    return out, lse, rng_state
 
 
 @torch.library.register_fake("flashattn_ext::attention_backward")
-def _attention_backward_fake(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
-                             causal_lower_right, scale, dropout_seed, dropout_offset, compute_grad_attn_mask):
+def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal,
+                             causal_lower_right, scale, compute_grad_attn_mask):
     grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
+
+
+@torch.library.register_fake("flashattn_ext::dropout_mask")
+def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
+    return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)

@@ -126,8 +126,8 @@ def attention_with_lse(
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
 
-    out, lse = torch.ops.flashattn_ext.attention_forward(
-        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale), 0, 0
+    out, lse, _ = torch.ops.flashattn_ext.attention_forward(
+        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale)
     )
 
     # SDPA's output has the broadcast rank of its inputs.

@@ -1,5 +1,6 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
-small, ragged shapes in float16 and bfloat16, with every causal mode, GQA and several head dims.
+small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims, and
+dropout on some.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -30,9 +31,10 @@ CASES = [
     (1, 2, 1, 129, 129, 64, "causal_lower_right"),
 ]
 DTYPES = (torch.float16, torch.bfloat16)
+DROPOUT_CASES = (CASES[1], CASES[3], CASES[4])  # run again in bfloat16 with dropout_p = 0.3
 
 
-def run(case, dtype):
+def run(case, dtype, dropout_p=0.0):
     """Forward and backward of one case; raises if a result is not finite."""
     batch, heads_q, heads_kv, len_q, len_k, head_dim, mode = case
     q = torch.randn(batch, heads_q, len_q, head_dim, device="cuda", dtype=dtype, requires_grad=True)
@@ -41,7 +43,7 @@ def run(case, dtype):
     )
     is_causal, lower_right, gqa = mode != "full", mode == "causal_lower_right", heads_q != heads_kv
     out, _ = flashattn_ext.attention_with_lse(
-        q, k, v, is_causal=is_causal, causal_lower_right=lower_right, enable_gqa=gqa
+        q, k, v, dropout_p=dropout_p, is_causal=is_causal, causal_lower_right=lower_right, enable_gqa=gqa
     )
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()  # so that a kernel's error is reported with the case that launched it
@@ -77,6 +79,9 @@ def main():
             for dtype in DTYPES:
                 run(case, dtype)
                 print(f"ok {case} {dtype} deterministic={deterministic}", flush=True)
+        for case in DROPOUT_CASES:
+            run(case, torch.bfloat16, dropout_p=0.3)
+            print(f"ok {case} dropout deterministic={deterministic}", flush=True)
         for dtype in DTYPES:
             run_copied_inputs(dtype)
             print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)

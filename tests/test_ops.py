@@ -14,7 +14,7 @@ ops = torch.ops.flashattn_ext
 
 
 def forward_args(q, k, v, is_causal=False, lower_right=False, scale=0.5):
-    return (q, k, v, None, 0.0, is_causal, lower_right, scale, 0, 0)
+    return (q, k, v, None, 0.0, is_causal, lower_right, scale)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -52,13 +52,13 @@ def test_opcheck_with_masks(device):
     bool_mask = (torch.rand(33, 17, device=device) > 0.2).expand(2, 4, 33, 17)
     float_mask = torch.randn(2, 1, 33, 17, dtype=torch.float64, device=device).expand(2, 4, 33, 17)
     for mask in (bool_mask, float_mask):
-        args = (q, k, v, mask, 0.0, False, False, 0.5, 0, 0)
+        args = (q, k, v, mask, 0.0, False, False, 0.5)
         torch.library.opcheck(ops.attention_forward.default, args)
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = ops.attention_forward(q, k, v, float_mask, 0.0, False, False, 0.5, 0, 0)
+    out, lse, rng_state = ops.attention_forward(q, k, v, float_mask, 0.0, False, False, 0.5)
     torch.library.opcheck(
         ops.attention_backward.default,
-        (torch.randn_like(out), q, k, v, out, lse, float_mask, 0.0, False, False, 0.5, 0, 0, True),
+        (torch.randn_like(out), q, k, v, out, lse, rng_state, float_mask, 0.0, False, False, 0.5, True),
     )
 
 
@@ -82,11 +82,26 @@ def test_opcheck_backward(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = ops.attention_forward(*forward_args(q, k, v))
+    out, lse, rng_state = ops.attention_forward(*forward_args(q, k, v))
     grad_out = torch.randn_like(out)
     torch.library.opcheck(
-        ops.attention_backward.default, (grad_out, q, k, v, out, lse, None, 0.0, False, False, 0.5, 0, 0, False)
+        ops.attention_backward.default, (grad_out, q, k, v, out, lse, rng_state, None, 0.0, False, False, 0.5, False)
     )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_dropout(device):
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
+    torch.library.opcheck(ops.attention_forward.default, (q, k, v, None, 0.3, True, False, 0.5))
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse, rng_state = ops.attention_forward(q, k, v, None, 0.3, True, False, 0.5)
+    assert rng_state.shape == (2,) and rng_state.dtype == torch.int64 and rng_state.device == q.device
+    torch.library.opcheck(
+        ops.attention_backward.default,
+        (torch.randn_like(out), q, k, v, out, lse, rng_state, None, 0.3, True, False, 0.5, False),
+    )
+    torch.library.opcheck(ops.dropout_mask.default, (rng_state, 0.3, 2, 4, 33, 17, 5, 20))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,8 +159,6 @@ BAD_SHIM_CALLS = [
      TypeError, "attn_mask must be a torch.Tensor or None"),
     ("causal bias size", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), attn_mask=causal_lower_right(8, 9)),
      RuntimeError, "CausalBias for 8 queries and 9 keys, but there are 8 and 8"),
-    ("dropout", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=0.1), NotImplementedError,
-     "dropout_p > 0 is not supported yet"),
     ("dropout range", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), dropout_p=1.5), ValueError,
      r"dropout_p must be in \[0, 1\]"),
     ("scale", lambda: flashattn_ext.scaled_dot_product_attention(*_qkv(), scale=float("nan")), ValueError,
@@ -167,14 +180,20 @@ def test_bad_arguments_to_the_ops():
         ops.attention_forward(*forward_args(q, *_qkv((1, 3, 8, 4), (1, 3, 8, 4), (1, 3, 8, 4))[1:]))
     with pytest.raises(RuntimeError, match="batch sizes differ"):
         ops.attention_forward(*forward_args(q, k.expand(2, 2, 8, 4), v.expand(2, 2, 8, 4)))
-    out, lse = ops.attention_forward(*forward_args(q, k, v))
-    backward_options = (None, 0.0, False, False, 0.5, 0, 0, False)
+    out, lse, rng_state = ops.attention_forward(*forward_args(q, k, v))
+    backward_options = (None, 0.0, False, False, 0.5, False)
     with pytest.raises(RuntimeError, match=r"lse must have shape \[1, 2, 8\]"):
-        ops.attention_backward(out, q, k, v, out, lse[:, :, :4], *backward_options)
+        ops.attention_backward(out, q, k, v, out, lse[:, :, :4], rng_state, *backward_options)
     with pytest.raises(TypeError, match="grad_out must have dtype Float"):
-        ops.attention_backward(out.double(), q, k, v, out, lse, *backward_options)
+        ops.attention_backward(out.double(), q, k, v, out, lse, rng_state, *backward_options)
     with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs a float attn_mask"):
-        ops.attention_backward(out, q, k, v, out, lse, *backward_options[:-1], True)
+        ops.attention_backward(out, q, k, v, out, lse, rng_state, *backward_options[:-1], True)
+    with pytest.raises(RuntimeError, match="rng_state must be the forward's: 2 int64 values for dropout_p 0.5"):
+        ops.attention_backward(out, q, k, v, out, lse, rng_state, None, 0.5, *backward_options[2:])
+    with pytest.raises(ValueError, match=r"dropout_mask rows \[0, 9\) are not within \[0, len_q = 8\]"):
+        ops.dropout_mask(torch.zeros(2, dtype=torch.long), 0.5, 1, 2, 8, 8, 0, 9)
+    with pytest.raises(ValueError, match=r"dropout_mask needs dropout_p in \(0, 1\], got 0"):
+        ops.dropout_mask(torch.zeros(2, dtype=torch.long), 0.0, 1, 2, 8, 8, 0, 8)
     with pytest.raises(RuntimeError, match=r"attn_mask must have shape \[1, 2, 8, 8\]"):
         ops.attention_forward(q, k, v, torch.ones(1, 2, 8, 7, dtype=torch.bool), *forward_args(q, k, v)[4:])
 
@@ -197,6 +216,27 @@ def test_compiles_without_graph_breaks(device):
     torch.testing.assert_close(out, want)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_with_dropout_without_graph_breaks(device):
+    """Dropout inside a compiled graph draws from torch's generator as eager does: the same seed
+    gives eager's values and gradients, another seed another mask."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = random_qkv((2, 4, 40, 16), (2, 4, 40, 16), (2, 4, 40, 16), dtype, device)
+
+    def attention(q, k, v):
+        return flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.3, is_causal=True)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    results = {}
+    for name, fn, seed in (("compiled", compiled, 1), ("eager", attention, 1), ("other seed", compiled, 2)):
+        torch.manual_seed(seed)
+        out = fn(q, k, v)
+        results[name] = (out, *torch.autograd.grad(out.sum(), (q, k, v)))
+    for got, expected in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, expected)
+    assert not torch.equal(results["compiled"][0], results["other seed"][0])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,7 +273,7 @@ q = torch.randn(1, 2, 8, 4, device="cuda", dtype=torch.float16)
 for k, message in ((torch.randn(1, 3, 8, 4, device="cuda", dtype=torch.float16), "the 3 key/value heads must divide the 2 query heads"),
                    (torch.randn(1, 2, 8, 5, device="cuda", dtype=torch.float16), "key head dim 5 does not match query head dim 4")):
     try:
-        ops.attention_forward(q, k, k, None, 0.0, False, False, 0.5, 0, 0)
+        ops.attention_forward(q, k, k, None, 0.0, False, False, 0.5)
     except (RuntimeError, NotImplementedError) as e:
         assert message in str(e), str(e)
     else:

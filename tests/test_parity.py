@@ -2,11 +2,12 @@
 
 A seeded sweep draws one call per case: dtype, any number of leading batch dims, GQA, E != Ev,
 is_causal or an attn_mask (bool, float, a float mask that requires grad, or torch's CausalBias
-objects) in any shape that broadcasts, an explicit scale (negative and zero included), and
-inputs laid out as (N, ..., L, H, E) memory seen through transposed views. Values and every
+objects) in any shape that broadcasts, an explicit scale (negative and zero included), dropout,
+and inputs laid out as (N, ..., L, H, E) memory seen through transposed views. Values and every
 gradient (q, k, v, and a float mask's) are compared with SDPA's math backend in float64 on the
-same rounded inputs: within twice torch SDPA's own error in the same dtype, plus a floor.
-dropout_p > 0 is not drawn yet: it raises NotImplementedError.
+same rounded inputs: within twice torch SDPA's own error in the same dtype, plus a floor. With
+dropout, the math backend is given the mask our call used (its dropout_mask testing hook), in
+float64 and, for the error budget, in the inputs' dtype.
 
 ``pytest tests/test_parity.py -k cpu-seed7`` reruns one case; failures print the case.
 """
@@ -42,6 +43,7 @@ class Call:
     mask_shape: Optional[Tuple[int, ...]]  # of a tensor mask: broadcasts to (*leading, heads_q, len_q, len_k)
     scale: Optional[float]
     seq_major: bool  # q, k, v are (..., L, H, E) memory seen as (..., H, L, E)
+    dropout_p: float
 
 
 def draw_call(seed):
@@ -69,6 +71,7 @@ def draw_call(seed):
         mask_shape=mask_shape,
         scale=rng.choice((None, None, rng.uniform(-1.0, 2.0), 0.0)),
         seq_major=rng.random() < 0.5,
+        dropout_p=rng.choice((0.0, 0.0, 0.0, round(rng.uniform(0.05, 0.7), 3))),
     )
 
 
@@ -123,6 +126,7 @@ def run(fn, call, q, k, v, mask, grad_out):
     out = fn(
         *leaves,
         attn_mask=None if call.mask == "is_causal" else mask_arg,
+        dropout_p=call.dropout_p,
         is_causal=call.mask == "is_causal",
         scale=call.scale,
         enable_gqa=call.group > 1,
@@ -134,6 +138,33 @@ def run(fn, call, q, k, v, mask, grad_out):
 def sdpa_math(*args, **kwargs):
     with sdpa_kernel(SDPBackend.MATH):
         return F.scaled_dot_product_attention(*args, **kwargs)
+
+
+def sdpa_math_with_dropout_mask(keep):
+    """SDPA's math backend dropping exactly where keep is False (torch's hook for testing fused kernels)."""
+
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if isinstance(attn_mask, sdpa_bias.CausalBias):
+            attn_mask = attn_mask._materialize(q.device)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:  # the math kernel would add it as 0/1
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
+        return torch.ops.aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa
+        )[0]
+
+    return attention
+
+
+def dropout_mask_of_call(call, device, seed):
+    """The keep mask of the flashattn_ext call made right after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    x = torch.zeros(1, 1, 1, 8, device=device)
+    rng_state = torch.ops.flashattn_ext.attention_forward(x, x, x, None, call.dropout_p, False, False, 1.0)[2]
+    heads_q, batch = call.heads_kv * call.group, math.prod(call.leading)
+    keep = torch.ops.flashattn_ext.dropout_mask(
+        rng_state, call.dropout_p, batch, heads_q, call.len_q, call.len_k, 0, call.len_q
+    )
+    return keep.reshape(*call.leading, heads_q, call.len_q, call.len_k)
 
 
 def parity_params():
@@ -157,13 +188,19 @@ def test_parity_with_sdpa(device, seed):
             return t
         return t.detach().double().requires_grad_(t.requires_grad)
 
+    torch.manual_seed(seed)
     got = run(flashattn_ext.scaled_dot_product_attention, call, q, k, v, mask, grad_out)
-    want = run(sdpa_math, call, *(upcast(t) for t in (q, k, v, mask, grad_out)))
-    # The error budget: torch SDPA's own error in the same dtype, from the backend it picks (on
-    # CUDA its fused kernels return NaN for a scale <= 0: then from the math backend).
-    baseline = run(F.scaled_dot_product_attention, call, q, k, v, mask, grad_out)
-    if not all(torch.isfinite(b).all() for b in baseline):
-        baseline = run(sdpa_math, call, q, k, v, mask, grad_out)
+    if call.dropout_p > 0:
+        reference = sdpa_math_with_dropout_mask(dropout_mask_of_call(call, device, seed))
+        want = run(reference, call, *(upcast(t) for t in (q, k, v, mask, grad_out)))
+        baseline = run(reference, call, q, k, v, mask, grad_out)
+    else:
+        want = run(sdpa_math, call, *(upcast(t) for t in (q, k, v, mask, grad_out)))
+        # The error budget: torch SDPA's own error in the same dtype, from the backend it picks (on
+        # CUDA its fused kernels return NaN for a scale <= 0: then from the math backend).
+        baseline = run(F.scaled_dot_product_attention, call, q, k, v, mask, grad_out)
+        if not all(torch.isfinite(b).all() for b in baseline):
+            baseline = run(sdpa_math, call, q, k, v, mask, grad_out)
     names = ("out", "dq", "dk", "dv", "dmask")
     problem_scale = max(w.abs().max().item() for w in want)
     floor = 1e-12 if call.dtype == torch.float64 else ERROR_FLOOR[call.dtype]

@@ -110,6 +110,35 @@ struct HeadMask {
   }
 };
 
+// Dropout for one (batch, head): the factor of the probability of query i and
+// key j, 0 where dropped and 1 / (1 - p) where kept (see dropout.h).
+template <typename A>
+struct HeadDropout {
+  bool enabled = false;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  A keep_scale = 1;
+  int64_t bh = 0, len_q = 0, len_k = 0;
+
+  HeadDropout(const DropoutParams& dropout, const AttentionProblem& p, int64_t b, int64_t h)
+      : enabled(dropout.p > 0.0) {
+    if (!enabled) return;
+    seed = static_cast<uint64_t>(dropout.rng_state[0]);
+    offset = static_cast<uint64_t>(dropout.rng_state[1]);
+    threshold = dropout_threshold(dropout.p);
+    keep_scale = static_cast<A>(dropout_keep_scale(dropout.p));
+    bh = b * p.heads_q + h;
+    len_q = p.len_q;
+    len_k = p.len_k;
+  }
+
+  A factor(int64_t i, int64_t j) const {
+    if (!enabled) return A(1);
+    const PhiloxOutput numbers = dropout_numbers(seed, offset, dropout_group(bh, i, j, len_q, len_k));
+    return dropout_keeps(numbers, dropout_slot(i, j), threshold) ? keep_scale : A(0);
+  }
+};
+
 // scores[r][c] = scale * <q_r, k_c> with the mask applied, or -inf where query
 // row0 + r may not see key col0 + c.
 template <typename T, typename A>
@@ -153,6 +182,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t rows = std::min(kBlockQ, p.len_q - row0);
 
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+      const HeadDropout<A> dropout(params.dropout, p, b, h);
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
@@ -181,9 +211,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           if constexpr (!kWithOutput) continue;
           // The tile's share is summed apart and then added: blockwise
           // summation keeps the rounding error of long float32 sums down.
+          // Dropout applies here, after the (undropped) row sum.
           std::fill(tile_out.begin(), tile_out.end(), A(0));
           for (int64_t c = 0; c < cols; ++c) {
-            const A prob = s[c];
+            const A prob = s[c] * dropout.factor(row0 + r, col0 + c);
             const A* vc = &v[c * dim_v];
             for (int64_t d = 0; d < dim_v; ++d) tile_out[d] += prob * vc[d];
           }
@@ -207,11 +238,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 }
 
 // For one (query tile, key tile) pair: recomputes P = exp(S - lse) into probs
-// and dS = P * (dO V^T - delta) into dscores. Rows with lse = -inf see no key.
+// and dS = P * (Z * dO V^T - delta) into dscores, where Z is dropout's factor
+// (1 without dropout); with dropped set, also P * Z there, the probabilities
+// that the output used. Rows with lse = -inf see no key.
 template <typename T, typename A>
 void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* lse, const A* delta,
                     int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
-                    const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* probs, A* dscores) {
+                    const HeadMask<T, A>& mask, const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* probs,
+                    A* dscores, A* dropped = nullptr) {
   compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), vis, mask, row0, col0, probs);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
@@ -219,7 +253,9 @@ void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* 
       prob = lse[r] == kNegInf<A> ? A(0) : std::exp(prob - lse[r]);
       A dprob = 0;
       for (int64_t d = 0; d < p.head_dim_v; ++d) dprob += dout[r * p.head_dim_v + d] * v[c * p.head_dim_v + d];
-      dscores[r * cols + c] = prob * (dprob - delta[r]);
+      const A factor = dropout.factor(row0 + r, col0 + c);
+      dscores[r * cols + c] = prob * (dprob * factor - delta[r]);
+      if (dropped != nullptr) dropped[r * cols + c] = prob * factor;
     }
   }
 }
@@ -237,8 +273,8 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
 
   at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim), dv(kBlockK * dim_v),
-        dk_tile(kBlockK * dim), dv_tile(kBlockK * dim_v);
+        probs(kBlockQ * kBlockK), dropped(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim),
+        dv(kBlockK * dim_v), dk_tile(kBlockK * dim), dv_tile(kBlockK * dim_v);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k_block = task % k_blocks;
       const int64_t h_kv = (task / k_blocks) % p.heads_kv;
@@ -254,6 +290,7 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
       const int64_t first_row = vis.query_begin(col0) / kBlockQ * kBlockQ;
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
         const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+        const HeadDropout<A> dropout(params.dropout, p, b, h);
         const A* lse_head = lse_all + (b * p.heads_q + h) * p.len_q;
         const A* delta_head = delta_all + (b * p.heads_q + h) * p.len_q;
         for (int64_t row0 = first_row; row0 < p.len_q; row0 += kBlockQ) {
@@ -261,14 +298,14 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
           load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
           load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
           recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
-                         cols, p, vis, mask, row0, col0, probs.data(), dscores.data());
+                         cols, p, vis, mask, dropout, row0, col0, probs.data(), dscores.data(), dropped.data());
           // Sum this tile pair's share apart, then add it: blockwise summation
           // keeps the rounding error of long float32 sums down.
           std::fill(dk_tile.begin(), dk_tile.end(), A(0));
           std::fill(dv_tile.begin(), dv_tile.end(), A(0));
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t c = 0; c < cols; ++c) {
-              const A prob = probs[r * cols + c];
+              const A prob = dropped[r * cols + c];
               const A ds = dscores[r * cols + c] * scale;
               for (int64_t d = 0; d < dim_v; ++d) dv_tile[c * dim_v + d] += prob * dout[r * dim_v + d];
               for (int64_t d = 0; d < dim; ++d) dk_tile[c * dim + d] += ds * q[r * dim + d];
@@ -287,7 +324,8 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
 // dQ: a separate pass, one task per (batch, query head, block of rows), so no
 // two tasks write the same element and the result is deterministic. It runs
 // first: each task also fills delta_all for its rows, which the dK/dV pass reads.
-// delta[i] = rowsum(P_i * dP_i), the softmax-gradient correction of each row.
+// delta[i] = rowsum(P_i * Z_i * dP_i), the softmax-gradient correction of each
+// row (Z: dropout's factor, 1 without dropout).
 // It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
 // types that rounding, amplified where dP - delta cancels, made gradients up to
 // 6x less accurate than torch's: so it is summed from P and dP, one more pass
@@ -316,6 +354,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
       A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
 
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+      const HeadDropout<A> dropout(params.dropout, p, b, h);
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
       const int64_t key_end = vis.key_end(row0 + rows - 1);
@@ -331,9 +370,9 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
 
       std::fill(delta, delta + rows, A(0));
       for_each_key_tile([&](int64_t col0, int64_t cols) {
-        // With a zero delta, the tile's dS is P * dP.
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, row0,
-                       col0, probs.data(), dscores.data());
+        // With a zero delta, the tile's dS is P * Z * dP (Z: dropout's factor).
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, dropout,
+                       row0, col0, probs.data(), dscores.data());
         for (int64_t r = 0; r < rows; ++r) {
           A tile_sum = 0;
           for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
@@ -343,8 +382,8 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
 
       std::fill(dq.begin(), dq.end(), A(0));
       for_each_key_tile([&](int64_t col0, int64_t cols) {
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, row0, col0,
-                       probs.data(), dscores.data());
+        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, dropout, row0,
+                       col0, probs.data(), dscores.data());
         // An additive mask enters the scores as is: its gradient is dS. This pass
         // visits every (query, key) pair once; pairs it skips keep their zero.
         if (params.dmask.data != nullptr) {
@@ -401,6 +440,21 @@ void attention_backward(const BwdParams& params) {
   }
   backward_dq<T>(params, lse, delta.data());  // fills delta
   if (p.heads_kv > 0) backward_dkdv<T>(params, lse, delta.data());
+}
+
+void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask) {
+  const int64_t rows = shape.row_end - shape.row_begin;
+  AttentionProblem p;
+  p.heads_q = shape.heads;
+  p.len_q = shape.len_q;
+  p.len_k = shape.len_k;
+  at::parallel_for(0, shape.batch * shape.heads * rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / rows, i = shape.row_begin + task % rows;
+      const HeadDropout<double> head(dropout, p, bh / shape.heads, bh % shape.heads);
+      for (int64_t j = 0; j < shape.len_k; ++j) mask[task * shape.len_k + j] = head.factor(i, j) != 0.0;
+    }
+  });
 }
 
 #define FLASHATTN_EXT_INSTANTIATE(T)                          \

@@ -12,4 +12,7 @@ void attention_forward(const FwdParams& params);
 template <typename T>
 void attention_backward(const BwdParams& params);
 
+// Fills mask (contiguous (batch, heads, rows, len_k)) with the keep decisions of dropout.
+void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask);
+
 }  // namespace flashattn_ext::cpu

@@ -1,6 +1,9 @@
 // CPU implementations of the flashattn_ext ops.
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include <mutex>
 
 #include "cpu/flash_cpu.h"
 #include "ops.h"
@@ -8,32 +11,53 @@
 namespace flashattn_ext {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                         const at::Tensor& v,
-                                                         const std::optional<at::Tensor>& attn_mask,
-                                                         double dropout_p, bool is_causal, bool causal_lower_right,
-                                                         double scale, int64_t /*dropout_seed*/,
-                                                         int64_t /*dropout_offset*/) {
+// {seed, offset} for one call's dropout: a seed drawn from torch's default CPU
+// generator (so torch.manual_seed makes runs repeat) and offset 0; empty without dropout.
+at::Tensor draw_rng_state(double dropout_p) {
+  if (!(dropout_p > 0.0)) return at::empty({0}, at::kLong);
+  auto* generator = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
+  uint64_t seed;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    seed = generator->random64();
+  }
+  return at::tensor({static_cast<int64_t>(seed), int64_t(0)}, at::kLong);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                                     const at::Tensor& v,
+                                                                     const std::optional<at::Tensor>& attn_mask,
+                                                                     double dropout_p, bool is_causal,
+                                                                     bool causal_lower_right, double scale) {
   at::Tensor out, lse;
-  const FwdParams params =
-      prepare_forward(q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
+  FwdParams params = prepare_forward(q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
+  const at::Tensor rng_state = draw_rng_state(dropout_p);
+  if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward_cpu",
                                   [&] { cpu::attention_forward<scalar_t>(params); });
-  return {out, lse};
+  return {out, lse, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
-    bool compute_grad_attn_mask) {
+    const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
   at::Tensor dq, dk, dv, dmask;
   const BwdParams params =
-      prepare_backward(dout, q, k, v, out, lse, {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
+      prepare_backward(dout, q, k, v, out, lse, rng_state, {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
                        compute_grad_attn_mask, dq, dk, dv, dmask);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu",
                                   [&] { cpu::attention_backward<scalar_t>(params); });
   return {dq, dk, dv, dmask};
+}
+
+at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
+                            int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end) {
+  const DropoutMaskShape shape =
+      check_dropout_mask(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end);
+  at::Tensor mask = at::empty({batch, heads, row_end - row_begin, len_k}, rng_state.options().dtype(at::kBool));
+  cpu::dropout_mask(shape, {dropout_p, rng_state.data_ptr<int64_t>()}, mask.data_ptr<bool>());
+  return mask;
 }
 
 }  // namespace
@@ -41,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("attention_forward", &attention_forward_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("dropout_mask", &dropout_mask_cpu);
 }
 
 }  // namespace flashattn_ext

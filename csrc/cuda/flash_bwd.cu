@@ -8,6 +8,8 @@
 //     of every query head of the group through double-buffered shared memory;
 //   - dQ: one block per (query block, query head, batch), streaming key blocks.
 // So its result is deterministic and needs no float32 dQ accumulator.
+// With kDropout (Z: 0 where dropped, 1 / (1 - p) where kept): dS = P * (Z dP -
+// delta) and dV += (P where kept)^T dO, times 1 / (1 - p) at the end.
 #include <cmath>
 #include <type_traits>
 
@@ -56,7 +58,7 @@ __device__ __forceinline__ void store_rows(Elem* head, int64_t stride_row, int64
   }
 }
 
-template <typename Elem, int kHeadDim, int kBlockWarps>
+template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout>
 __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel(const BwdParams params) {
   constexpr int kBlockThreads = kBlockWarps * kWarpSize;
   constexpr int kBlockRows = 16 * kBlockWarps;  // rows the block owns: keys (dK/dV) or queries (dQ)
@@ -119,6 +121,8 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const uint32_t do_trans = ptx::smem_addr(s_do) + a_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
+  DropoutState dropout;
+  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
   float dk[1][kHeadDim / 8][4] = {}, dv[1][kHeadDim / 8][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
     if (step + 1 < steps) load_queries(step + 1);
@@ -156,15 +160,32 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     } else {
       probabilities(std::false_type{});
     }
-    // dV += P^T dO.
-    mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dv, pt, do_trans + buf_bytes);
-    // dP^T = V dO^T; dS^T = P^T * (dP^T - delta).
+    // dV += P^T dO (P^T where dropout keeps it).
+    bool keep[1][kQueryTiles][4];
+    if constexpr (kDropout) {
+      const int64_t h = h_kv * group + step / m_count;
+      dropout_keep_key_rows(keep, dropout, b * p.heads_q + h, col0 + warp * 16, m0, lane);
+      float kept[1][kQueryTiles][4];
+#pragma unroll
+      for (int nt = 0; nt < kQueryTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) kept[0][nt][e] = keep[0][nt][e] ? pt[0][nt][e] : 0.f;
+      }
+      mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dv, kept, do_trans + buf_bytes);
+    } else {
+      mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dv, pt, do_trans + buf_bytes);
+    }
+    // dP^T = V dO^T; dS^T = P^T * (Z dP^T - delta).
     float dst[1][kQueryTiles][4] = {};
     mma_rows_by_rows<Elem, 1, kQueryTiles, kHeadDim, kStride>(dst, v_frag, do_rows + buf_bytes);
 #pragma unroll
     for (int nt = 0; nt < kQueryTiles; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dst[0][nt][e] = pt[0][nt][e] * (dst[0][nt][e] - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
+      for (int e = 0; e < 4; ++e) {
+        float dp = dst[0][nt][e];
+        if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
+        dst[0][nt][e] = pt[0][nt][e] * (dp - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
+      }
     }
     // dK += dS^T Q (scaled at the end).
     mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dk, dst, q_trans + buf_bytes);
@@ -174,11 +195,11 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const int64_t key0 = col0 + warp * 16;
   store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dk, b, h_kv), params.dk.stride_row, key0, p.len_k, dim, dk[0],
                              static_cast<float>(p.scale), lane);
-  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dv, b, h_kv), params.dv.stride_row, key0, p.len_k, dim, dv[0], 1.f,
-                             lane);
+  store_rows<Elem, kHeadDim>(head_ptr<Elem>(params.dv, b, h_kv), params.dv.stride_row, key0, p.len_k, dim, dv[0],
+                             kDropout ? dropout.keep_scale : 1.f, lane);
 }
 
-template <typename Elem, int kHeadDim, int kBlockWarps>
+template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout>
 __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(const BwdParams params) {
   constexpr int kBlockThreads = kBlockWarps * kWarpSize;
   constexpr int kBlockRows = 16 * kBlockWarps;  // rows the block owns: keys (dK/dV) or queries (dQ)
@@ -237,6 +258,8 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   const uint32_t v_rows = ptx::smem_addr(s_v) + b_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
+  DropoutState dropout;
+  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
   float dq[1][kHeadDim / 8][4] = {};
   for (int step = 0; step < n_steps; ++step) {
     if (step + 1 < n_steps) load_keys(step + 1);
@@ -273,13 +296,19 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     } else {
       probabilities(std::false_type{});
     }
-    // dP = dO V^T; dS = P * (dP - delta).
+    // dP = dO V^T; dS = P * (Z dP - delta).
     float ds[1][kKeyTiles][4] = {};
     mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(ds, do_frag, v_rows + buf_bytes);
+    bool keep[1][kKeyTiles][4];
+    if constexpr (kDropout) dropout_keep_query_rows(keep, dropout, b * p.heads_q + h, row0 + warp * 16, col0, lane);
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ds[0][nt][e] = s[0][nt][e] * (ds[0][nt][e] - row_delta[e / 2]);
+      for (int e = 0; e < 4; ++e) {
+        float dp = ds[0][nt][e];
+        if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
+        ds[0][nt][e] = s[0][nt][e] * (dp - row_delta[e / 2]);
+      }
     }
     // dQ += dS K (scaled at the end).
     mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dq, ds, k_trans + buf_bytes);
@@ -298,12 +327,16 @@ void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
   constexpr int dkdv_rows = 16 * kDkdvWarps;
   constexpr int dkdv_smem =
       (2 * dkdv_rows + 4 * kBlockStream) * kStride * sizeof(Elem) + 4 * kBlockStream * sizeof(float);
-  launch_kernel(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps>, ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch,
-                kDkdvWarps * kWarpSize, dkdv_smem, params, stream);
   constexpr int dq_rows = 16 * kDqWarps;
   constexpr int dq_smem = (2 * dq_rows + 4 * kBlockStream) * kStride * sizeof(Elem);
-  launch_kernel(attention_dq_kernel<Elem, kHeadDim, kDqWarps>, ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch,
-                kDqWarps * kWarpSize, dq_smem, params, stream);
+  dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+    constexpr bool kDropout = decltype(dropout)::value;
+    launch_kernel(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps, kDropout>,
+                  ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch, kDkdvWarps * kWarpSize, dkdv_smem, params,
+                  stream);
+    launch_kernel(attention_dq_kernel<Elem, kHeadDim, kDqWarps, kDropout>,
+                  ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch, kDqWarps * kWarpSize, dq_smem, params, stream);
+  });
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 // The warps change roles between phases, so each mma operand comes from shared
 // memory in 32-wide tiles (about two mma per ldmatrix). A last kernel scales
 // dq_accum and rounds it into dq. Delta = rowsum(dO * O) comes from flash_bwd.cu.
+// With kDropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
+// (Z dP^T - delta) and dV += (P^T where kept) dO, times 1 / (1 - p) at the end.
 #include <cmath>
 #include <type_traits>
 
@@ -48,7 +50,7 @@ __host__ __device__ constexpr int dq_accum_column(int col) {
   return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
 }
 
-template <typename Elem, typename Cfg>
+template <typename Elem, typename Cfg, bool kDropout>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kStride = Cfg::kStride,
                 kScoreStride = Cfg::kScoreStride, kThreads = Cfg::kThreads;
@@ -126,6 +128,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   // Keys past the end must be masked: their S is 0, so P would not be.
   const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 
+  DropoutState dropout;
+  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+
   float dk[2][kHalfDimTiles][4] = {}, dv[2][kHalfDimTiles][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
     // The tile of this step has landed and every warp is done with the last one,
@@ -190,12 +195,29 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
         }
       }
     }
+    if constexpr (kDropout) {
+      bool keep[2][4][4];
+      dropout_keep_key_rows(keep, dropout, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
+        for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dst[mt][nt][e] = pt[mt][nt][e] * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+          for (int e = 0; e < 4; ++e) {
+            const float dp = keep[mt][nt][e] ? dst[mt][nt][e] * dropout.keep_scale : 0.f;
+            dst[mt][nt][e] = pt[mt][nt][e] * (dp - col_delta[nt][e % 2]);
+            pt[mt][nt][e] = keep[mt][nt][e] ? pt[mt][nt][e] : 0.f;
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dst[mt][nt][e] = pt[mt][nt][e] * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+        }
       }
     }
 #pragma unroll
@@ -250,8 +272,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     work = next_work;
   }
 
-  // dK (times scale) and dV of this warp's keys and columns.
+  // dK (times scale) and dV (times dropout's 1 / (1 - p)) of this warp's keys and columns.
   const float scale = static_cast<float>(p.scale);
+  const float dv_scale = kDropout ? dropout.keep_scale : 1.f;
   Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
   Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
 #pragma unroll
@@ -267,7 +290,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
         *reinterpret_cast<uint32_t*>(dk_head + key * params.dk.stride_row + col) =
             ptx::pack2<Elem>(dk[mt][nt][2 * half] * scale, dk[mt][nt][2 * half + 1] * scale);
         *reinterpret_cast<uint32_t*>(dv_head + key * params.dv.stride_row + col) =
-            ptx::pack2<Elem>(dv[mt][nt][2 * half], dv[mt][nt][2 * half + 1]);
+            ptx::pack2<Elem>(dv[mt][nt][2 * half] * dv_scale, dv[mt][nt][2 * half + 1] * dv_scale);
       }
     }
   }
@@ -317,9 +340,11 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
     using Elem = decltype(elem);
     dispatch_atomic_config(p, [&](auto cfg) {
       using Cfg = decltype(cfg);
-      launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg>,
-                    ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
-                    stream);
+      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+        launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg, decltype(dropout)::value>,
+                      ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
+                      stream);
+      });
       launch_kernel(attention_dq_convert_kernel<Elem, Cfg>,
                     ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
                     params, stream);

@@ -210,6 +210,90 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t
   return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
 }
 
+// Dropout inside the kernels (numbers as in dropout.h), per attention call.
+struct DropoutState {
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  float keep_scale = 1.f;  // of a kept probability
+  int64_t len_q = 0, len_k = 0;
+};
+
+__device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropout, const AttentionProblem& p) {
+  DropoutState state;
+  state.seed = static_cast<uint64_t>(dropout.rng_state[0]);
+  state.offset = static_cast<uint64_t>(dropout.rng_state[1]);
+  state.threshold = dropout_threshold(dropout.p);
+  state.keep_scale = static_cast<float>(dropout_keep_scale(dropout.p));
+  state.len_q = p.len_q;
+  state.len_k = p.len_k;
+  return state;
+}
+
+// keep[mt][nt][e]: whether dropout keeps a warp's score fragment element whose
+// row is query q0 + mt * 16 + lane / 4 + 8 * (e / 2) and column key
+// k0 + nt * 8 + 2 * (lane % 4) + e % 2, of head bh (batch * heads_q + head).
+// q0 and k0 are multiples of 16: each 16 x 16 block is one Philox call a lane.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
+                                                        int64_t bh, int64_t q0, int64_t k0, int lane) {
+  static_assert(kNTiles % 2 == 0, "whole 16-key blocks");
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int block = 0; block < kNTiles / 2; ++block) {
+      const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + block * 16 + (lane % 4) * 2;
+      const PhiloxOutput numbers = dropout_numbers(d.seed, d.offset, dropout_group(bh, query, key, d.len_q, d.len_k));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          keep[mt][2 * block + half][e] = dropout_keeps(numbers, (e / 2) * 4 + half * 2 + e % 2, d.threshold);
+        }
+      }
+    }
+  }
+}
+
+// The same for fragments of the transposed scores S^T: row key
+// k0 + mt * 16 + lane / 4 + 8 * (e / 2), column query q0 + nt * 8 + 2 * (lane % 4) + e % 2.
+// A lane's four queries of a 16-query block fall into two Philox calls.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
+                                                      int64_t bh, int64_t k0, int64_t q0, int lane) {
+  static_assert(kNTiles % 2 == 0, "whole 16-query blocks");
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int block = 0; block < kNTiles / 2; ++block) {
+#pragma unroll
+      for (int odd = 0; odd < 2; ++odd) {
+        const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + block * 16 + (lane % 4) * 2 + odd;
+        const PhiloxOutput numbers =
+            dropout_numbers(d.seed, d.offset, dropout_group(bh, query, key, d.len_q, d.len_k));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+          for (int key_half = 0; key_half < 2; ++key_half) {
+            keep[mt][2 * block + half][key_half * 2 + odd] =
+                dropout_keeps(numbers, half * 4 + key_half * 2 + (lane / 4) % 2, d.threshold);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls fn with std::true_type if flag is set, else std::false_type: a kernel
+// template argument from a runtime flag.
+template <typename Fn>
+void dispatch_flag(bool flag, Fn&& fn) {
+  if (flag) {
+    fn(std::true_type{});
+  } else {
+    fn(std::false_type{});
+  }
+}
+
 // Calls fn with the 16-bit element type of the inputs, as a value of that type.
 template <typename Fn>
 void dispatch_element_type(ElementType type, Fn&& fn) {

@@ -31,4 +31,21 @@ int64_t dq_accum_floats(const AttentionProblem& p);
 // The atomic-dQ pass and dq's final rounding, after delta (flash_bwd_atomic.cu).
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream);
 
+// Where one call's dropout {seed, offset} comes from: torch's PhiloxCudaState,
+// read on the device, because under CUDA graph capture seed and offset live in
+// device memory (offset then plus offset_intragraph).
+struct PhiloxSource {
+  uint64_t seed = 0, offset = 0;  // when not captured
+  const int64_t* seed_ptr = nullptr;
+  const int64_t* offset_ptr = nullptr;
+  uint64_t offset_intragraph = 0;
+  bool captured = false;
+};
+
+// rng_state[0..1] = {seed, offset} (device memory), for the kernels to read (dropout.cu).
+void write_rng_state(const PhiloxSource& source, int64_t* rng_state, cudaStream_t stream);
+
+// Fills mask (device memory, contiguous (batch, heads, rows, len_k)) with dropout's keep decisions.
+void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask, cudaStream_t stream);
+
 }  // namespace flashattn_ext::cuda

@@ -3,6 +3,8 @@
 // two shared-memory buffers with cp.async, so the next pair loads while the
 // tensor cores (mma.sync m16n8k16) work on the current one. Each warp owns
 // 16 * kMTiles query rows and keeps their softmax state and output in registers.
+// With kDropout, the probabilities are dropped after the row sums and before
+// P V, and the output scaled by 1 / (1 - p) at the end.
 #include <cmath>
 #include <type_traits>
 
@@ -42,7 +44,7 @@ __device__ __forceinline__ float tree_reduce(const float (&x)[kTiles][4], int e0
   return v[0];
 }
 
-template <typename Elem, typename Cfg>
+template <typename Elem, typename Cfg, bool kDropout>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const FwdParams params) {
   constexpr int kHeadDim = Cfg::kHeadDim, kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM,
                 kBlockN = Cfg::kBlockN, kStride = Cfg::kStride;
@@ -96,6 +98,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   float acc_o[kMTiles][kDimTiles][4] = {};
   float row_max[kMTiles][2], row_sum[kMTiles][2];
+  DropoutState dropout;
+  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
   for (int mt = 0; mt < kMTiles; ++mt) {
     for (int half = 0; half < 2; ++half) {
       row_max[mt][half] = -INFINITY;
@@ -186,6 +190,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
       }
     }
 
+    if constexpr (kDropout) {
+      bool keep[kMTiles][kKeyTiles][4];
+      dropout_keep_query_rows(keep, dropout, b * p.heads_q + h, row0 + warp_row0, int64_t(n_block) * kBlockN, lane);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < kKeyTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = keep[mt][nt][e] ? s[mt][nt][e] : 0.f;
+        }
+      }
+    }
+
     // O += P V, with P taken from the score registers.
     mma_regs_by_rows<Elem, kMTiles, kBlockN, kHeadDim, kStride>(acc_o, s, v_tile);
   };
@@ -215,6 +232,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+      const float out_scale = kDropout ? inv_sum * dropout.keep_scale : inv_sum;
       const int64_t row = row0 + warp_row0 + mt * 16 + lane / 4 + half * 8;
       if (row >= p.len_q) continue;
 #pragma unroll
@@ -222,7 +240,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
         const int col = dt * 8 + (lane % 4) * 2;
         if (col < dim) {
           *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
-              ptx::pack2<Elem>(acc_o[mt][dt][2 * half] * inv_sum, acc_o[mt][dt][2 * half + 1] * inv_sum);
+              ptx::pack2<Elem>(acc_o[mt][dt][2 * half] * out_scale, acc_o[mt][dt][2 * half + 1] * out_scale);
         }
       }
       if (lane % 4 == 0) {
@@ -235,8 +253,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 template <typename Elem, typename Cfg>
 void launch_forward(const FwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  launch_kernel(attention_forward_kernel<Elem, Cfg>, ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch,
-                Cfg::kThreads, Cfg::kSmemElems * sizeof(Elem), params, stream);
+  dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+    launch_kernel(attention_forward_kernel<Elem, Cfg, decltype(dropout)::value>,
+                  ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch, Cfg::kThreads, Cfg::kSmemElems * sizeof(Elem),
+                  params, stream);
+  });
 }
 
 }  // namespace

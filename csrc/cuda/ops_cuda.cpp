@@ -2,10 +2,12 @@
 // launch-error checks; what the hand-written kernels do not cover goes to the
 // ATen-operation fallback (fallback.h) with a one-time warning.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -55,42 +57,73 @@ at::Tensor with_aligned_rows(const at::Tensor& t) {
   return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v,
-                                                          const std::optional<at::Tensor>& attn_mask,
-                                                          double dropout_p, bool is_causal, bool causal_lower_right,
-                                                          double scale, int64_t /*dropout_seed*/,
-                                                          int64_t /*dropout_offset*/) {
+// {seed, offset} for one call's dropout, drawn from torch's default generator of
+// q's device and written to device memory by a one-thread kernel (under CUDA
+// graph capture the generator's state is itself in device memory); empty
+// without dropout.
+at::Tensor draw_rng_state(const at::Tensor& q, double dropout_p, cudaStream_t stream) {
+  if (!(dropout_p > 0.0)) return at::empty({0}, q.options().dtype(at::kLong));
+  auto* generator = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(q.device().index()));
+  at::PhiloxCudaState state;
+  {
+    std::lock_guard<std::mutex> lock(generator->mutex_);
+    state = generator->philox_cuda_state(kDropoutOffsetIncrement);
+  }
+  cuda::PhiloxSource source;
+  source.captured = state.captured_;
+  if (state.captured_) {
+    source.seed_ptr = state.seed_.ptr;
+    source.offset_ptr = state.offset_.ptr;
+    source.offset_intragraph = state.offset_intragraph_;
+  } else {
+    source.seed = state.seed_.val;
+    source.offset = state.offset_.val;
+  }
+  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
+  cuda::write_rng_state(source, rng_state.data_ptr<int64_t>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rng_state;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                                      const at::Tensor& v,
+                                                                      const std::optional<at::Tensor>& attn_mask,
+                                                                      double dropout_p, bool is_causal,
+                                                                      bool causal_lower_right, double scale) {
   const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor out, lse;
   const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
-  const FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
+  FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
+  const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
   if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
     warn_fallback(*gap);
-    fallback_forward(q_rows, k_rows, v_rows, attn_mask, params.problem, out, lse);
-    return {out, lse};
+    fallback_forward(q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, out, lse);
+    return {out, lse, rng_state};
   }
-  cuda::attention_forward(params, element_type(q), at::cuda::getCurrentCUDAStream());
+  if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
+  cuda::attention_forward(params, element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse};
+  return {out, lse, rng_state};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    bool causal_lower_right, double scale, int64_t /*dropout_seed*/, int64_t /*dropout_offset*/,
-    bool compute_grad_attn_mask) {
+    const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, dmask;
   const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
   const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
-  BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, options, compute_grad_attn_mask,
-                                      dq, dk, dv, dmask);
+  BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
+                                      compute_grad_attn_mask, dq, dk, dv, dmask);
   if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
     warn_fallback(*gap);
-    fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, params.problem, dq, dk, dv, dmask);
+    fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, rng_state, dropout_p,
+                      params.problem, dq, dk, dv, dmask);
     return {dq, dk, dv, dmask};
   }
   // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
@@ -108,11 +141,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   return {dq, dk, dv, dmask};
 }
 
+at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
+                             int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end) {
+  const c10::cuda::CUDAGuard device_guard(rng_state.device());
+  const DropoutMaskShape shape =
+      check_dropout_mask(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end);
+  at::Tensor mask = at::empty({batch, heads, row_end - row_begin, len_k}, rng_state.options().dtype(at::kBool));
+  cuda::dropout_mask(shape, {dropout_p, rng_state.data_ptr<int64_t>()}, mask.data_ptr<bool>(),
+                     at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return mask;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
+  m.impl("dropout_mask", &dropout_mask_cuda);
 }
 
 }  // namespace flashattn_ext
