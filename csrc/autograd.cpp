@@ -1,9 +1,15 @@
 // Autograd for the flashattn_ext ops: a torch::autograd::Function that saves
 // q, k, v, out, the log-sum-exp and dropout's rng_state (never the
-// probabilities or a dropout mask) and calls the backward op. Registered for the Autograd key, so every device shares it.
+// probabilities or a dropout mask) and calls the backward op. Registered for
+// the Autograd key, so every device shares it.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <limits>
+
+#include "dropout.h"
 
 namespace flashattn_ext {
 namespace {
@@ -79,8 +85,36 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, c
   return {outputs[0], outputs[1], outputs[2]};
 }
 
-// The backward op's own autograd: it runs (so backward(create_graph=True)
-// works), but its outputs cannot be differentiated again.
+// Attention from differentiable ATen operations, the scores materialized as in
+// SDPA's math backend: what double backward differentiates. 16-bit inputs are
+// computed in float32. dropout_factor: undefined, or 0 / (1 / (1 - p)) per pair.
+Tensor composite_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& attn_mask,
+                           const Tensor& dropout_factor, bool is_causal, bool causal_lower_right, double scale) {
+  const at::ScalarType acc = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? at::kFloat
+                                                                                                : q.scalar_type();
+  const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
+  const Tensor keys = k.to(acc).repeat_interleave(group, 1), values = v.to(acc).repeat_interleave(group, 1);
+  Tensor scores = at::matmul(q.to(acc), keys.transpose(-2, -1)) * scale;
+  if (attn_mask.has_value()) {
+    scores = attn_mask->scalar_type() == at::kBool
+                 ? scores.masked_fill(attn_mask->logical_not(), -std::numeric_limits<double>::infinity())
+                 : scores + attn_mask->to(acc);
+  }
+  if (is_causal) {  // query i sees key j iff j <= i + offset
+    const int64_t len_q = q.size(2), len_k = k.size(2), offset = causal_lower_right ? len_k - len_q : 0;
+    const Tensor query = at::arange(len_q, q.options().dtype(at::kLong)).unsqueeze(1);
+    const Tensor key = at::arange(len_k, q.options().dtype(at::kLong)).unsqueeze(0);
+    scores = scores.masked_fill(key > query + offset, -std::numeric_limits<double>::infinity());
+  }
+  Tensor probabilities = at::_safe_softmax(scores, -1);  // 0 on rows that see no key
+  if (dropout_factor.defined()) probabilities = probabilities * dropout_factor;
+  return at::matmul(probabilities, values).to(q.scalar_type());
+}
+
+// The backward op's own autograd, for double backward: it differentiates the
+// gradients of composite_attention, which materializes the scores (memory
+// grows as len_q x len_k, as in SDPA's math backend). out and lse get no
+// gradient: the recomputation covers their dependence on q, k and v.
 class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAttentionBackwardFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -90,13 +124,65 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv, dmask] = backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
                                                   causal_lower_right, scale, compute_grad_attn_mask);
+    ctx->save_for_backward({dout, q, k, v, rng_state, attn_mask.value_or(Tensor())});
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["causal_lower_right"] = causal_lower_right;
+    ctx->saved_data["scale"] = scale;
     return {dq, dk, dv, dmask};
   }
 
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
-    TORCH_CHECK_NOT_IMPLEMENTED(false,
-                                "flashattn_ext: double backward is not supported (the gradients of attention "
-                                "cannot be differentiated again)");
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const bool has_mask = saved[5].defined();
+    const bool float_mask = has_mask && saved[5].scalar_type() != at::kBool;
+    // Triple backward differentiates this one in turn, when the engine runs with create_graph.
+    const bool create_graph = at::GradMode::is_enabled();
+    at::AutoGradMode enable_grad(true);
+    variable_list leaves;  // dout, q, k, v[, a float mask]
+    for (int i = 0; i < 4; ++i) leaves.push_back(saved[i].detach().requires_grad_());
+    std::optional<Tensor> attn_mask;
+    if (has_mask) attn_mask = float_mask ? saved[5].detach().requires_grad_() : saved[5];
+    if (float_mask) leaves.push_back(*attn_mask);
+
+    Tensor dropout_factor;
+    if (dropout_p > 0.0) {
+      const Tensor& q = leaves[1];
+      static const auto dropout_mask = c10::Dispatcher::singleton()
+                                           .findSchemaOrThrow("flashattn_ext::dropout_mask", "")
+                                           .typed<Tensor(const Tensor&, double, int64_t, int64_t, int64_t, int64_t,
+                                                         int64_t, int64_t)>();
+      const Tensor keep = dropout_mask.call(saved[4], dropout_p, q.size(0), q.size(1), q.size(2), leaves[2].size(2),
+                                            0, q.size(2));
+      dropout_factor = keep.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat) * dropout_keep_scale(dropout_p);
+    }
+    const Tensor out = composite_attention(leaves[1], leaves[2], leaves[3], attn_mask, dropout_factor,
+                                           ctx->saved_data["is_causal"].toBool(),
+                                           ctx->saved_data["causal_lower_right"].toBool(),
+                                           ctx->saved_data["scale"].toDouble());
+    // The first gradients as functions of the leaves, then their vector-Jacobian
+    // product with the incoming gradients (of dq, dk, dv[, dmask]).
+    const variable_list inputs(leaves.begin() + 1, leaves.end());
+    const variable_list first = torch::autograd::grad({out}, inputs, {leaves[0]}, /*retain_graph=*/true,
+                                                      /*create_graph=*/true, /*allow_unused=*/true);
+    variable_list outputs, grad_outputs;
+    for (size_t i = 0; i < first.size(); ++i) {
+      // (An empty dmask, not asked for, has no gradient to pass on.)
+      if (first[i].defined() && first[i].requires_grad() && grads[i].defined() &&
+          grads[i].sizes() == first[i].sizes()) {
+        outputs.push_back(first[i]);
+        grad_outputs.push_back(grads[i]);
+      }
+    }
+    variable_list second(leaves.size());
+    if (!outputs.empty()) {
+      second = torch::autograd::grad(outputs, leaves, grad_outputs, /*retain_graph=*/create_graph, create_graph,
+                                     /*allow_unused=*/true);
+    }
+    // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options.
+    return {second[0], second[1], second[2], second[3], Tensor(), Tensor(), Tensor(),
+            float_mask ? second[4] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 

@@ -1,6 +1,6 @@
 // Attention built from ATen operations, on any device, for the calls that the
 // hand-written CUDA kernels do not cover (float32 and float64 inputs, head dims
-// that are not a multiple of 8 or are above 256, Ev != E, a tensor attn_mask).
+// that are not a multiple of 8 or are above 256, Ev != E).
 // The same algorithm at a coarser grain: query rows go in chunks whose scores
 // (at most about kFallbackChunkBytes of them) are materialized, the forward
 // saves the LSE and the backward recomputes P. Accumulation in float32 for

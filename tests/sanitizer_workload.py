@@ -1,6 +1,6 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
-small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims, and
-dropout on some.
+small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
+dropout on some, and bool and float masks (with the float mask's gradient).
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -67,6 +67,21 @@ def run_copied_inputs(dtype):
             raise RuntimeError(f"{name} is not finite for the copied inputs in {dtype}")
 
 
+def run_masked(dtype):
+    """A broadcast bool mask and a float mask that requires grad, over ragged tiles with GQA."""
+    q = torch.randn(1, 2, 65, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 1, 129, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    bool_mask = torch.rand(1, 1, 1, 129, device="cuda") > 0.3
+    float_mask = torch.randn(65, 129, device="cuda", dtype=dtype, requires_grad=True)
+    for mask in (bool_mask, float_mask):
+        out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dmask", float_mask.grad)):
+        if not torch.isfinite(t).all():
+            raise RuntimeError(f"{name} is not finite for the masked case in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -85,6 +100,8 @@ def main():
         for dtype in DTYPES:
             run_copied_inputs(dtype)
             print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)
+            run_masked(dtype)
+            print(f"ok masks {dtype} deterministic={deterministic}", flush=True)
 
 
 if __name__ == "__main__":

@@ -345,6 +345,78 @@ def test_attn_mask_matches_sdpa(mask_name, device):
         torch.testing.assert_close(got, expected)
 
 
+# Masks for the CUDA kernels: broadcast shapes over (batch=2, heads=4, L=150, S=200), with
+# tiles of keys and queries cut by the ends; the key-padding mask hides whole tiles.
+KERNEL_MASKS = {
+    "bool (L, S)": (150, 200),
+    "bool (B, 1, 1, S) padding": (2, 1, 1, 200),
+    "float (L, S)": (150, 200),
+    "float (B, H, L, S)": (2, 4, 150, 200),
+    "float (1, H, 1, S) transposed": (1, 4, 1, 200),
+}
+
+
+@cuda_test
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mask_name", list(KERNEL_MASKS))
+def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, deterministic):
+    """The CUDA kernels read bool and float masks in place and give a float mask's gradient:
+    within twice torch SDPA's own error in the same dtype, against float64, in both dQ modes."""
+    shape = KERNEL_MASKS[mask_name]
+    q, k, v = random_qkv((2, 4, 150, head_dim), (2, 2, 200, head_dim), (2, 2, 200, head_dim), dtype, "cuda")
+    if mask_name.startswith("bool"):
+        mask = random_mask(shape, torch.bool, seed=1)
+        mask[..., 0] = True  # every row sees a key (SDPA gives NaN where none does)
+        mask = mask.cuda()
+    else:
+        mask = random_mask(shape, torch.float64, seed=1).to("cuda", dtype)
+        if "transposed" in mask_name:  # a last dim that is not contiguous
+            mask = mask.transpose(-1, -2).contiguous().transpose(-1, -2)
+        mask.requires_grad_()
+    grad_out = torch.randn(2, 4, 150, head_dim, device="cuda", dtype=dtype)
+
+    def run(fn, q, k, v, mask):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        mask_leaf = mask.detach().clone().requires_grad_() if mask.requires_grad else mask
+        out = fn(*leaves, attn_mask=mask_leaf, enable_gqa=True)
+        wrt = leaves + ([mask_leaf] if mask.requires_grad else [])
+        return (out.detach(), *torch.autograd.grad(out, wrt, grad_out.to(out.dtype)))
+
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        got = run(flashattn_ext.scaled_dot_product_attention, q, k, v, mask)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    upcast = [t.detach().double() for t in (q, k, v)]
+    mask64 = mask if mask.dtype == torch.bool else mask.detach().double().requires_grad_()
+    want = run(F.scaled_dot_product_attention, *upcast, mask64)
+    baseline = run(F.scaled_dot_product_attention, q, k, v, mask)
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(("out", "dq", "dk", "dv", "dmask"), got, baseline, want):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        ours_error = relative_error(g, w, zero_scale=problem_scale)
+        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
+
+
+@cuda_test
+def test_cuda_kernels_rows_a_mask_hides_entirely():
+    """In the kernels too, rows whose mask hides every key give 0, lse -inf and finite gradients."""
+    q, k, v = random_qkv((1, 2, 100, 64), (1, 2, 130, 64), (1, 2, 130, 64), torch.bfloat16, "cuda")
+    mask = random_mask((100, 130), torch.bool, seed=3).cuda()
+    mask[[0, 7, 99]] = False
+    out, lse = flashattn_ext.attention_with_lse(q, k, v, attn_mask=mask)
+    assert (out[:, :, [0, 7, 99]] == 0).all() and torch.isneginf(lse[:, :, [0, 7, 99]]).all()
+    want = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=mask)
+    rows = [i for i in range(100) if i not in (0, 7, 99)]
+    assert relative_error(out[:, :, rows], want[:, :, rows]) < 2e-2
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
 def test_causal_bias_objects_match_sdpa(variant, device):

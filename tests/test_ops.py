@@ -115,12 +115,29 @@ def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_double_backward_raises(device):
-    q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
-    out = flashattn_ext.scaled_dot_product_attention(q, k, v)
-    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(NotImplementedError, match="double backward is not supported"):
-        torch.autograd.grad(dq.sum(), q)
+@pytest.mark.parametrize("case", ["causal_gqa", "lower_right", "float_mask", "bool_mask", "dropout"])
+def test_gradgradcheck(case, device):
+    """Second derivatives (gradgradcheck, float64) through every kind of call, including a float
+    mask's and dropout's (the same mask on every call: the seed is fixed inside)."""
+    q, k, v = random_qkv((1, 4, 6, 5), (1, 2, 7, 5), (1, 2, 7, 3), torch.float64, device)
+    mask = None
+    if case == "float_mask":
+        mask = torch.randn(6, 7, dtype=torch.float64, device=device, requires_grad=True)
+    elif case == "bool_mask":
+        mask = torch.rand(1, 1, 6, 7, device=device) > 0.3
+        mask[..., 0] = True
+
+    def attention(q, k, v, *maybe_mask):
+        torch.manual_seed(0)
+        out, _ = flashattn_ext.attention_with_lse(
+            q, k, v, attn_mask=maybe_mask[0] if maybe_mask else mask, dropout_p=0.4 if case == "dropout" else 0.0,
+            is_causal=case in ("causal_gqa", "lower_right"), causal_lower_right=case == "lower_right",
+            enable_gqa=True,
+        )
+        return out
+
+    inputs = (q, k, v, mask) if case == "float_mask" else (q, k, v)
+    assert torch.autograd.gradgradcheck(attention, inputs)
 
 
 def _qkv(shape_q=(1, 2, 8, 4), shape_k=(1, 2, 8, 4), shape_v=(1, 2, 8, 4), dtype=torch.float32):

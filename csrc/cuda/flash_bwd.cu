@@ -9,7 +9,9 @@
 //   - dQ: one block per (query block, query head, batch), streaming key blocks.
 // So its result is deterministic and needs no float32 dQ accumulator.
 // With kDropout (Z: 0 where dropped, 1 / (1 - p) where kept): dS = P * (Z dP -
-// delta) and dV += (P where kept)^T dO, times 1 / (1 - p) at the end.
+// delta) and dV += (P where kept)^T dO, times 1 / (1 - p) at the end. With
+// kMasked, attn_mask enters the scores before the exponentials, and the dQ pass
+// writes dS as the gradient of an additive mask where params.dmask asks for it.
 #include <cmath>
 #include <type_traits>
 
@@ -58,7 +60,7 @@ __device__ __forceinline__ void store_rows(Elem* head, int64_t stride_row, int64
   }
 }
 
-template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout>
+template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel(const BwdParams params) {
   constexpr int kBlockThreads = kBlockWarps * kWarpSize;
   constexpr int kBlockRows = 16 * kBlockWarps;  // rows the block owns: keys (dK/dV) or queries (dQ)
@@ -141,13 +143,19 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     // Key r of this warp, query c of the tile: hidden iff r - c > diagonal.
     // Only tiles that cross the diagonal pay for the test.
     const int diagonal = static_cast<int>(min(max(m0 + offset - col0, int64_t(-kBlockRows - 1)), int64_t(kBlockStream)));
+    const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h_kv * group + step / m_count);
     auto probabilities = [&](auto mask_tag) {
 #pragma unroll
       for (int nt = 0; nt < kQueryTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = nt * 8 + (lane % 4) * 2 + e % 2;
-          pt[0][nt][e] = ptx::exp2_approx(pt[0][nt][e] * scale_log2 - lse[c]);
+          float x = pt[0][nt][e] * scale_log2;
+          if constexpr (kMasked) {
+            const int64_t key = col0 + warp * 16 + lane / 4 + (e / 2) * 8;
+            if (key < p.len_k && m0 + c < p.len_q) x = mask.apply(x, m0 + c, key);
+          }
+          pt[0][nt][e] = ptx::exp2_approx(x - lse[c]);
           if constexpr (decltype(mask_tag)::value) {
             const int r = warp * 16 + lane / 4 + (e / 2) * 8;
             if (r - c > diagonal) pt[0][nt][e] = 0.f;
@@ -199,7 +207,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
                              kDropout ? dropout.keep_scale : 1.f, lane);
 }
 
-template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout>
+template <typename Elem, int kHeadDim, int kBlockWarps, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(const BwdParams params) {
   constexpr int kBlockThreads = kBlockWarps * kWarpSize;
   constexpr int kBlockRows = 16 * kBlockWarps;  // rows the block owns: keys (dK/dV) or queries (dQ)
@@ -260,6 +268,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
 
   DropoutState dropout;
   if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+  const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
   float dq[1][kHeadDim / 8][4] = {};
   for (int step = 0; step < n_steps; ++step) {
     if (step + 1 < n_steps) load_keys(step + 1);
@@ -282,7 +291,12 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
       for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[0][nt][e] = ptx::exp2_approx(s[0][nt][e] * scale_log2 - row_lse[e / 2]);
+          float x = s[0][nt][e] * scale_log2;
+          if constexpr (kMasked) {
+            const int64_t query = row0 + warp * 16 + lane / 4 + (e / 2) * 8, key = col0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            if (key < p.len_k && query < p.len_q) x = mask.apply(x, query, key);
+          }
+          s[0][nt][e] = ptx::exp2_approx(x - row_lse[e / 2]);
           if constexpr (decltype(mask_tag)::value) {
             const int r = warp * 16 + lane / 4 + (e / 2) * 8;
             const int c = nt * 8 + (lane % 4) * 2 + e % 2;
@@ -308,6 +322,10 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
         float dp = ds[0][nt][e];
         if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
         ds[0][nt][e] = s[0][nt][e] * (dp - row_delta[e / 2]);
+        if (kMasked && params.dmask.data != nullptr) {
+          const int64_t query = row0 + warp * 16 + lane / 4 + (e / 2) * 8, key = col0 + nt * 8 + (lane % 4) * 2 + e % 2;
+          if (key < p.len_k && query < p.len_q) store_mask_grad<Elem>(params.dmask, b, h, query, key, ds[0][nt][e]);
+        }
       }
     }
     // dQ += dS K (scaled at the end).
@@ -330,12 +348,14 @@ void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
   constexpr int dq_rows = 16 * kDqWarps;
   constexpr int dq_smem = (2 * dq_rows + 4 * kBlockStream) * kStride * sizeof(Elem);
   dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-    constexpr bool kDropout = decltype(dropout)::value;
-    launch_kernel(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps, kDropout>,
-                  ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch, kDkdvWarps * kWarpSize, dkdv_smem, params,
-                  stream);
-    launch_kernel(attention_dq_kernel<Elem, kHeadDim, kDqWarps, kDropout>,
-                  ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch, kDqWarps * kWarpSize, dq_smem, params, stream);
+    dispatch_flag(params.mask_kind != MaskKind::kNone, [&](auto masked) {
+      constexpr bool kDropout = decltype(dropout)::value, kMasked = decltype(masked)::value;
+      launch_kernel(attention_dkdv_kernel<Elem, kHeadDim, kDkdvWarps, kDropout, kMasked>,
+                    ceil_div(p.len_k, dkdv_rows) * p.heads_kv * p.batch, kDkdvWarps * kWarpSize, dkdv_smem, params,
+                    stream);
+      launch_kernel(attention_dq_kernel<Elem, kHeadDim, kDqWarps, kDropout, kMasked>,
+                    ceil_div(p.len_q, dq_rows) * p.heads_q * p.batch, kDqWarps * kWarpSize, dq_smem, params, stream);
+    });
   });
 }
 

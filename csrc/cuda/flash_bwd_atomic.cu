@@ -13,6 +13,8 @@
 // dq_accum and rounds it into dq. Delta = rowsum(dO * O) comes from flash_bwd.cu.
 // With kDropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
 // (Z dP^T - delta) and dV += (P^T where kept) dO, times 1 / (1 - p) at the end.
+// With kMasked, attn_mask enters S^T before the exponentials, and dS^T is also
+// written out as the gradient of an additive mask where params.dmask asks for it.
 #include <cmath>
 #include <type_traits>
 
@@ -50,7 +52,7 @@ __host__ __device__ constexpr int dq_accum_column(int col) {
   return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
 }
 
-template <typename Elem, typename Cfg, bool kDropout>
+template <typename Elem, typename Cfg, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockN = Cfg::kBlockN, kBlockM = Cfg::kBlockM, kStride = Cfg::kStride,
                 kScoreStride = Cfg::kScoreStride, kThreads = Cfg::kThreads;
@@ -161,12 +163,21 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
       const float2 l = *reinterpret_cast<const float2*>(lse + c), d = *reinterpret_cast<const float2*>(delta + c);
       col_lse[nt][0] = l.x, col_lse[nt][1] = l.y, col_delta[nt][0] = d.x, col_delta[nt][1] = d.y;
     }
+    const HeadMask<Elem> mask(params.mask_kind, params.mask, b, work.h);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) pt[mt][nt][e] = ptx::exp2_approx(pt[mt][nt][e] * scale_log2 - col_lse[nt][e % 2]);
+        for (int e = 0; e < 4; ++e) {
+          float x = pt[mt][nt][e] * scale_log2;
+          if constexpr (kMasked) {
+            const int64_t key = col0 + key0 + mt * 16 + lane / 4 + (e / 2) * 8;
+            const int64_t query = m0 + query0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            if (key < p.len_k && query < p.len_q) x = mask.apply(x, query, key);
+          }
+          pt[mt][nt][e] = ptx::exp2_approx(x - col_lse[nt][e % 2]);
+        }
       }
     }
 #pragma unroll
@@ -217,6 +228,20 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
         for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) dst[mt][nt][e] = pt[mt][nt][e] * (dst[mt][nt][e] - col_delta[nt][e % 2]);
+        }
+      }
+    }
+    if (kMasked && params.dmask.data != nullptr) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t key = col0 + key0 + mt * 16 + lane / 4 + (e / 2) * 8;
+            const int64_t query = m0 + query0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            if (key < p.len_k && query < p.len_q) store_mask_grad<Elem>(params.dmask, b, work.h, query, key, dst[mt][nt][e]);
+          }
         }
       }
     }
@@ -341,9 +366,11 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
     dispatch_atomic_config(p, [&](auto cfg) {
       using Cfg = decltype(cfg);
       dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-        launch_kernel(attention_backward_atomic_dq_kernel<Elem, Cfg, decltype(dropout)::value>,
-                      ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params,
-                      stream);
+        dispatch_flag(params.mask_kind != MaskKind::kNone, [&](auto masked) {
+          launch_kernel(
+              attention_backward_atomic_dq_kernel<Elem, Cfg, decltype(dropout)::value, decltype(masked)::value>,
+              ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params, stream);
+        });
       });
       launch_kernel(attention_dq_convert_kernel<Elem, Cfg>,
                     ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,

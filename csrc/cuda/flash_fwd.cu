@@ -4,7 +4,8 @@
 // tensor cores (mma.sync m16n8k16) work on the current one. Each warp owns
 // 16 * kMTiles query rows and keeps their softmax state and output in registers.
 // With kDropout, the probabilities are dropped after the row sums and before
-// P V, and the output scaled by 1 / (1 - p) at the end.
+// P V, and the output scaled by 1 / (1 - p) at the end. With kMasked, every
+// tile takes the general body, which applies attn_mask to each score.
 #include <cmath>
 #include <type_traits>
 
@@ -44,7 +45,7 @@ __device__ __forceinline__ float tree_reduce(const float (&x)[kTiles][4], int e0
   return v[0];
 }
 
-template <typename Elem, typename Cfg, bool kDropout>
+template <typename Elem, typename Cfg, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const FwdParams params) {
   constexpr int kHeadDim = Cfg::kHeadDim, kMTiles = Cfg::kMTiles, kBlockM = Cfg::kBlockM,
                 kBlockN = Cfg::kBlockN, kStride = Cfg::kStride;
@@ -73,6 +74,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const Elem* v = head_ptr<Elem>(params.v, b, h_kv);
   const int dim = static_cast<int>(p.head_dim);
 
+  const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
   const int64_t offset = causal_offset(p);
   const int n_blocks = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockM), kBlockN));
 
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 
     if constexpr (kGeneral) {
       // Scale; mask keys past the end, and above the diagonal where the tile
-      // crosses it. In tile coordinates (r, c): key c is past the end if
+      // crosses it; apply attn_mask (kMasked). In tile coordinates (r, c): key c is past the end if
       // c >= keys_left, and above the diagonal if c - r > diagonal.
       const int64_t col0 = int64_t(n_block) * kBlockN;
       const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
@@ -139,7 +141,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
             x *= scale_log2;
             const int r = warp_row0 + mt * 16 + lane / 4 + (e / 2) * 8;
             const int c = nt * 8 + (lane % 4) * 2 + e % 2;
-            if (c >= keys_left || (mask_causal && c - r > diagonal)) x = -INFINITY;
+            if (c >= keys_left || (mask_causal && c - r > diagonal)) {
+              x = -INFINITY;
+            } else if (kMasked && row0 + r < p.len_q) {
+              x = mask.apply(x, row0 + r, col0 + c);
+            }
           }
         }
       }
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
     ptx::cp_async_wait<1>();  // everything but the prefetch just issued has landed
     __syncthreads();
     const int64_t col_last = int64_t(n_block + 1) * kBlockN - 1;
-    if (!(scale_log2 > 0.f) || col_last >= p.len_k || (p.is_causal && col_last > row0 + offset)) {
+    if (kMasked || !(scale_log2 > 0.f) || col_last >= p.len_k || (p.is_causal && col_last > row0 + offset)) {
       process_tile(n_block, std::true_type{});
     } else {
       process_tile(n_block, std::false_type{});
@@ -254,9 +260,11 @@ template <typename Elem, typename Cfg>
 void launch_forward(const FwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-    launch_kernel(attention_forward_kernel<Elem, Cfg, decltype(dropout)::value>,
-                  ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch, Cfg::kThreads, Cfg::kSmemElems * sizeof(Elem),
-                  params, stream);
+    dispatch_flag(params.mask_kind != MaskKind::kNone, [&](auto masked) {
+      launch_kernel(attention_forward_kernel<Elem, Cfg, decltype(dropout)::value, decltype(masked)::value>,
+                    ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch, Cfg::kThreads,
+                    Cfg::kSmemElems * sizeof(Elem), params, stream);
+    });
   });
 }
 

@@ -19,8 +19,7 @@ namespace flashattn_ext {
 namespace {
 
 // Why the hand-written kernels cannot take a call, or nothing when they can.
-std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p,
-                                      const std::optional<at::Tensor>& attn_mask) {
+std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
     return c10::str("the CUDA kernels take float16 and bfloat16, not ", q.scalar_type());
   }
@@ -32,7 +31,6 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
-  if (attn_mask.has_value()) return std::string("the CUDA kernels do not read a tensor attn_mask yet");
   return std::nullopt;
 }
 
@@ -98,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
   FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
-  if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
+  if (const auto gap = kernel_gap(q, params.problem)) {
     warn_fallback(*gap);
     fallback_forward(q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, out, lse);
     return {out, lse, rng_state};
@@ -120,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
                                       compute_grad_attn_mask, dq, dk, dv, dmask);
-  if (const auto gap = kernel_gap(q, params.problem, attn_mask)) {
+  if (const auto gap = kernel_gap(q, params.problem)) {
     warn_fallback(*gap);
     fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, rng_state, dropout_p,
                       params.problem, dq, dk, dv, dmask);

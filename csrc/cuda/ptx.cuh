@@ -106,6 +106,14 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
+// A float rounded to one 16-bit element.
+template <typename Elem>
+__device__ __forceinline__ Elem from_float(float x);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
 // ex2.approx.ftz.f32: 2^x, the fast exponential the softmax uses.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
