@@ -125,8 +125,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 
     if constexpr (kGeneral) {
       // Scale; mask keys past the end, and above the diagonal where the tile
-      // crosses it; apply attn_mask (kMasked). In tile coordinates (r, c): key c is past the end if
-      // c >= keys_left, and above the diagonal if c - r > diagonal.
+      // crosses it; apply attn_mask (kMasked). In tile coordinates (r, c): key
+      // c is past the end if c >= keys_left, and above the diagonal if
+      // c - r > diagonal.
       const int64_t col0 = int64_t(n_block) * kBlockN;
       const bool mask_causal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
       const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
