@@ -7,9 +7,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include <limits>
-
-#include "dropout.h"
+#include "fallback.h"
 
 namespace flashattn_ext {
 namespace {
@@ -85,36 +83,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, c
   return {outputs[0], outputs[1], outputs[2]};
 }
 
-// Attention from differentiable ATen operations, the scores materialized as in
-// SDPA's math backend: what double backward differentiates. 16-bit inputs are
-// computed in float32. dropout_factor: undefined, or 0 / (1 / (1 - p)) per pair.
-Tensor composite_attention(const Tensor& q, const Tensor& k, const Tensor& v, const std::optional<Tensor>& attn_mask,
-                           const Tensor& dropout_factor, bool is_causal, bool causal_lower_right, double scale) {
-  const at::ScalarType acc = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16 ? at::kFloat
-                                                                                                : q.scalar_type();
-  const int64_t group = k.size(1) > 0 ? q.size(1) / k.size(1) : 1;
-  const Tensor keys = k.to(acc).repeat_interleave(group, 1), values = v.to(acc).repeat_interleave(group, 1);
-  Tensor scores = at::matmul(q.to(acc), keys.transpose(-2, -1)) * scale;
-  if (attn_mask.has_value()) {
-    scores = attn_mask->scalar_type() == at::kBool
-                 ? scores.masked_fill(attn_mask->logical_not(), -std::numeric_limits<double>::infinity())
-                 : scores + attn_mask->to(acc);
-  }
-  if (is_causal) {  // query i sees key j iff j <= i + offset
-    const int64_t len_q = q.size(2), len_k = k.size(2), offset = causal_lower_right ? len_k - len_q : 0;
-    const Tensor query = at::arange(len_q, q.options().dtype(at::kLong)).unsqueeze(1);
-    const Tensor key = at::arange(len_k, q.options().dtype(at::kLong)).unsqueeze(0);
-    scores = scores.masked_fill(key > query + offset, -std::numeric_limits<double>::infinity());
-  }
-  Tensor probabilities = at::_safe_softmax(scores, -1);  // 0 on rows that see no key
-  if (dropout_factor.defined()) probabilities = probabilities * dropout_factor;
-  return at::matmul(probabilities, values).to(q.scalar_type());
-}
-
 // The backward op's own autograd, for double backward: it differentiates the
-// gradients of composite_attention, which materializes the scores (memory
-// grows as len_q x len_k, as in SDPA's math backend). out and lse get no
-// gradient: the recomputation covers their dependence on q, k and v.
+// gradients of attention_for_double_backward (fallback.h), which materializes
+// the scores (memory grows as len_q x len_k, as in SDPA's math backend). out
+// and lse get no gradient: the recomputation covers their dependence on q, k and v.
 class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAttentionBackwardFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
@@ -146,21 +118,10 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     if (has_mask) attn_mask = float_mask ? saved[5].detach().requires_grad_() : saved[5];
     if (float_mask) leaves.push_back(*attn_mask);
 
-    Tensor dropout_factor;
-    if (dropout_p > 0.0) {
-      const Tensor& q = leaves[1];
-      static const auto dropout_mask = c10::Dispatcher::singleton()
-                                           .findSchemaOrThrow("flashattn_ext::dropout_mask", "")
-                                           .typed<Tensor(const Tensor&, double, int64_t, int64_t, int64_t, int64_t,
-                                                         int64_t, int64_t)>();
-      const Tensor keep = dropout_mask.call(saved[4], dropout_p, q.size(0), q.size(1), q.size(2), leaves[2].size(2),
-                                            0, q.size(2));
-      dropout_factor = keep.to(q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat) * dropout_keep_scale(dropout_p);
-    }
-    const Tensor out = composite_attention(leaves[1], leaves[2], leaves[3], attn_mask, dropout_factor,
-                                           ctx->saved_data["is_causal"].toBool(),
-                                           ctx->saved_data["causal_lower_right"].toBool(),
-                                           ctx->saved_data["scale"].toDouble());
+    const Tensor out = attention_for_double_backward(leaves[1], leaves[2], leaves[3], attn_mask, saved[4], dropout_p,
+                                                     ctx->saved_data["is_causal"].toBool(),
+                                                     ctx->saved_data["causal_lower_right"].toBool(),
+                                                     ctx->saved_data["scale"].toDouble());
     // The first gradients as functions of the leaves, then their vector-Jacobian
     // product with the incoming gradients (of dq, dk, dv[, dmask]).
     const variable_list inputs(leaves.begin() + 1, leaves.end());

@@ -17,12 +17,18 @@ int64_t rows_per_chunk(const AttentionProblem& p, at::ScalarType acc) {
   return std::clamp<int64_t>(kFallbackChunkBytes / bytes_per_row, 1, std::max<int64_t>(p.len_q, 1));
 }
 
-// Rows [r0, r0 + rows) of a (batch, heads_q, len, x) tensor in the accumulation
-// type, as (batch, heads_kv, group * rows, x): the query heads of a group
-// stacked, so that one matmul with a (batch, heads_kv, ...) key or value covers them.
+// A (batch, heads_q, rows, x) tensor as (batch, heads_kv, group * rows, x):
+// the query heads of a group stacked, so that one matmul with a
+// (batch, heads_kv, ...) key or value covers them. (No heads: a group of 1.)
+at::Tensor grouped(const at::Tensor& t, const AttentionProblem& p) {
+  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  return t.reshape({p.batch, p.heads_kv, group * t.size(2), t.size(3)});
+}
+
+// Rows [r0, r0 + rows) of a (batch, heads_q, len, x) tensor, grouped, in the accumulation type.
 at::Tensor grouped_rows(const at::Tensor& t, const AttentionProblem& p, int64_t r0, int64_t rows,
                         at::ScalarType acc) {
-  return t.narrow(2, r0, rows).to(acc).reshape({p.batch, p.heads_kv, p.heads_q / p.heads_kv * rows, t.size(3)});
+  return grouped(t.narrow(2, r0, rows).to(acc), p);
 }
 
 // (batch, heads_kv, group * rows, x) back to (batch, heads_q, rows, x).
@@ -68,6 +74,20 @@ at::Tensor dropout_factor(const at::Tensor& rng_state, double dropout_p, const A
   return keep.to(acc).mul_(dropout_keep_scale(dropout_p));
 }
 
+// The output of query rows [r0, r0 + rows) from their scores s: softmax,
+// dropout, times V; (batch, heads_q, rows, Ev) in the accumulation type.
+// Differentiable: the dropout factor is applied in place only where autograd
+// does not track the probabilities.
+at::Tensor output_rows(const at::Tensor& s, const at::Tensor& v_acc, const at::Tensor& rng_state, double dropout_p,
+                       const AttentionProblem& p, int64_t r0, int64_t rows) {
+  at::Tensor prob = probabilities(s);
+  if (dropout_p > 0.0) {
+    const at::Tensor factor = dropout_factor(rng_state, dropout_p, p, r0, rows, s.scalar_type());
+    prob = prob.requires_grad() ? prob * factor : prob.mul_(factor);
+  }
+  return ungrouped(at::matmul(grouped(prob, p), v_acc), p, rows);
+}
+
 // The type the fallback computes in: float32 for 16-bit inputs, float64 for
 // float32 and float64 ones (in float32, cuBLAS's sums over long rows came out
 // 3x less accurate than torch's fused float32 kernels).
@@ -86,12 +106,8 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   for (int64_t r0 = 0; r0 < p.len_q; r0 += chunk) {
     const int64_t rows = std::min(chunk, p.len_q - r0);
     const at::Tensor s = chunk_scores(grouped_rows(q, p, r0, rows, acc), k_acc, attn_mask, p, r0, rows);
-    const at::Tensor row_lse = at::logsumexp(s, -1, /*keepdim=*/true);
-    at::Tensor prob = probabilities(s);
-    if (dropout_p > 0.0) prob.mul_(dropout_factor(rng_state, dropout_p, p, r0, rows, acc));
-    const at::Tensor out_rows = at::matmul(prob.reshape({p.batch, p.heads_kv, -1, p.len_k}), v_acc);
-    out.narrow(2, r0, rows).copy_(ungrouped(out_rows, p, rows));
-    lse.narrow(2, r0, rows).copy_(row_lse.squeeze(-1));
+    lse.narrow(2, r0, rows).copy_(at::logsumexp(s, -1));
+    out.narrow(2, r0, rows).copy_(output_rows(s, v_acc, rng_state, dropout_p, p, r0, rows));
   }
 }
 
@@ -113,17 +129,36 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
     // With dropout, the output used P * Z: dV = (P * Z)^T dO and dP = Z * dO V^T.
     const at::Tensor factor = dropout_p > 0.0 ? dropout_factor(rng_state, dropout_p, p, r0, rows, acc) : at::Tensor();
     const at::Tensor prob_used = factor.defined() ? prob * factor : prob;
-    dv_acc.add_(at::matmul(prob_used.reshape({p.batch, p.heads_kv, -1, p.len_k}).transpose(-2, -1), dout_rows));
+    dv_acc.add_(at::matmul(grouped(prob_used, p).transpose(-2, -1), dout_rows));
     at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
     if (factor.defined()) dprob.mul_(factor);
     const at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled scores
     if (grad_attn_mask.numel() > 0) grad_attn_mask.narrow(2, r0, rows).copy_(dscores);
-    const at::Tensor dscores_grouped = dscores.reshape({p.batch, p.heads_kv, -1, p.len_k});
+    const at::Tensor dscores_grouped = grouped(dscores, p);
     dq.narrow(2, r0, rows).copy_(ungrouped(at::matmul(dscores_grouped, k_acc).mul_(p.scale), p, rows));
     dk_acc.add_(at::matmul(dscores_grouped.transpose(-2, -1), q_rows).mul_(p.scale));
   }
   dk.copy_(dk_acc);
   dv.copy_(dv_acc);
+}
+
+at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state,
+                                        double dropout_p, bool is_causal, bool causal_lower_right, double scale) {
+  AttentionProblem p;
+  p.batch = q.size(0);
+  p.heads_q = q.size(1);
+  p.heads_kv = k.size(1);
+  p.len_q = q.size(2);
+  p.len_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
+  p.scale = scale;
+  p.is_causal = is_causal;
+  p.causal_lower_right = causal_lower_right;
+  const at::ScalarType acc = accumulation_type(q);
+  const at::Tensor s = chunk_scores(grouped_rows(q, p, 0, p.len_q, acc), k.to(acc), attn_mask, p, 0, p.len_q);
+  return output_rows(s, v.to(acc), rng_state, dropout_p, p, 0, p.len_q).to(q.scalar_type());
 }
 
 }  // namespace flashattn_ext

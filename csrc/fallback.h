@@ -32,4 +32,11 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
                        const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
                        at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask);
 
+// The output of attention over all query rows at once, from the same ATen
+// operations with autograd tracking them (the whole score matrix in memory, as
+// in SDPA's math backend): what double backward differentiates. Any device.
+at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state,
+                                        double dropout_p, bool is_causal, bool causal_lower_right, double scale);
+
 }  // namespace flashattn_ext

@@ -206,38 +206,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
         }
       }
     }
-    if constexpr (kDropout) {
-      bool keep[2][4][4];
-      dropout_keep_key_rows(keep, dropout, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
+    // dS^T = P^T * (Z dP^T - delta), written out as a float mask's gradient where
+    // asked for; then P^T where dropout keeps it, for dV.
+    bool keep[2][4][4];
+    if constexpr (kDropout) dropout_keep_key_rows(keep, dropout, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
+    const bool store_dmask = kMasked && params.dmask.data != nullptr;
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+    for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
+      for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float dp = keep[mt][nt][e] ? dst[mt][nt][e] * dropout.keep_scale : 0.f;
-            dst[mt][nt][e] = pt[mt][nt][e] * (dp - col_delta[nt][e % 2]);
-            pt[mt][nt][e] = keep[mt][nt][e] ? pt[mt][nt][e] : 0.f;
-          }
-        }
-      }
-    } else {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dst[mt][nt][e] = pt[mt][nt][e] * (dst[mt][nt][e] - col_delta[nt][e % 2]);
-        }
-      }
-    }
-    if (kMasked && params.dmask.data != nullptr) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < 4; ++e) {
+          float dp = dst[mt][nt][e];
+          if constexpr (kDropout) dp = keep[mt][nt][e] ? dp * dropout.keep_scale : 0.f;
+          dst[mt][nt][e] = pt[mt][nt][e] * (dp - col_delta[nt][e % 2]);
+          if constexpr (kDropout) pt[mt][nt][e] = keep[mt][nt][e] ? pt[mt][nt][e] : 0.f;
+          if (store_dmask) {
             const int64_t key = col0 + key0 + mt * 16 + lane / 4 + (e / 2) * 8;
             const int64_t query = m0 + query0 + nt * 8 + (lane % 4) * 2 + e % 2;
             if (key < p.len_k && query < p.len_q) store_mask_grad<Elem>(params.dmask, b, work.h, query, key, dst[mt][nt][e]);
