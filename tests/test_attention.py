@@ -206,6 +206,18 @@ def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_zero_heads(dtype, device):
+    """No heads at all, through the kernels (bfloat16 on CUDA) and the ATen fallback (float32 on
+    CUDA, whose query-head grouping divided 0 by 0 before)."""
+    q = torch.randn(2, 0, 5, 8, dtype=dtype, device=device, requires_grad=True)
+    out = flashattn_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.2)
+    assert out.shape == (2, 0, 5, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_inputs_at_odd_storage_offsets(device):
     """q, k, v and grad_out that start 2 bytes into their storage, so no row is 16-byte aligned: the CUDA
     glue copies them to aligned rows first. Results match those of aligned copies of the same values."""
