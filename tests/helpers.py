@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention.bias import CausalBias
 
 CUDA_REASON = "needs a CUDA GPU"
 DEVICES = [
@@ -85,3 +86,22 @@ def seq_major_qkv(batch, length, heads, head_dim, device, seed):
         .requires_grad_()
         for _ in range(3)
     )
+
+
+def draw_rng_state(device, dropout_p):
+    """The rng_state that a flashattn_ext call with dropout_p draws from the generator's current state."""
+    x = torch.zeros(1, 1, 1, 8, device=device)
+    return torch.ops.flashattn_ext.attention_forward(x, x, x, None, dropout_p, False, False, 1.0)[2]
+
+
+def math_with_dropout_mask(q, k, v, keep, dropout_p, attn_mask=None, **kwargs):
+    """torch's math SDPA dropping exactly where keep is False (its hook for testing fused kernels).
+    Unlike F.scaled_dot_product_attention, it adds a bool attn_mask as 0/1, so the mask goes in as
+    -inf/0 scores instead; a CausalBias is materialized."""
+    if isinstance(attn_mask, CausalBias):
+        attn_mask = attn_mask._materialize(q.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        q, k, v, attn_mask, dropout_p, dropout_mask=keep, **kwargs
+    )[0]

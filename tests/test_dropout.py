@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, cuda_test, relative_error
+from helpers import DEVICES, ERROR_FLOOR, cuda_test, draw_rng_state, math_with_dropout_mask, relative_error
 
 ops = torch.ops.flashattn_ext
 
@@ -60,12 +60,6 @@ def numpy_dropout_mask(seed, offset, dropout_p, batch, heads, len_q, len_k):
     return (number >= threshold).reshape(batch, heads, len_q, len_k)
 
 
-def draw_rng_state(device, dropout_p):
-    """The rng_state that the forward op draws from the current generator state."""
-    x = torch.zeros(1, 1, 1, 8, device=device)
-    return ops.attention_forward(x, x, x, None, dropout_p, False, False, 1.0)[2]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_mask_op_matches_numpy_philox(device):
     torch.manual_seed(11)
@@ -106,16 +100,6 @@ def reference_with_mask(q, k, v, keep, dropout_p, grad_out, **kwargs):
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     out = math_with_dropout_mask(*leaves, keep, dropout_p, **kwargs)
     return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
-
-
-def math_with_dropout_mask(q, k, v, keep, dropout_p, attn_mask=None, **kwargs):
-    """torch's math SDPA, given the dropout mask. Unlike F.scaled_dot_product_attention, it adds
-    a bool attn_mask as 0/1: the mask goes in as -inf/0 scores instead."""
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        q, k, v, attn_mask, dropout_p, dropout_mask=keep, **kwargs
-    )[0]
 
 
 def ours_and_mask(q, k, v, dropout_p, grad_out, seed, **kwargs):

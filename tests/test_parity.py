@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, relative_error
+from helpers import DEVICES, ERROR_FLOOR, draw_rng_state, math_with_dropout_mask, relative_error
 
 CASES_PER_DEVICE = {"cpu": 40, "cuda": 40}
 MASK_KINDS = ("none", "is_causal", "bool", "float", "float_grad", "causal_upper_left", "causal_lower_right")
@@ -141,16 +141,10 @@ def sdpa_math(*args, **kwargs):
 
 
 def sdpa_math_with_dropout_mask(keep):
-    """SDPA's math backend dropping exactly where keep is False (torch's hook for testing fused kernels)."""
+    """SDPA's math backend, called as SDPA, dropping exactly where keep is False."""
 
-    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if isinstance(attn_mask, sdpa_bias.CausalBias):
-            attn_mask = attn_mask._materialize(q.device)
-        if attn_mask is not None and attn_mask.dtype == torch.bool:  # the math kernel would add it as 0/1
-            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~attn_mask, -math.inf)
-        return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, attn_mask, dropout_p, is_causal, keep, scale=scale, enable_gqa=enable_gqa
-        )[0]
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, **kwargs):
+        return math_with_dropout_mask(q, k, v, keep, dropout_p, attn_mask, **kwargs)
 
     return attention
 
@@ -158,8 +152,7 @@ def sdpa_math_with_dropout_mask(keep):
 def dropout_mask_of_call(call, device, seed):
     """The keep mask of the flashattn_ext call made right after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    x = torch.zeros(1, 1, 1, 8, device=device)
-    rng_state = torch.ops.flashattn_ext.attention_forward(x, x, x, None, call.dropout_p, False, False, 1.0)[2]
+    rng_state = draw_rng_state(device, call.dropout_p)
     heads_q, batch = call.heads_kv * call.group, math.prod(call.leading)
     keep = torch.ops.flashattn_ext.dropout_mask(
         rng_state, call.dropout_p, batch, heads_q, call.len_q, call.len_k, 0, call.len_q
