@@ -52,12 +52,16 @@ cxx_flags = ["-O3"]
 common_sources = sources("csrc/*.cpp", "csrc/cpu/*.cpp")
 if build_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    # The Hopper kernels (csrc/cuda/sm90/) need the 9.0a target; without it they
+    # compile to empty bodies and the glue never calls them.
+    has_sm90a = "9.0a" in os.environ["TORCH_CUDA_ARCH_LIST"].replace(" ", ";").split(";")
+    defines = ["-DFLASHATTN_EXT_HAS_SM90A"] if has_sm90a else []
     common_sources.remove("csrc/cuda_not_built.cpp")
     extension = CUDAExtension(
         "flashattn_ext._C",
-        common_sources + sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu"),
+        common_sources + sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/sm80/*.cu", "csrc/cuda/sm90/*.cu"),
         include_dirs=[os.path.abspath("csrc")],
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+        extra_compile_args={"cxx": cxx_flags + defines, "nvcc": ["-O3"] + defines},
         extra_link_args=shared_libstdcxx_link_args(),
     )
 else:

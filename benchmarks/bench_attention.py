@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -64,9 +64,25 @@ class Provider:
     attention: Callable
     backend: Optional[SDPBackend] = None  # SDPA backend forced while it runs
     max_n: int = sys.maxsize  # longer sequences are skipped
+    env: Optional[Tuple[str, str]] = None  # an environment variable set while it runs
 
     def context(self):
+        if self.env is not None:
+            return environment(*self.env)
         return sdpa_kernel(self.backend) if self.backend is not None else nullcontext()
+
+
+@contextmanager
+def environment(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 # Column order of anchors.md, with flashattn_ext where its extra kernel stands.
@@ -74,6 +90,8 @@ GPU_PROVIDERS = [
     Provider("cudnn", "SDPA cuDNN", F.scaled_dot_product_attention, SDPBackend.CUDNN_ATTENTION),
     Provider("flash", "SDPA flash (FA2)", F.scaled_dot_product_attention, SDPBackend.FLASH_ATTENTION),
     Provider("ext", "flashattn_ext", ext_attention),
+    # Our mma.sync kernels where the Hopper ones would run (the same on other GPUs).
+    Provider("ext-sm80", "flashattn_ext sm80", ext_attention, env=("FLASHATTN_EXT_KERNELS", "sm80")),
     Provider("efficient", "SDPA mem-efficient", F.scaled_dot_product_attention, SDPBackend.EFFICIENT_ATTENTION),
     Provider("math", "SDPA math", F.scaled_dot_product_attention, SDPBackend.MATH, MATH_MAX_N),
 ]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
-#   bash benchmarks/gpu_check.sh [test] [sanitize] [bench] [bench-full]
+#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [bench] [bench-hopper] [bench-full]
+# (hopper: the Hopper kernels' own tests; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
@@ -30,6 +31,12 @@ for stage in $stages; do
     test)
       python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    hopper)
+      timeout 600 python3 -m pytest -q -rs -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    bench-hopper)
+      python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \
+        | tee "$OUT/bench.log" | tail -n 30 ;;
     sanitize)
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tests/sanitizer_workload.py \

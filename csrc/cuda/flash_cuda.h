@@ -13,6 +13,10 @@ enum class ElementType { kFloat16, kBFloat16 };
 // The largest head dim the kernels take; it must be a multiple of 8.
 constexpr int kMaxHeadDim = 256;
 
+// The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
+// CUDA kernels take.
+namespace sm80 {
+
 void attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
 // Head dims up to this one have the faster backward with atomic dQ.
@@ -30,6 +34,20 @@ int64_t dq_accum_floats(const AttentionProblem& p);
 
 // The atomic-dQ pass and dq's final rounding, after delta (flash_bwd_atomic.cu).
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+}  // namespace sm80
+
+// The wgmma/TMA kernels (csrc/cuda/sm90/): Hopper (compute capability 9.0)
+// only, in a build for the 9.0a target (FLASHATTN_EXT_HAS_SM90A).
+namespace sm90 {
+
+// Runs the Hopper forward and returns true where it covers the call: float16
+// or bfloat16, head dim up to 128 (value's equal), no attn_mask, no dropout,
+// a positive scale, rows the copy engine can address (16-byte aligned, strides
+// non-zero multiples of 16 bytes). Else launches nothing and returns false.
+bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+
+}  // namespace sm90
 
 // Where one call's dropout {seed, offset} comes from: torch's PhiloxCudaState,
 // read on the device, because under CUDA graph capture seed and offset live in

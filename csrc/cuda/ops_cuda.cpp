@@ -1,12 +1,15 @@
 // CUDA implementations of the flashattn_ext ops: device guard, current stream,
-// launch-error checks; what the hand-written kernels do not cover goes to the
-// ATen-operation fallback (fallback.h) with a one-time warning.
+// launch-error checks, and the choice of kernel family once per call: the
+// Hopper kernels (sm90/) where they cover the call, else the mma.sync kernels
+// (sm80/); what neither covers goes to the ATen-operation fallback
+// (fallback.h) with a one-time warning.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -37,6 +40,20 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
 void warn_fallback(const std::string& gap) {
   TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
                   "built from ATen operations.");
+}
+
+// Whether q's GPU runs the Hopper kernels: compute capability 9.0, a build
+// with the 9.0a target, and not turned off with FLASHATTN_EXT_KERNELS=sm80
+// (read at every call, so tests and benchmarks can compare the two families).
+bool use_sm90_kernels(const at::Tensor& q) {
+#ifdef FLASHATTN_EXT_HAS_SM90A
+  const char* family = std::getenv("FLASHATTN_EXT_KERNELS");
+  if (family != nullptr && std::string(family) == "sm80") return false;
+  return at::cuda::getDeviceProperties(q.device().index())->major == 9;
+#else
+  (void)q;
+  return false;
+#endif
 }
 
 cuda::ElementType element_type(const at::Tensor& q) {
@@ -102,7 +119,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     return {out, lse, rng_state};
   }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
-  cuda::attention_forward(params, element_type(q), stream);
+  if (!(use_sm90_kernels(q) && cuda::sm90::attention_forward(params, element_type(q), stream))) {
+    cuda::sm80::attention_forward(params, element_type(q), stream);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse, rng_state};
 }
@@ -129,12 +148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   params.delta = delta.data_ptr();
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
   at::Tensor dq_accum;
-  const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
+  const int64_t dq_accum_floats = cuda::sm80::dq_accum_floats(params.problem);
   if (!at::globalContext().deterministicAlgorithms() && dq_accum_floats > 0) {
     dq_accum = at::zeros({dq_accum_floats}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
-  cuda::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream());
+  cuda::sm80::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv, dmask};
 }

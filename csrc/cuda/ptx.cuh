@@ -121,4 +121,172 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// ---------------------------------------------------------------------------
+// Hopper (sm_90): mbarriers, the tensor memory accelerator (TMA), warpgroup
+// matrix multiply (wgmma, sm_90a) and register reallocation (setmaxnreg, sm_90a).
+// Shared-memory addresses are shared-space (see smem_addr).
+
+// mbarrier.init.shared::cta.b64: a barrier whose phase completes after `count`
+// arrivals and the transaction bytes announced for it.
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// fence.mbarrier_init.release.cluster: barrier initializations become visible
+// to the copy engine and to other threads (then synchronize the block).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// mbarrier.arrive.expect_tx.shared::cta.b64: arrive, and make the phase also
+// wait for `bytes` more bytes of asynchronous copies.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// mbarrier.arrive.shared::cta.b64: one arrival.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// mbarrier.try_wait.parity.shared::cta.b64: whether the phase of the given
+// parity has completed (a fresh barrier counts the phase before it, parity 1,
+// as complete); it may suspend the thread for a while before saying no.
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) {
+  }
+}
+
+// cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes:
+// the copy engine loads the box at coordinates (c0, c1, c2, c3) (innermost
+// first) of the tensor map (a __grid_constant__ kernel parameter) into shared
+// memory, and counts its bytes on the barrier; out-of-range elements read 0.
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// prefetch.tensormap: fetch a tensor map into the cache before its first use.
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32: the warpgroup's registers per thread
+// grow or shrink to kRegs (a multiple of 8 in [24, 256]).
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// bar.sync id, threads: wait at named barrier id until `threads` threads
+// (a multiple of 32) have arrived or synced there.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// bar.arrive id, threads: count this warp at named barrier id without waiting.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// wgmma.fence.sync.aligned: orders this warpgroup's register writes before the
+// wgmma that reads them (accumulators, A fragments).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+
+// wgmma.commit_group.sync.aligned: close the group of wgmma issued so far.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+// wgmma.wait_group.sync.aligned N: wait until at most N groups are in flight.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of x across an asynchronous
+// wgmma that owns it (no instruction).
+__device__ __forceinline__ void fence_register(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_register(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}, A and B
+// from shared memory (descriptors, both K-major): D = A B (+ D if accumulate)
+// for a warpgroup, D 64 x N in float, N / 2 registers a thread laid out as
+// mma.sync's 16 x 8 accumulator tiles: d[4j..4j+3] is tile j (columns 8j..8j+7)
+// of the thread's warp's 16 rows.
+template <typename Elem, int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate);
+
+// The same with A from registers (4 a thread, laid out as mma.sync's
+// m16n8k16 A fragment for the warp's 16 rows) and B from shared memory
+// N-major (transposed, as V in O += P V).
+template <typename Elem, int N>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate);
+
+#define FLASHATTN_WGMMA_ACC8(i) \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FLASHATTN_WGMMA_ACC32 \
+  FLASHATTN_WGMMA_ACC8(0), FLASHATTN_WGMMA_ACC8(8), FLASHATTN_WGMMA_ACC8(16), FLASHATTN_WGMMA_ACC8(24)
+#define FLASHATTN_WGMMA_ACC64                                                                                   \
+  FLASHATTN_WGMMA_ACC32, FLASHATTN_WGMMA_ACC8(32), FLASHATTN_WGMMA_ACC8(40), FLASHATTN_WGMMA_ACC8(48), \
+      FLASHATTN_WGMMA_ACC8(56)
+#define FLASHATTN_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FLASHATTN_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+// One specialization of wgmma_ss and wgmma_rs per (element type, N); the
+// operands after the N / 2 accumulators are numbered from N / 2 (written out).
+#define FLASHATTN_WGMMA(ELEM, TYPE, N, D_REGS, ACC, A0, A1, A2, A3, A4, A5)                                     \
+  template <>                                                                                                  \
+  __device__ __forceinline__ void wgmma_ss<ELEM, N>(float(&d)[N / 2], uint64_t desc_a, uint64_t desc_b,        \
+                                                    bool accumulate) {                                         \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %" A2 ", 0;\n"                                                       \
+        "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", %" A0 ", %" A1           \
+        ", p, 1, 1, 0, 0;\n}\n"                                                                                \
+        : ACC                                                                                                  \
+        : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                                     \
+  }                                                                                                            \
+  template <>                                                                                                  \
+  __device__ __forceinline__ void wgmma_rs<ELEM, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b, \
+                                                    bool accumulate) {                                         \
+    asm volatile(                                                                                              \
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %" A5 ", 0;\n"                                                       \
+        "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", {%" A0 ", %" A1 ", %" A2  \
+        ", %" A3 "}, %" A4 ", p, 1, 1, 1;\n}\n"                                                                 \
+        : ACC                                                                                                  \
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));                      \
+  }
+
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37")
+FLASHATTN_WGMMA(__half, "f16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37")
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
+FLASHATTN_WGMMA(__half, "f16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
+
+#undef FLASHATTN_WGMMA
+#undef FLASHATTN_WGMMA_D32
+#undef FLASHATTN_WGMMA_D64
+#undef FLASHATTN_WGMMA_ACC64
+#undef FLASHATTN_WGMMA_ACC32
+#undef FLASHATTN_WGMMA_ACC8
+
 }  // namespace flashattn_ext::cuda::ptx

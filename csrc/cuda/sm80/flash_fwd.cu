@@ -12,7 +12,7 @@
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
 
-namespace flashattn_ext::cuda {
+namespace flashattn_ext::cuda::sm80 {
 namespace {
 
 template <int kHeadDim_, int kMTiles_, int kWarps_ = 4, int kBlockN_ = 64>
@@ -281,4 +281,4 @@ void attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   });
 }
 
-}  // namespace flashattn_ext::cuda
+}  // namespace flashattn_ext::cuda::sm80

@@ -21,7 +21,7 @@
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
 
-namespace flashattn_ext::cuda {
+namespace flashattn_ext::cuda::sm80 {
 namespace {
 
 template <int kHeadDim_>
@@ -363,4 +363,4 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
   });
 }
 
-}  // namespace flashattn_ext::cuda
+}  // namespace flashattn_ext::cuda::sm80

@@ -18,7 +18,7 @@
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
 
-namespace flashattn_ext::cuda {
+namespace flashattn_ext::cuda::sm80 {
 namespace {
 
 constexpr int kWarps = 4;  // of the delta kernel
@@ -376,4 +376,4 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   });
 }
 
-}  // namespace flashattn_ext::cuda
+}  // namespace flashattn_ext::cuda::sm80

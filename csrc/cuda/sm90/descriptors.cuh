@@ -1,0 +1,45 @@
+// The two descriptors of Hopper's asynchronous units: the shared-memory matrix
+// descriptor a wgmma reads its operands through, and the tensor map (built on
+// the host) through which the copy engine (TMA) loads tiles.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/sm90/tile_config.h"
+
+namespace flashattn_ext::cuda::sm90 {
+
+// A wgmma shared-memory matrix descriptor for a tile stored in 128-byte
+// swizzled rows (the layout the copy engine writes with
+// CU_TENSOR_MAP_SWIZZLE_128B): start address (bits 0-13), leading byte offset
+// (16-29), stride byte offset (32-45), all in 16-byte units, and the 128-byte
+// swizzle mode (bits 62-63 = 1). For a K-major operand (Q, K: the reduction
+// dim along the row) the stride byte offset steps between groups of 8 rows
+// (one swizzle atom, 1024 bytes) and the leading one is unused; a k16 step
+// inside a 64-column block moves the start address by 32 bytes. For an
+// N-major operand (V in P V) the leading byte offset steps between 64-column
+// blocks and the stride byte offset between groups of 8 rows (keys).
+__device__ __forceinline__ uint64_t smem_matrix_desc(uint32_t smem_addr, uint32_t leading_bytes,
+                                                     uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
+}
+
+// A 4-d view (col, row, head, batch) of a 16-bit tensor, for tensor maps.
+struct TensorMapShape {
+  const void* data;
+  uint64_t cols, rows, heads, batch;
+  int64_t stride_row, stride_head, stride_batch;  // elements
+};
+
+// Encodes a tensor map whose boxes are 64 columns x box_rows rows of one
+// (head, batch), 128-byte swizzled, out-of-range elements read as zero.
+// Returns false where the copy engine cannot take the tensor (a stride not a
+// multiple of 16 bytes or zero, a misaligned base, sizes past its limits, or
+// no driver entry point); the caller then runs another kernel.
+bool encode_tensor_map(CUtensorMap* map, const TensorMapShape& shape, bool bfloat16, int box_rows);
+
+}  // namespace flashattn_ext::cuda::sm90

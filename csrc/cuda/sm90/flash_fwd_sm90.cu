@@ -1,0 +1,346 @@
+// The Hopper forward kernel (sm_90a): one thread block per (block of 128 query
+// rows, head, batch), split by role into warpgroups.
+//  - The producer warpgroup gives most of its registers away (setmaxnreg), and
+//    one of its threads drives the copy engine: Q once, then K and V tiles into
+//    a ring of shared-memory stages, each completed on an mbarrier ("full") and
+//    handed back by the consumers on another ("empty").
+//  - Two consumer warpgroups of 64 query rows each run the algorithm with
+//    wgmma: S = Q K^T with both operands in shared memory, the online softmax
+//    in registers, O += P V with P from registers. Each overlaps its own work:
+//    the QK^T of tile j and the P V of tile j - 1 are in flight together while
+//    the softmax of tile j waits only for the first.
+// Scores of tiles that cross the causal diagonal or the end of the keys are
+// masked; those tiles come last in the loop. Out and the log-sum-exp are
+// written from registers.
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
+
+namespace flashattn_ext::cuda::sm90 {
+namespace {
+
+// What the kernel reads: the call, and tensor maps of q, k and v. Passed as a
+// __grid_constant__ parameter: the copy engine reads the maps in place.
+struct FwdKernelParams {
+  FwdParams call;
+  CUtensorMap q_map, k_map, v_map;
+};
+
+// The mbarriers of one block, in shared memory.
+template <int kStages>
+struct FwdBarriers {
+  uint64_t q_full;
+  uint64_t k_full[kStages], v_full[kStages];    // the copy engine filled the stage
+  uint64_t k_empty[kStages], v_empty[kStages];  // every consumer thread is done reading it
+};
+
+// Rescales (with the row's factor) and adds: the two rows of a thread are
+// e / 2 == 0 and e / 2 == 1 of each 4-register accumulator tile.
+template <int kRegs>
+__device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&factor)[2]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
+}
+
+template <int kRegs>
+__device__ __forceinline__ void fence_registers(float (&regs)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) ptx::fence_register(regs[i]);
+}
+
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
+  constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
+  const FwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+
+  extern __shared__ unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes and is applied to absolute
+  // addresses: tiles start 1024-byte aligned.
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes);
+  unsigned char* s_q = smem;
+  unsigned char* s_k = s_q + Cfg::kQBytes;
+  unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
+  auto* bars = reinterpret_cast<FwdBarriers<kStages>*>(s_v + kStages * Cfg::kKVBytes);
+
+  const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
+  const int64_t m_block = m_blocks - 1 - blockIdx.x % m_blocks;  // longest causal rows first
+  const int64_t h = (blockIdx.x / m_blocks) % p.heads_q;
+  const int64_t b = blockIdx.x / (m_blocks * p.heads_q);
+  const int64_t h_kv = h / (p.heads_q / p.heads_kv);
+  const int64_t row0 = m_block * kBlockM;
+  const int64_t offset = causal_offset(p);
+  const int n_blocks = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockM), kBlockN));
+
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&bars->q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&bars->k_full[s], 1);
+      ptx::mbarrier_init(&bars->v_full[s], 1);
+      ptx::mbarrier_init(&bars->k_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+      ptx::mbarrier_init(&bars->v_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x != 0 || n_blocks == 0) return;
+    ptx::prefetch_tensor_map(&kp.q_map);
+    ptx::prefetch_tensor_map(&kp.k_map);
+    ptx::prefetch_tensor_map(&kp.v_map);
+    const int q_row = static_cast<int>(row0), head = static_cast<int>(h), kv_head = static_cast<int>(h_kv),
+              batch = static_cast<int>(b);
+    ptx::mbarrier_arrive_expect_tx(&bars->q_full, Cfg::kQBytes);
+    for (int c = 0; c < Cfg::kColBlocks; ++c) {
+      ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full, c * kSwizzleCols, q_row, head,
+                       batch);
+    }
+    for (int n_block = 0; n_block < n_blocks; ++n_block) {
+      const int stage = n_block % kStages;
+      const uint32_t parity = (n_block / kStages) & 1;
+      const int key_row = n_block * kBlockN;
+      // Wait until the consumers released this stage's previous tile (the first
+      // round passes at once: a fresh barrier's preceding phase counts as done).
+      ptx::mbarrier_wait(&bars->k_empty[stage], parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&bars->k_full[stage], Cfg::kKVBytes);
+      for (int c = 0; c < Cfg::kColBlocks; ++c) {
+        ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->k_full[stage],
+                         c * kSwizzleCols, key_row, kv_head, batch);
+      }
+      ptx::mbarrier_wait(&bars->v_empty[stage], parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&bars->v_full[stage], Cfg::kKVBytes);
+      for (int c = 0; c < Cfg::kColBlocks; ++c) {
+        ptx::tma_load_4d(s_v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->v_full[stage],
+                         c * kSwizzleCols, key_row, kv_head, batch);
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % kWarpSize;
+  // This thread's two query rows in the tile: r and r + 8.
+  const int tile_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;
+
+  // Descriptors of this warpgroup's 64 rows of Q, of a stage's K (both
+  // K-major) and V (N-major), at their first k16 step.
+  const uint32_t q_addr = ptx::smem_addr(s_q) + consumer * 64 * kSwizzleRowBytes;
+  const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v);
+  auto q_desc = [&](int kk) {
+    return smem_matrix_desc(q_addr + (kk / 4) * Cfg::kQColBlockBytes + (kk % 4) * 32, 16, kSwizzleAtomBytes);
+  };
+  auto k_desc = [&](int stage, int kk) {
+    return smem_matrix_desc(k_addr + stage * Cfg::kKVBytes + (kk / 4) * Cfg::kKVColBlockBytes + (kk % 4) * 32, 16,
+                            kSwizzleAtomBytes);
+  };
+  auto v_desc = [&](int stage, int kk) {
+    return smem_matrix_desc(v_addr + stage * Cfg::kKVBytes + kk * 16 * kSwizzleRowBytes, Cfg::kKVColBlockBytes,
+                            kSwizzleAtomBytes);
+  };
+
+  // S = Q K^T for one tile, issued (not waited for).
+  auto issue_scores = [&](float (&s)[kKeyRegs], int n_block) {
+    const int stage = n_block % kStages;
+    ptx::mbarrier_wait(&bars->k_full[stage], (n_block / kStages) & 1);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) ptx::wgmma_ss<Elem, kBlockN>(s, q_desc(kk), k_desc(stage, kk), kk > 0);
+    ptx::wgmma_commit();
+  };
+  // O += P V for one tile, issued (not waited for).
+  auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int n_block) {
+    const int stage = n_block % kStages;
+    ptx::mbarrier_wait(&bars->v_full[stage], (n_block / kStages) & 1);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim>(o, pa[kk], v_desc(stage, kk), true);
+    ptx::wgmma_commit();
+  };
+
+  // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
+  // The kernel takes positive scales only, so the max of the unscaled scores
+  // times the scale is the max of the scaled ones: scaling and subtracting the
+  // max fold into one fma.
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  // Masks keys past the end and above the causal diagonal (to -inf), on the
+  // tiles that have any.
+  auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
+    const int64_t col0 = int64_t(n_block) * kBlockN;
+    const bool crosses_end = col0 + kBlockN > p.len_k;
+    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+    if (!crosses_end && !crosses_diagonal) return;
+    const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+#pragma unroll
+    for (int i = 0; i < kKeyRegs; ++i) {
+      const int c = (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+      const int64_t row = row0 + tile_row + ((i / 2) % 2) * 8;
+      if (c >= keys_left || (crosses_diagonal && col0 + c > row + offset)) s[i] = -INFINITY;
+    }
+  };
+
+  // The online softmax of one tile: turns s into unnormalized probabilities
+  // and returns each row's rescale factor for the output so far.
+  auto softmax = [&](float (&s)[kKeyRegs], float (&rescale)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kKeyRegs / 4; ++j) tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+      const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
+      // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+      // that exp2(-inf - max) stays 0 rather than NaN.
+      const float max_used = new_max == -INFINITY ? 0.f : new_max;
+      rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
+      row_max[half] = new_max;
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < kKeyRegs / 4; ++j) {
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used));
+          tile_sum += s[4 * j + e];
+        }
+      }
+      row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
+    }
+  };
+
+  // P rounded to Elem as wgmma A fragments: two adjacent 8-key accumulator
+  // tiles are one k16 step.
+  auto to_fragments = [&](const float (&s)[kKeyRegs], uint32_t (&pa)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) pa[kk][r] = ptx::pack2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
+    }
+  };
+
+  float o[kOutRegs];
+#pragma unroll
+  for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
+
+  if (n_blocks > 0) {
+    ptx::mbarrier_wait(&bars->q_full, 0);
+    uint32_t pa[kBlockN / 16][4];
+    {
+      float s[kKeyRegs];
+      issue_scores(s, 0);
+      ptx::wgmma_wait<0>();
+      fence_registers(s);
+      ptx::mbarrier_arrive(&bars->k_empty[0]);
+      mask_tile(s, 0);
+      float rescale[2];
+      softmax(s, rescale);
+      to_fragments(s, pa);
+    }
+    for (int n_block = 1; n_block < n_blocks; ++n_block) {
+      // The scores of this tile and the P V of the previous one run together;
+      // the softmax needs only the scores (the first group of two).
+      float s[kKeyRegs];
+      issue_scores(s, n_block);
+      issue_pv(o, pa, n_block - 1);
+      ptx::wgmma_wait<1>();
+      fence_registers(s);
+      ptx::mbarrier_arrive(&bars->k_empty[n_block % kStages]);
+      mask_tile(s, n_block);
+      float rescale[2];
+      softmax(s, rescale);
+      ptx::wgmma_wait<0>();
+      fence_registers(o);
+      ptx::mbarrier_arrive(&bars->v_empty[(n_block - 1) % kStages]);
+      scale_rows(o, rescale);
+      to_fragments(s, pa);
+    }
+    issue_pv(o, pa, n_blocks - 1);
+    ptx::wgmma_wait<0>();
+    fence_registers(o);
+    ptx::mbarrier_arrive(&bars->v_empty[(n_blocks - 1) % kStages]);
+  }
+
+  // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
+  Elem* out = head_ptr<Elem>(params.out, b, h);
+  float* lse = static_cast<float*>(params.lse) + (b * p.heads_q + h) * p.len_q;
+  const int dim = static_cast<int>(p.head_dim);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+    const int64_t row = row0 + tile_row + half * 8;
+    if (row >= p.len_q) continue;
+#pragma unroll
+    for (int j = 0; j < kOutRegs / 4; ++j) {
+      const int col = j * 8 + (lane % 4) * 2;
+      if (col < dim) {
+        *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
+            ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum, o[4 * j + 2 * half + 1] * inv_sum);
+      }
+    }
+    if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+  }
+#endif
+}
+
+template <typename Elem, int kHeadDim>
+bool launch_forward(const FwdParams& params, cudaStream_t stream) {
+  using Cfg = FwdTileConfig<kHeadDim>;
+  const AttentionProblem& p = params.problem;
+  FwdKernelParams kp;
+  kp.call = params;
+  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
+    const TensorMapShape shape{t.data,        static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
+                               static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch), t.stride_row,
+                               t.stride_head, t.stride_batch};
+    return encode_tensor_map(m, shape, kBFloat16, box_rows);
+  };
+  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
+    return false;
+  }
+  auto kernel = attention_forward_kernel<Elem, Cfg>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const int64_t blocks = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+  return true;
+}
+
+}  // namespace
+
+bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  // What this kernel covers; the rest runs the sm80 kernels.
+  if (params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 || !(p.scale > 0.0) ||
+      p.head_dim != p.head_dim_v || p.head_dim > 128 || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 ||
+      p.batch == 0) {
+    return false;
+  }
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    launched = p.head_dim <= 64 ? launch_forward<Elem, 64>(params, stream) : launch_forward<Elem, 128>(params, stream);
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90

@@ -1,0 +1,42 @@
+// Every tile shape and pipeline depth of the Hopper (sm_90a) kernels, in one place.
+#pragma once
+
+namespace flashattn_ext::cuda::sm90 {
+
+constexpr int kWarpgroupThreads = 128;  // four warps: the unit that issues wgmma
+
+// Shared-memory tiles are stored as column blocks of 64 16-bit elements (128
+// bytes a row, the width of the copy engine's 128-byte swizzle), one after
+// another, so every wgmma operand is a canonical 128-byte-swizzled layout.
+constexpr int kSwizzleCols = 64;
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle pattern's period
+
+// The forward: one producer warpgroup loads Q once and streams K and V tiles
+// through a ring of kStages shared-memory stages; kConsumers warpgroups of 64
+// query rows each compute on them.
+template <int kHeadDim_>
+struct FwdTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128; smaller head dims read as zero-padded
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
+  static constexpr int kBlockN = 128;              // keys per streamed tile
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  // setmaxnreg: the producer gives its registers to the consumers (24 * 128 + 240 * 256 <= 64K).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
+  static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
+  // Q, then K and V of every stage, then the mbarriers; the tiles 1024-byte
+  // aligned (the swizzle pattern repeats every 1024 bytes), plus slack to align the base.
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
+};
+
+}  // namespace flashattn_ext::cuda::sm90

@@ -1,0 +1,164 @@
+"""The Hopper (sm_90a) kernels against float64 and against the mma.sync kernels they replace.
+
+On an H100/H200 the Hopper kernels are the default for the calls they cover; the other tests run
+through them too. These tests check what is particular to them: that they run at all (the kernel's
+name in the profiler), every covered shape (ragged lengths against the 128-row tiles, Nq != Nk, both
+causal alignments, GQA, padded head dims, sequence-major strides), every output element written
+(outputs land on memory poisoned with NaN), and the calls they leave to the mma.sync kernels."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+from torch.profiler import ProfilerActivity, profile
+
+import flashattn_ext
+from helpers import CUDA_REASON, ERROR_FLOOR, naive_attention, relative_error
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON),
+    pytest.mark.skipif(
+        torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+    ),
+]
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim)
+SHAPES = [
+    (2, 4, 4, 128, 128, 128),
+    (1, 2, 2, 1000, 1000, 128),
+    (2, 4, 2, 200, 517, 64),
+    (1, 3, 1, 517, 200, 64),
+    (1, 2, 2, 1, 1000, 128),
+    (1, 2, 2, 1000, 1, 64),
+    (1, 8, 2, 384, 384, 96),
+    (2, 2, 2, 129, 257, 72),
+    (1, 2, 1, 300, 300, 32),
+    (1, 1, 1, 4096, 4096, 128),
+]
+SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
+MODES = ["full", "causal", "causal_lower_right"]
+
+
+def poison_cache(device="cuda", mib=512):
+    """Fills free blocks of torch's caching allocator with NaN, so that an output the kernel
+    fails to write shows up as NaN instead of stale but plausible numbers."""
+    torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(math.nan)
+
+
+def forward(q, k, v, mode, scale=None):
+    """flashattn_ext's (out, lse), its outputs allocated on poisoned memory."""
+    poison_cache()
+    return flashattn_ext.attention_with_lse(
+        q, k, v, is_causal=mode != "full", causal_lower_right=mode == "causal_lower_right", scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def reference(q, k, v, mode, scale=None):
+    return naive_attention(
+        q.double(), k.double(), v.double(), is_causal=mode != "full",
+        causal_lower_right=mode == "causal_lower_right", scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )
+
+
+def random_inputs(shape, dtype, seq_major=False, seed=0):
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(heads, length):
+        if seq_major:  # (B, N, H, D) storage seen as (B, H, N, D)
+            x = torch.randn(batch, length, heads, dim, generator=gen).transpose(1, 2)
+        else:
+            x = torch.randn(batch, heads, length, dim, generator=gen)
+        return x.to("cuda", dtype)
+
+    return draw(heads_q, len_q), draw(heads_kv, len_k), draw(heads_kv, len_k)
+
+
+def sdpa_error(q, k, v, mode, want_out):
+    """torch SDPA's own error in this dtype, against the same float64 reference (rows that see
+    no key, NaN there, counted as the 0 we give)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if mode == "causal_lower_right":
+        mask = causal_lower_right(q.shape[-2], k.shape[-2])
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=mode == "causal")
+    return relative_error(torch.nan_to_num(got), want_out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_forward_matches_float64(shape, mode, dtype):
+    """Out and lse within twice SDPA's own error of a float64 reference, every element written."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000)
+    out, lse = forward(q, k, v, mode)
+    want_out, want_lse = reference(q, k, v, mode)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison) or overflowed"
+    error = relative_error(out, want_out)
+    assert error <= 2 * sdpa_error(q, k, v, mode, want_out) + ERROR_FLOOR[dtype], error
+    visible = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sequence_major_strides(mode):
+    """(B, N, H, D) storage read in place through the tensor maps' strides."""
+    shape = (2, 4, 2, 333, 700, 128)
+    q, k, v = random_inputs(shape, torch.bfloat16, seq_major=True, seed=5)
+    out, lse = forward(q, k, v, mode)
+    want_out, _ = reference(q, k, v, mode)
+    assert relative_error(out, want_out) <= 2 * sdpa_error(q, k, v, mode, want_out) + ERROR_FLOOR[torch.bfloat16]
+
+
+def kernel_names(fn):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_hopper_kernel_runs_by_default_and_can_be_turned_off(monkeypatch):
+    """On sm_90 the forward launches the sm90 kernel; FLASHATTN_EXT_KERNELS=sm80 selects the
+    mma.sync kernel, and both agree to rounding."""
+    q, k, v = random_inputs((1, 4, 4, 512, 512, 128), torch.bfloat16, seed=2)
+    run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    names = kernel_names(run)
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    names_sm80 = kernel_names(run)
+    assert not any("sm90" in n for n in names_sm80) and any("sm80" in n for n in names_sm80), names_sm80
+    sm80_out = run()
+    monkeypatch.delenv("FLASHATTN_EXT_KERNELS")
+    assert relative_error(run(), sm80_out) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["dropout", "mask", "head_dim_256", "negative_scale", "stride_zero_batch"],
+)
+def test_calls_the_hopper_kernel_leaves_to_sm80(case):
+    """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
+    q, k, v = random_inputs((2, 2, 2, 200, 300, 256 if case == "head_dim_256" else 64), torch.bfloat16, seed=3)
+    kwargs = {}
+    if case == "mask":
+        kwargs["attn_mask"] = torch.rand(200, 300, device="cuda") > 0.2
+    if case == "negative_scale":
+        kwargs["scale"] = -0.1
+    if case == "stride_zero_batch":
+        k = k[:1].expand(2, -1, -1, -1)
+        v = v[:1].expand(2, -1, -1, -1)
+    if case == "dropout":
+        names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.3))
+        assert not any("sm90" in n for n in names), names
+        return
+    names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs))
+    assert not any("sm90" in n for n in names), names
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+    assert relative_error(out, want) < 2e-2
