@@ -106,6 +106,44 @@ def test_forward_matches_float64(shape, mode, dtype):
     assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
 
 
+def gradients(fn, q, k, v, mode, grad_out):
+    """(out, dq, dk, dv) of fn on fresh leaves; fn takes SDPA's arguments."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if mode == "causal_lower_right":
+        out = fn(*leaves, attn_mask=causal_lower_right(q.shape[-2], k.shape[-2]))
+    else:
+        out = fn(*leaves, is_causal=mode == "causal")
+    return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
+
+
+def expanded(fn):
+    """fn with key/value heads repeated to the query's (torch's math SDPA with a CausalBias takes no GQA)."""
+    def run(q, k, v, **kwargs):
+        group = q.shape[1] // k.shape[1]
+        return fn(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), **kwargs)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] * s[4] <= 1000 * 1000], ids=lambda s: "x".join(map(str, s)))
+def test_backward_matches_float64(shape, mode, dtype):
+    """dq, dk, dv within twice SDPA's own error of float64 (the atomic-dQ backward, the default)."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 1)
+    gen = torch.Generator().manual_seed(7)
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda")
+    poison_cache()
+    got = gradients(flashattn_ext.scaled_dot_product_attention, q, k, v, mode, grad_out)
+    want = gradients(expanded(F.scaled_dot_product_attention), q.double(), k.double(), v.double(), mode, grad_out)
+    base = gradients(expanded(F.scaled_dot_product_attention), q, k, v, mode, grad_out)
+    scale = max(w.abs().max().item() for w in want[1:])
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
+        assert torch.isfinite(g).all(), f"{name}: not every element written, or not finite"
+        w, b = torch.nan_to_num(w), torch.nan_to_num(b)  # rows that see no key: SDPA's NaN, our 0
+        ours, sdpa = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
+        assert ours <= 2 * sdpa + ERROR_FLOOR[dtype], f"{name}: {ours:.3g} vs SDPA's {sdpa:.3g}"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_sequence_major_strides(mode):
     """(B, N, H, D) storage read in place through the tensor maps' strides."""
@@ -127,15 +165,17 @@ def test_hopper_kernel_runs_by_default_and_can_be_turned_off(monkeypatch):
     """On sm_90 the forward launches the sm90 kernel; FLASHATTN_EXT_KERNELS=sm80 selects the
     mma.sync kernel, and both agree to rounding."""
     q, k, v = random_inputs((1, 4, 4, 512, 512, 128), torch.bfloat16, seed=2)
+    q.requires_grad_()
     run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    names = kernel_names(run)
+    names = kernel_names(lambda: run().sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
     monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
-    names_sm80 = kernel_names(run)
+    names_sm80 = kernel_names(lambda: run().sum().backward())
     assert not any("sm90" in n for n in names_sm80) and any("sm80" in n for n in names_sm80), names_sm80
-    sm80_out = run()
+    sm80_out = run().detach()
     monkeypatch.delenv("FLASHATTN_EXT_KERNELS")
-    assert relative_error(run(), sm80_out) < 1e-2
+    assert relative_error(run().detach(), sm80_out) < 1e-2
 
 
 @pytest.mark.parametrize(

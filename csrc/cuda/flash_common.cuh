@@ -63,6 +63,19 @@ __device__ __forceinline__ GridPosition grid_position(int64_t blocks_per_head, i
   return {blockIdx.x % blocks_per_head, (blockIdx.x / blocks_per_head) % heads, blockIdx.x / (blocks_per_head * heads)};
 }
 
+// The float32 dQ accumulator of the atomic backwards (both families): shaped
+// (batch, heads_q, len_q rounded up to kDqAccumRowMultiple, the specialized head
+// dim of dispatch_head_dim), zero-filled, and scaled and rounded into dq by
+// convert_dq_accum. The columns of each group of 16 are permuted so that a
+// lane's values of two adjacent n8 accumulator tiles lie side by side: one
+// red.global.add.v4 adds them, half the atomic instructions of pairs (which
+// crowd the memory queue). Column nt * 8 + q * 2 + e of a group (nt < 2, q < 4,
+// e < 2) is kept at q * 4 + nt * 2 + e.
+constexpr int kDqAccumRowMultiple = 64;
+__host__ __device__ constexpr int dq_accum_column(int col) {
+  return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
+}
+
 // The first element of head (b, h) of a tensor.
 template <typename Elem>
 __device__ __forceinline__ Elem* head_ptr(const TensorView4d& t, int64_t b, int64_t h) {

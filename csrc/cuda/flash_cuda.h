@@ -13,6 +13,18 @@ enum class ElementType { kFloat16, kBFloat16 };
 // The largest head dim the kernels take; it must be a multiple of 8.
 constexpr int kMaxHeadDim = 256;
 
+// Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
+// delta = rowsum(dO * O) per query row, into params.delta.
+void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+// Floats of the zero-filled dq_accum workspace of the atomic-dQ backwards (its
+// layout: kDqAccumRowMultiple in flash_common.cuh), or 0 where the problem has
+// none (head dim above sm80::kMaxAtomicDqHeadDim).
+int64_t dq_accum_floats(const AttentionProblem& p);
+
+// dq = dq_accum * scale, rounded to the element type.
+void convert_dq_accum(const BwdParams& params, ElementType type, cudaStream_t stream);
+
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.
 namespace sm80 {
@@ -28,11 +40,7 @@ constexpr int kMaxAtomicDqHeadDim = 128;
 // from a separate one over query blocks: deterministic, no float32 accumulator.
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Floats of the zero-filled dq_accum workspace of the atomic-dQ backward, or 0
-// where the problem has none (head dim above kMaxAtomicDqHeadDim).
-int64_t dq_accum_floats(const AttentionProblem& p);
-
-// The atomic-dQ pass and dq's final rounding, after delta (flash_bwd_atomic.cu).
+// The atomic-dQ pass, after delta and before convert_dq_accum (flash_bwd_atomic.cu).
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace sm80
@@ -46,6 +54,12 @@ namespace sm90 {
 // a positive scale, rows the copy engine can address (16-byte aligned, strides
 // non-zero multiples of 16 bytes). Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+
+// Runs the Hopper backward (delta, the kernel, convert_dq_accum) and returns
+// true where it covers the call: as the forward, with params.dq_accum set (the
+// atomic-dQ mode) and a head dim whose dq_accum layout is 64 or 128 wide (up to
+// 64, or 97 to 128). Else launches nothing and returns false.
+bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace sm90
 

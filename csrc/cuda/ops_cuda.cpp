@@ -148,12 +148,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   params.delta = delta.data_ptr();
   // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
   at::Tensor dq_accum;
-  const int64_t dq_accum_floats = cuda::sm80::dq_accum_floats(params.problem);
+  const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
   if (!at::globalContext().deterministicAlgorithms() && dq_accum_floats > 0) {
     dq_accum = at::zeros({dq_accum_floats}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
-  cuda::sm80::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (!(use_sm90_kernels(q) && cuda::sm90::attention_backward(params, element_type(q), stream))) {
+    cuda::sm80::attention_backward(params, element_type(q), stream);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv, dmask};
 }

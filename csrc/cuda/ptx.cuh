@@ -230,63 +230,95 @@ __device__ __forceinline__ void fence_register(float& x) { asm volatile("" : "+f
 __device__ __forceinline__ void fence_register(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
 
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}, A and B
-// from shared memory (descriptors, both K-major): D = A B (+ D if accumulate)
-// for a warpgroup, D 64 x N in float, N / 2 registers a thread laid out as
-// mma.sync's 16 x 8 accumulator tiles: d[4j..4j+3] is tile j (columns 8j..8j+7)
-// of the thread's warp's 16 rows.
-template <typename Elem, int N>
+// from shared memory (descriptors): D = A B (+ D if accumulate) for a
+// warpgroup, D 64 x N in float, N / 2 registers a thread laid out as mma.sync's
+// 16 x 8 accumulator tiles: d[4j..4j+3] is tile j (columns 8j..8j+7) of the
+// thread's warp's 16 rows. kTransA / kTransB: the operand is stored M- / N-major
+// (transposed) instead of K-major.
+template <typename Elem, int N, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate);
 
-// The same with A from registers (4 a thread, laid out as mma.sync's
-// m16n8k16 A fragment for the warp's 16 rows) and B from shared memory
-// N-major (transposed, as V in O += P V).
-template <typename Elem, int N>
+// The same with A from registers (4 a thread, laid out as mma.sync's m16n8k16
+// A fragment for the warp's 16 rows); B as in wgmma_ss.
+template <typename Elem, int N, int kTransB = 0>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate);
 
 #define FLASHATTN_WGMMA_ACC8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
-#define FLASHATTN_WGMMA_ACC32 \
-  FLASHATTN_WGMMA_ACC8(0), FLASHATTN_WGMMA_ACC8(8), FLASHATTN_WGMMA_ACC8(16), FLASHATTN_WGMMA_ACC8(24)
+#define FLASHATTN_WGMMA_ACC16 FLASHATTN_WGMMA_ACC8(0), FLASHATTN_WGMMA_ACC8(8)
+#define FLASHATTN_WGMMA_ACC32 FLASHATTN_WGMMA_ACC16, FLASHATTN_WGMMA_ACC8(16), FLASHATTN_WGMMA_ACC8(24)
 #define FLASHATTN_WGMMA_ACC64                                                                                   \
   FLASHATTN_WGMMA_ACC32, FLASHATTN_WGMMA_ACC8(32), FLASHATTN_WGMMA_ACC8(40), FLASHATTN_WGMMA_ACC8(48), \
       FLASHATTN_WGMMA_ACC8(56)
+#define FLASHATTN_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLASHATTN_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLASHATTN_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // One specialization of wgmma_ss and wgmma_rs per (element type, N); the
-// operands after the N / 2 accumulators are numbered from N / 2 (written out).
-#define FLASHATTN_WGMMA(ELEM, TYPE, N, D_REGS, ACC, A0, A1, A2, A3, A4, A5)                                     \
-  template <>                                                                                                  \
-  __device__ __forceinline__ void wgmma_ss<ELEM, N>(float(&d)[N / 2], uint64_t desc_a, uint64_t desc_b,        \
-                                                    bool accumulate) {                                         \
-    asm volatile(                                                                                              \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %" A2 ", 0;\n"                                                       \
-        "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", %" A0 ", %" A1           \
-        ", p, 1, 1, 0, 0;\n}\n"                                                                                \
-        : ACC                                                                                                  \
-        : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                                     \
-  }                                                                                                            \
-  template <>                                                                                                  \
-  __device__ __forceinline__ void wgmma_rs<ELEM, N>(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b, \
-                                                    bool accumulate) {                                         \
-    asm volatile(                                                                                              \
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %" A5 ", 0;\n"                                                       \
-        "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", {%" A0 ", %" A1 ", %" A2  \
-        ", %" A3 "}, %" A4 ", p, 1, 1, 1;\n}\n"                                                                 \
-        : ACC                                                                                                  \
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));                      \
-  }
+// operands after the N / 2 accumulators are numbered from N / 2 (written out:
+// A0 = N / 2, A1 = N / 2 + 1, ...).
+#define FLASHATTN_WGMMA(ELEM, TYPE, N, D_REGS, ACC, A0, A1, A2, A3, A4, A5, A6)                                  \
+  template <int kTransA, int kTransB>                                                                            \
+  struct WgmmaSS<ELEM, N, kTransA, kTransB> {                                                                    \
+    static __device__ __forceinline__ void run(float(&d)[N / 2], uint64_t desc_a, uint64_t desc_b,               \
+                                               bool accumulate) {                                                \
+      asm volatile(                                                                                              \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" A2 ", 0;\n"                                                       \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", %" A0 ", %" A1          \
+          ", p, 1, 1, %" A3 ", %" A4 ";\n}\n"                                                                    \
+          : ACC                                                                                                  \
+          : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)), "n"(kTransA), "n"(kTransB));                         \
+    }                                                                                                            \
+  };                                                                                                             \
+  template <int kTransB>                                                                                         \
+  struct WgmmaRS<ELEM, N, kTransB> {                                                                             \
+    static __device__ __forceinline__ void run(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b,         \
+                                               bool accumulate) {                                                \
+      asm volatile(                                                                                              \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" A5 ", 0;\n"                                                       \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " " D_REGS ", {%" A0 ", %" A1 ", %" A2 \
+          ", %" A3 "}, %" A4 ", p, 1, 1, %" A6 ";\n}\n"                                                          \
+          : ACC                                                                                                  \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)), "n"(kTransB));        \
+    }                                                                                                            \
+  };
 
-FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37")
-FLASHATTN_WGMMA(__half, "f16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37")
-FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
-FLASHATTN_WGMMA(__half, "f16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
+// (A class template per form, since function templates cannot be partially specialized.)
+template <typename Elem, int N, int kTransA, int kTransB>
+struct WgmmaSS;
+template <typename Elem, int N, int kTransB>
+struct WgmmaRS;
+
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
+FLASHATTN_WGMMA(__half, "f16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37", "38")
+FLASHATTN_WGMMA(__half, "f16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37", "38")
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69", "70")
+FLASHATTN_WGMMA(__half, "f16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69", "70")
 
 #undef FLASHATTN_WGMMA
+#undef FLASHATTN_WGMMA_D16
 #undef FLASHATTN_WGMMA_D32
 #undef FLASHATTN_WGMMA_D64
 #undef FLASHATTN_WGMMA_ACC64
 #undef FLASHATTN_WGMMA_ACC32
+#undef FLASHATTN_WGMMA_ACC16
 #undef FLASHATTN_WGMMA_ACC8
+
+template <typename Elem, int N, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, bool accumulate) {
+  WgmmaSS<Elem, N, kTransA, kTransB>::run(d, desc_a, desc_b, accumulate);
+}
+template <typename Elem, int N, int kTransB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, bool accumulate) {
+  WgmmaRS<Elem, N, kTransB>::run(d, a, desc_b, accumulate);
+}
+
+// fence.proxy.async.shared::cta: this thread's ordinary shared-memory writes
+// become visible to the asynchronous units (wgmma, the copy engine); then a
+// barrier orders them before another thread's wgmma.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 
 }  // namespace flashattn_ext::cuda::ptx

@@ -365,10 +365,10 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   const AttentionProblem& p = params.problem;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    launch_kernel(attention_delta_kernel<Elem>, ceil_div(p.batch * p.heads_q * p.len_q, kWarps), kThreads, 0, params,
-                  stream);
+    compute_delta(params, type, stream);
     if (params.dq_accum != nullptr) {
       attention_backward_atomic_dq(params, type, stream);
+      convert_dq_accum(params, type, stream);
       return;
     }
     dispatch_head_dim(p.head_dim,
@@ -377,3 +377,15 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
 }
 
 }  // namespace flashattn_ext::cuda::sm80
+
+namespace flashattn_ext::cuda {
+
+void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  dispatch_element_type(type, [&](auto elem) {
+    launch_kernel(sm80::attention_delta_kernel<decltype(elem)>, ceil_div(p.batch * p.heads_q * p.len_q, sm80::kWarps),
+                  sm80::kThreads, 0, params, stream);
+  });
+}
+
+}  // namespace flashattn_ext::cuda

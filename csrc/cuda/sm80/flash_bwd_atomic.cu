@@ -30,7 +30,7 @@ struct AtomicBwdConfig {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * kWarpSize;
   static constexpr int kBlockN = 128;  // keys per block: 4 groups of 32
-  static constexpr int kBlockM = 64;   // queries per streamed tile: 2 groups of 32
+  static constexpr int kBlockM = kDqAccumRowMultiple;  // queries per streamed tile: 2 groups of 32
   static constexpr int kStride = smem_stride<kHeadDim>();
   static constexpr int kScoreStride = smem_stride<kBlockM>();  // of the P^T and dS^T rows
   // Phase 3 splits the kBlockM x kHeadDim dQ tile over the warps as 2 x 4
@@ -43,14 +43,6 @@ struct AtomicBwdConfig {
   static constexpr int kSmemBytes =
       ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kScoreStride) * 2 + 4 * kBlockM * sizeof(float);
 };
-
-// dq_accum permutes the columns of each group of 16 so that a lane's values of
-// two adjacent n8 mma tiles lie side by side: one red.global.add.v4 adds them,
-// half the atomic instructions of pairs (which crowd the memory queue). Column
-// nt * 8 + q * 2 + e of a group (nt < 2, q < 4, e < 2) is kept at q * 4 + nt * 2 + e.
-__host__ __device__ constexpr int dq_accum_column(int col) {
-  return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
-}
 
 template <typename Elem, typename Cfg, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {
@@ -305,25 +297,6 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   }
 }
 
-constexpr int kConvertThreads = 256;
-
-// dq = dq_accum * scale, rounded to Elem; one thread per pair of columns.
-template <typename Elem, typename Cfg>
-__global__ void __launch_bounds__(kConvertThreads) attention_dq_convert_kernel(const BwdParams params) {
-  const AttentionProblem& p = params.problem;
-  const int64_t pair = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
-  const int64_t pairs_per_row = p.head_dim / 2;
-  if (pair >= p.batch * p.heads_q * p.len_q * pairs_per_row) return;
-  const int64_t col = (pair % pairs_per_row) * 2, row = pair / pairs_per_row;
-  const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
-  const int64_t padded_len_q = ceil_div(p.len_q, Cfg::kBlockM) * Cfg::kBlockM;
-  const float2 acc = *reinterpret_cast<const float2*>(
-      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * Cfg::kHeadDim + dq_accum_column(col));
-  const float scale = static_cast<float>(p.scale);
-  *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
-      ptx::pack2<Elem>(acc.x * scale, acc.y * scale);
-}
-
 // Calls fn with the AtomicBwdConfig serving head dim p.head_dim, if there is one.
 template <typename Fn>
 void dispatch_atomic_config(const AttentionProblem& p, Fn&& fn) {
@@ -333,15 +306,6 @@ void dispatch_atomic_config(const AttentionProblem& p, Fn&& fn) {
 }
 
 }  // namespace
-
-int64_t dq_accum_floats(const AttentionProblem& p) {
-  int64_t floats = 0;
-  dispatch_atomic_config(p, [&](auto cfg) {
-    using Cfg = decltype(cfg);
-    floats = p.batch * p.heads_q * ceil_div(p.len_q, Cfg::kBlockM) * Cfg::kBlockM * Cfg::kHeadDim;
-  });
-  return floats;
-}
 
 void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
@@ -356,9 +320,6 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
               ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch, Cfg::kThreads, Cfg::kSmemBytes, params, stream);
         });
       });
-      launch_kernel(attention_dq_convert_kernel<Elem, Cfg>,
-                    ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
-                    params, stream);
     });
   });
 }

@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::mbarrier_wait(&bars->v_full[stage], (n_block / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim>(o, pa[kk], v_desc(stage, kk), true);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], v_desc(stage, kk), true);
     ptx::wgmma_commit();
   };
 

@@ -1,0 +1,403 @@
+// The Hopper backward kernel (sm_90a), with dQ by float32 atomics: one thread
+// block per (block of 128 keys, key/value head, batch), split by role into
+// warpgroups as in the forward.
+//  - The producer warpgroup's one thread loads K and V once, then streams the
+//    Q and dO tiles (64 queries) of every query head of the group through a
+//    ring of stages (full / empty mbarriers).
+//  - Two consumer warpgroups own 64 keys each and keep their dK and dV in
+//    registers. Per tile, with wgmma:
+//      S^T = K Q^T and dP^T = V dO^T            (both operands in shared memory)
+//      P^T = exp(S^T * scale - lse)              (registers)
+//      dV += P^T dO                              (P^T from registers)
+//      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
+//      dK += dS^T Q                              (dS^T from registers)
+//      dQ piece = dS K, added to dq_accum        (both from shared memory)
+//    At head dim 128 each consumer computes half of the dQ columns over all 128
+//    keys (the two dS^T halves meet in shared memory); at 64, each computes
+//    every column over its own 64 keys. A last kernel scales and rounds dq_accum
+//    into dq (convert_dq_accum); delta = rowsum(dO * O) comes first (compute_delta).
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
+
+namespace flashattn_ext::cuda::sm90 {
+namespace {
+
+struct BwdKernelParams {
+  BwdParams call;
+  CUtensorMap q_map, k_map, v_map, dout_map;
+};
+
+template <int kStages>
+struct BwdBarriers {
+  uint64_t kv_full;
+  uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
+  uint64_t q_empty[kStages], dout_empty[kStages];
+};
+
+template <int kRegs>
+__device__ __forceinline__ void fence_registers(float (&regs)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) ptx::fence_register(regs[i]);
+}
+template <int kSteps>
+__device__ __forceinline__ void fence_registers(uint32_t (&frags)[kSteps][4]) {
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) ptx::fence_register(frags[i][r]);
+  }
+}
+
+// Accumulator tiles (kRegs floats) rounded to Elem as wgmma A fragments: two
+// adjacent 8-column tiles are one k16 step.
+template <typename Elem, int kRegs>
+__device__ __forceinline__ void to_fragments(const float (&x)[kRegs], uint32_t (&frag)[kRegs / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kRegs / 8; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) frag[kk][r] = ptx::pack2<Elem>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+  }
+}
+
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
+  constexpr int kGradRegs = kHeadDim / 2;  // and of its 64 x kHeadDim dK or dV
+  // dQ = dS K: at head dim 128 each consumer takes half of the columns over all
+  // keys; at 64, all columns over its own keys (the atomics add the halves).
+  constexpr bool kSplitColumns = kHeadDim == 128;
+  constexpr int kDqCols = kSplitColumns ? kHeadDim / Cfg::kConsumers : kHeadDim;
+  constexpr int kDqKeys = kSplitColumns ? kBlockN : 64;
+  constexpr int kDqRegs = kDqCols / 2;
+  const BwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes);
+  unsigned char* s_k = smem;
+  unsigned char* s_v = s_k + Cfg::kKVBytes;
+  unsigned char* s_q = s_v + Cfg::kKVBytes;
+  unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
+  unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
+  // Per stage: lse (in log2 units) and delta of the tile's queries.
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + 2 * Cfg::kDsBytes);
+  auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
+
+  const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
+  const int64_t n_block = blockIdx.x % n_blocks;  // causal: the first key blocks have the most queries
+  const int64_t h_kv = (blockIdx.x / n_blocks) % p.heads_kv;
+  const int64_t b = blockIdx.x / (n_blocks * p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const int64_t col0 = n_block * kBlockN;
+  const int64_t offset = causal_offset(p);
+  const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
+  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockM;
+  const int m_count = static_cast<int>(m_blocks - m_begin);
+  const int tiles = static_cast<int>(group) * m_count;  // (query head of the group, query block) pairs
+
+  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&bars->kv_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&bars->q_full[s], 1 + kWarpSize);
+      ptx::mbarrier_init(&bars->dout_full[s], 1);
+      ptx::mbarrier_init(&bars->q_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+      ptx::mbarrier_init(&bars->dout_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    // Producer: one warp; its first lane drives the copy engine, and every lane
+    // stages lse and delta of the queries (plain loads: their rows are not
+    // 16-byte aligned for the copy engine).
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x >= kWarpSize || tiles == 0) return;
+    const int lane = threadIdx.x;
+    const int batch = static_cast<int>(b), kv_head = static_cast<int>(h_kv), key_row = static_cast<int>(col0);
+    if (lane == 0) {
+      ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
+      for (int c = 0; c < Cfg::kColBlocks; ++c) {
+        ptx::tma_load_4d(s_k + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->kv_full, c * kSwizzleCols, key_row,
+                         kv_head, batch);
+        ptx::tma_load_4d(s_v + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->kv_full, c * kSwizzleCols, key_row,
+                         kv_head, batch);
+      }
+    }
+    int tile = 0;
+    for (int head = static_cast<int>(h_kv * group); head < (h_kv + 1) * group; ++head) {
+      const float* lse = static_cast<const float*>(params.lse) + (b * p.heads_q + head) * p.len_q;
+      const float* delta = static_cast<const float*>(params.delta) + (b * p.heads_q + head) * p.len_q;
+      for (int q_row = static_cast<int>(m_begin * kBlockM); q_row < p.len_q; q_row += kBlockM, ++tile) {
+        const int stage = tile % kStages;
+        const uint32_t parity = (tile / kStages) & 1;
+        ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
+        if (lane == 0) {
+          ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes);
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
+                             c * kSwizzleCols, q_row, head, batch);
+          }
+        }
+        for (int i = lane; i < kBlockM; i += kWarpSize) {
+          s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
+          s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
+        }
+        ptx::mbarrier_arrive(&bars->q_full[stage]);
+        if (lane == 0) {
+          ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
+          ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
+                             &bars->dout_full[stage], c * kSwizzleCols, q_row, head, batch);
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % kWarpSize;
+  const int key_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
+
+  const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v), q_addr = ptx::smem_addr(s_q),
+                 dout_addr = ptx::smem_addr(s_dout), ds_addr = ptx::smem_addr(s_ds);
+  // K-major descriptors: this consumer's 64 rows of K or V, a stage's Q or dO.
+  auto kv_desc = [&](uint32_t base, int kk) {
+    return smem_matrix_desc(base + (kk / 4) * Cfg::kKVColBlockBytes + consumer * 64 * kSwizzleRowBytes + (kk % 4) * 32,
+                            16, kSwizzleAtomBytes);
+  };
+  auto q_desc = [&](uint32_t base, int stage, int kk) {
+    return smem_matrix_desc(base + stage * Cfg::kQBytes + (kk / 4) * Cfg::kQColBlockBytes + (kk % 4) * 32, 16,
+                            kSwizzleAtomBytes);
+  };
+  // N-major: 16 rows (queries) of a stage's Q or dO as the B of dK += dS^T Q, dV += P^T dO.
+  auto q_rows_desc = [&](uint32_t base, int stage, int kk) {
+    return smem_matrix_desc(base + stage * Cfg::kQBytes + kk * 16 * kSwizzleRowBytes, Cfg::kQColBlockBytes,
+                            kSwizzleAtomBytes);
+  };
+
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  float dk[kGradRegs], dv[kGradRegs];
+#pragma unroll
+  for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
+
+  if (tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
+  const int64_t padded_len_q = m_blocks * kBlockM;
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int stage = tile % kStages;
+    const uint32_t parity = (tile / kStages) & 1;
+    const int64_t h = h_kv * group + tile / m_count;
+    const int64_t row0 = (m_begin + tile % m_count) * kBlockM;
+
+    // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
+    const float(&lse_q)[kBlockM] = s_stats[stage][0];
+    const float(&delta_q)[kBlockM] = s_stats[stage][1];
+    auto query_of = [&](int i) { return (i / 4) * 8 + 2 * (lane % 4) + i % 2; };
+
+    // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
+    float st[kScoreRegs], dpt[kScoreRegs];
+    ptx::mbarrier_wait(&bars->q_full[stage], parity);
+    ptx::mbarrier_wait(&bars->dout_full[stage], parity);
+    fence_registers(st);
+    fence_registers(dpt);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
+    }
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
+    }
+    ptx::wgmma_commit();
+
+    // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)); hidden pairs (above the
+    // causal diagonal, keys past the end) get 0. lse_log2 is +inf for rows past
+    // the end and rows that see no key, so their P is 0 too.
+    ptx::wgmma_wait<1>();
+    fence_registers(st);
+    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+    const bool crosses_end = col0 + kBlockN > p.len_k;
+#pragma unroll
+    for (int i = 0; i < kScoreRegs; ++i) {
+      const int64_t key = col0 + key_row + ((i / 2) % 2) * 8;
+      const int64_t query = row0 + query_of(i);
+      const bool hidden = (crosses_end && key >= p.len_k) || (crosses_diagonal && key > query + offset);
+      st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
+    }
+    uint32_t p_frag[kBlockM / 16][4];
+    to_fragments<Elem>(st, p_frag);
+
+    // dV += P^T dO.
+    ptx::wgmma_wait<0>();
+    fence_registers(dpt);
+    fence_registers(p_frag);
+    fence_registers(dv);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs<Elem, kHeadDim, 1>(dv, p_frag[kk], q_rows_desc(dout_addr, stage, kk), true);
+    }
+    ptx::wgmma_commit();
+
+    // dS^T = P^T * (dP^T - delta), to registers and to this tile's dS^T buffer
+    // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine writes).
+#pragma unroll
+    for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
+    uint32_t ds_frag[kBlockM / 16][4];
+    to_fragments<Elem>(dpt, ds_frag);
+    unsigned char* ds_tile = s_ds + (tile % 2) * Cfg::kDsBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
+        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
+        *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4) =
+            ds_frag[kk][r];
+      }
+    }
+    ptx::fence_proxy_async();
+
+    // dK += dS^T Q.
+    fence_registers(ds_frag);
+    fence_registers(dk);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      ptx::wgmma_rs<Elem, kHeadDim, 1>(dk, ds_frag[kk], q_rows_desc(q_addr, stage, kk), true);
+    }
+    ptx::wgmma_commit();
+
+    // dQ piece = dS K over kDqKeys keys: A is dS^T read transposed, B is K read
+    // N-major (both from shared memory), once the dS^T it needs is written.
+    if constexpr (kSplitColumns) {
+      ptx::named_barrier_sync(1, Cfg::kConsumers * kWarpgroupThreads);
+    } else {
+      ptx::named_barrier_sync(1 + consumer, kWarpgroupThreads);
+    }
+    const int dq_key0 = kSplitColumns ? 0 : consumer * 64;
+    const int dq_col0 = kSplitColumns ? consumer * kDqCols : 0;
+    float dq[kDqRegs];
+    fence_registers(dq);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+      const int key = dq_key0 + kk * 16;
+      const uint64_t ds_desc = smem_matrix_desc(ptx::smem_addr(ds_tile) + key * kSwizzleRowBytes, Cfg::kDsBytes,
+                                                kSwizzleAtomBytes);
+      const uint64_t k_desc = smem_matrix_desc(
+          k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + key * kSwizzleRowBytes, Cfg::kKVColBlockBytes,
+          kSwizzleAtomBytes);
+      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, ds_desc, k_desc, kk > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    fence_registers(dq);
+    fence_registers(dk);
+    fence_registers(dv);
+    ptx::mbarrier_arrive(&bars->q_empty[stage]);
+    ptx::mbarrier_arrive(&bars->dout_empty[stage]);
+
+    // dq_accum += dQ piece: rows past len_q land in the padding.
+    float* dq_rows = params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim;
+    const int query = (tid / kWarpSize) * 16 + lane / 4;
+#pragma unroll
+    for (int pair = 0; pair < kDqCols / 16; ++pair) {
+      const int col = dq_accum_column(dq_col0 + pair * 16 + (lane % 4) * 2);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        ptx::red_add_v4_f32(dq_rows + (query + half * 8) * kHeadDim + col, dq[8 * pair + 2 * half],
+                            dq[8 * pair + 2 * half + 1], dq[8 * pair + 4 + 2 * half], dq[8 * pair + 5 + 2 * half]);
+      }
+    }
+  }
+
+  // dK (times the scale) and dV of this consumer's keys.
+  const float scale = static_cast<float>(p.scale);
+  Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
+  Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
+  const int dim = static_cast<int>(p.head_dim);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t key = col0 + key_row + half * 8;
+    if (key >= p.len_k) continue;
+#pragma unroll
+    for (int j = 0; j < kGradRegs / 4; ++j) {
+      const int col = j * 8 + (lane % 4) * 2;
+      if (col >= dim) continue;
+      *reinterpret_cast<uint32_t*>(dk_head + key * params.dk.stride_row + col) =
+          ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv_head + key * params.dv.stride_row + col) =
+          ptx::pack2<Elem>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+    }
+  }
+#endif
+}
+
+template <typename Elem, int kHeadDim>
+bool launch_backward(const BwdParams& params, cudaStream_t stream) {
+  using Cfg = BwdTileConfig<kHeadDim>;
+  const AttentionProblem& p = params.problem;
+  BwdKernelParams kp;
+  kp.call = params;
+  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
+    const TensorMapShape shape{t.data,        static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
+                               static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch), t.stride_row,
+                               t.stride_head, t.stride_batch};
+    return encode_tensor_map(m, shape, kBFloat16, box_rows);
+  };
+  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.dout_map, params.dout, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
+    return false;
+  }
+  const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
+  compute_delta(params, type, stream);
+  auto kernel = attention_backward_kernel<Elem, Cfg>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const int64_t blocks = ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch;
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+  convert_dq_accum(params, type, stream);
+  return true;
+}
+
+}  // namespace
+
+bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  // What this kernel covers; the rest runs the sm80 kernels. dq_accum's layout
+  // is that of the specialized head dims 64 and 128 (dispatch_head_dim).
+  const bool head_dim_covered = p.head_dim <= 64 || (p.head_dim > 96 && p.head_dim <= 128);
+  if (params.dq_accum == nullptr || params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 ||
+      !head_dim_covered || p.head_dim != p.head_dim_v || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 ||
+      p.batch == 0) {
+    return false;
+  }
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    launched =
+        p.head_dim <= 64 ? launch_backward<Elem, 64>(params, stream) : launch_backward<Elem, 128>(params, stream);
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90
