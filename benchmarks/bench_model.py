@@ -17,7 +17,7 @@ activations), reset per provider. B = --tokens // N, so every step sees the same
 Results go to <out>/model_<date>_<device>.md, and each table row is printed as soon as it is measured.
 
 Usage (from the repository root):
-    python3 benchmarks/bench_model.py                 # MHA 16:16 and GQA 16:4, N in {2048, 8192}, under a minute on an H100
+    python3 benchmarks/bench_model.py                 # MHA 16:16 and GQA 16:4 at N in {2048, 8192}
     python3 benchmarks/bench_model.py --quick         # the same grid with 2 layers and 5 timed steps
     python3 benchmarks/bench_model.py --seqlens 8192 --kv-heads 4 --layers 8
     python3 benchmarks/bench_model.py --device cpu --seqlens 128 --layers 1 --d-model 256 --heads 4 --kv-heads 2
@@ -249,7 +249,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, help="timed steps after the warm-up (default 10; CPU 3)")
     parser.add_argument("--d-model", type=int, help="model width (default 2048; CPU 256)")
     parser.add_argument("--heads", type=int, help="query heads; head_dim = d_model / heads (default 16; CPU 4)")
-    parser.add_argument("--kv-heads", nargs="+", type=int, help="key/value heads, one config each (default 16 4; CPU 4 2)")
+    parser.add_argument("--kv-heads", nargs="+", type=int,
+                        help="key/value heads, one config each (default 16 4; CPU 4 2)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default 32000; CPU 4096)")
     parser.add_argument("--tokens", type=int, help="tokens per step, B = tokens // N (default 16384; CPU 256)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
@@ -281,7 +282,8 @@ def main(argv=None) -> int:
         "",
         f"Llama-style decoder: {args.layers} layers, d_model {args.d_model}, {args.heads} query heads of dim "
         f"{args.d_model // args.heads}, rotary embeddings, SwiGLU MLP, vocab {args.vocab}, weights in "
-        f"{str(args.dtype).removeprefix('torch.')}, AdamW (foreach), {args.tokens} tokens per step (B = {args.tokens} // N).",
+        f"{str(args.dtype).removeprefix('torch.')}, AdamW (foreach), "
+        f"{args.tokens} tokens per step (B = {args.tokens} // N).",
         f"Step time is the median of {args.steps} timed training steps ({timing}) after {WARMUP_STEPS} warm-up steps; "
         "both providers start from the same weights and see the same random batches. "
         "Ratio = flashattn_ext / SDPA (at most 1: ours is no slower). Peak MiB is torch.cuda.max_memory_allocated "

@@ -133,7 +133,8 @@ def test_backward_matches_float64(shape, mode, dtype):
     gen = torch.Generator().manual_seed(7)
     grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda")
     poison_cache()
-    got = gradients(flashattn_ext.scaled_dot_product_attention, q, k, v, mode, grad_out)
+    ours = lambda *args, **kwargs: flashattn_ext.scaled_dot_product_attention(*args, enable_gqa=True, **kwargs)  # noqa: E731
+    got = gradients(ours, q, k, v, mode, grad_out)
     want = gradients(expanded(F.scaled_dot_product_attention), q.double(), k.double(), v.double(), mode, grad_out)
     base = gradients(expanded(F.scaled_dot_product_attention), q, k, v, mode, grad_out)
     scale = max(w.abs().max().item() for w in want[1:])
@@ -161,10 +162,11 @@ def kernel_names(fn):
     return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def test_hopper_kernel_runs_by_default_and_can_be_turned_off(monkeypatch):
-    """On sm_90 the forward launches the sm90 kernel; FLASHATTN_EXT_KERNELS=sm80 selects the
-    mma.sync kernel, and both agree to rounding."""
-    q, k, v = random_inputs((1, 4, 4, 512, 512, 128), torch.bfloat16, seed=2)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypatch):
+    """On sm_90 the forward and the backward launch the sm90 kernels; FLASHATTN_EXT_KERNELS=sm80
+    selects the mma.sync kernels, and both agree to rounding."""
+    q, k, v = random_inputs((1, 4, 4, 512, 512, head_dim), torch.bfloat16, seed=2)
     q.requires_grad_()
     run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     names = kernel_names(lambda: run().sum().backward())
