@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
-#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [bench] [bench-hopper] [bench-full]
-# (hopper: the Hopper kernels' own tests; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes)
+#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [bench] [bench-hopper] [ncu] [bench-full]
+# (hopper: the Hopper kernels' own tests; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
+#  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
@@ -43,6 +44,11 @@ for stage in $stages; do
           >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
         tail -n 3 "$OUT/sanitizer_$tool.log"
       done ;;
+    ncu)
+      ncu --kernel-name-base mangled --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+        -k regex:sm90 python3 benchmarks/ncu_workload.py >"$OUT/ncu.log" 2>&1 || status=1
+      grep -E "attention_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Stall|Warp Cycles Per Issued" \
+        "$OUT/ncu.log" | head -n 80 ;;
     bench)
       python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
     bench-full)

@@ -1,0 +1,29 @@
+"""One forward and one backward of flashattn_ext per (head dim, causal) cell at a benchmark
+shape, for Nsight Compute to profile (not a benchmark: nothing is timed here).
+
+    ncu --section SpeedOfLight --section WarpStateStats -k regex:sm90 python3 benchmarks/ncu_workload.py
+"""
+import sys
+
+import torch
+
+import flashattn_ext
+
+BATCH, HEADS, SEQLEN = 4, 16, 4096
+
+
+def main() -> int:
+    for head_dim in (64, 128):
+        for causal in (False, True):
+            q, k, v = (
+                torch.randn(BATCH, HEADS, SEQLEN, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
+            out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
