@@ -12,9 +12,9 @@
 //      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
 //      dK += dS^T Q                              (dS^T from registers)
 //      dQ piece = dS K, added to dq_accum        (both from shared memory)
-//    At head dim 128 each consumer computes half of the dQ columns over all 128
-//    keys (the two dS^T halves meet in shared memory); at 64, each computes
-//    every column over its own 64 keys. A last kernel scales and rounds dq_accum
+//    Each consumer computes half of the dQ columns over all 128 keys: the two
+//    dS^T halves meet in shared memory, and dQ runs one tile late so that
+//    neither consumer waits for the other's current tile. A last kernel scales and rounds dq_accum
 //    into dq (convert_dq_accum); delta = rowsum(dO * O) comes first (compute_delta).
 #include <cmath>
 
@@ -70,11 +70,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
   constexpr int kGradRegs = kHeadDim / 2;  // and of its 64 x kHeadDim dK or dV
-  // dQ = dS K: at head dim 128 each consumer takes half of the columns over all
-  // keys; at 64, all columns over its own keys (the atomics add the halves).
-  constexpr bool kSplitColumns = kHeadDim == 128;
-  constexpr int kDqCols = kSplitColumns ? kHeadDim / Cfg::kConsumers : kHeadDim;
-  constexpr int kDqKeys = kSplitColumns ? kBlockN : 64;
+  constexpr int kDqCols = kHeadDim / Cfg::kConsumers;  // dQ columns of each consumer
   constexpr int kDqRegs = kDqCols / 2;
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -88,7 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
   // Per stage: lse (in log2 units) and delta of the tile's queries.
-  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + 2 * Cfg::kDsBytes);
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
@@ -197,113 +193,133 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   if (tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
   const int64_t padded_len_q = m_blocks * kBlockM;
-  for (int tile = 0; tile < tiles; ++tile) {
+  const int dq_col0 = consumer * kDqCols;
+  // dQ of a tile = dS K needs both consumers' dS^T, so it runs one tile late:
+  // consumer c announces "my dS^T of tile t is in buffer t % kDsBuffers, and my
+  // dQ of tile t - 1 has finished reading" on barrier ds_written(c, t); the
+  // other consumer waits there before its dQ of tile t. Neither waits for the
+  // other's current tile, so their softmax and atomics drift apart and overlap
+  // the other's wgmma. (Three buffers: a consumer writes buffer t % 3 while the
+  // other may still read t - 2's; two barrier ids a consumer suffice, because
+  // neither gets two tiles ahead.)
+  auto ds_written = [](int writer, int tile) { return 1 + 2 * writer + tile % 2; };
+  constexpr int kPairThreads = 2 * kWarpgroupThreads;
+  float dq[kDqRegs];
+
+  // Tile t's S^T .. dK, then tile t - 1's dQ; one extra round for the last dQ.
+  for (int tile = 0; tile <= tiles; ++tile) {
+    const bool has_tile = tile < tiles;
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
-    const int64_t h = h_kv * group + tile / m_count;
     const int64_t row0 = (m_begin + tile % m_count) * kBlockM;
+    // P^T and dS^T as the A fragments of dV and dK: kept in scope until the
+    // wgmma that read them are waited for.
+    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+    if (has_tile) {
+      // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
+      const float(&lse_q)[kBlockM] = s_stats[stage][0];
+      const float(&delta_q)[kBlockM] = s_stats[stage][1];
+      auto query_of = [&](int i) { return (i / 4) * 8 + 2 * (lane % 4) + i % 2; };
 
-    // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
-    const float(&lse_q)[kBlockM] = s_stats[stage][0];
-    const float(&delta_q)[kBlockM] = s_stats[stage][1];
-    auto query_of = [&](int i) { return (i / 4) * 8 + 2 * (lane % 4) + i % 2; };
-
-    // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
-    float st[kScoreRegs], dpt[kScoreRegs];
-    ptx::mbarrier_wait(&bars->q_full[stage], parity);
-    ptx::mbarrier_wait(&bars->dout_full[stage], parity);
-    fence_registers(st);
-    fence_registers(dpt);
-    ptx::wgmma_fence();
+      // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
+      float st[kScoreRegs], dpt[kScoreRegs];
+      ptx::mbarrier_wait(&bars->q_full[stage], parity);
+      ptx::mbarrier_wait(&bars->dout_full[stage], parity);
+      fence_registers(st);
+      fence_registers(dpt);
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
-    }
-    ptx::wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
-    }
-    ptx::wgmma_commit();
-
-    // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)); hidden pairs (above the
-    // causal diagonal, keys past the end) get 0. lse_log2 is +inf for rows past
-    // the end and rows that see no key, so their P is 0 too.
-    ptx::wgmma_wait<1>();
-    fence_registers(st);
-    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-    const bool crosses_end = col0 + kBlockN > p.len_k;
-#pragma unroll
-    for (int i = 0; i < kScoreRegs; ++i) {
-      const int64_t key = col0 + key_row + ((i / 2) % 2) * 8;
-      const int64_t query = row0 + query_of(i);
-      const bool hidden = (crosses_end && key >= p.len_k) || (crosses_diagonal && key > query + offset);
-      st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
-    }
-    uint32_t p_frag[kBlockM / 16][4];
-    to_fragments<Elem>(st, p_frag);
-
-    // dV += P^T dO.
-    ptx::wgmma_wait<0>();
-    fence_registers(dpt);
-    fence_registers(p_frag);
-    fence_registers(dv);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs<Elem, kHeadDim, 1>(dv, p_frag[kk], q_rows_desc(dout_addr, stage, kk), true);
-    }
-    ptx::wgmma_commit();
-
-    // dS^T = P^T * (dP^T - delta), to registers and to this tile's dS^T buffer
-    // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine writes).
-#pragma unroll
-    for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
-    uint32_t ds_frag[kBlockM / 16][4];
-    to_fragments<Elem>(dpt, ds_frag);
-    unsigned char* ds_tile = s_ds + (tile % 2) * Cfg::kDsBytes;
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
-        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
-        *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4) =
-            ds_frag[kk][r];
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
       }
-    }
-    ptx::fence_proxy_async();
-
-    // dK += dS^T Q.
-    fence_registers(ds_frag);
-    fence_registers(dk);
-    ptx::wgmma_fence();
+      ptx::wgmma_commit();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-      ptx::wgmma_rs<Elem, kHeadDim, 1>(dk, ds_frag[kk], q_rows_desc(q_addr, stage, kk), true);
-    }
-    ptx::wgmma_commit();
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
+      }
+      ptx::wgmma_commit();
 
-    // dQ piece = dS K over kDqKeys keys: A is dS^T read transposed, B is K read
-    // N-major (both from shared memory), once the dS^T it needs is written.
-    if constexpr (kSplitColumns) {
-      ptx::named_barrier_sync(1, Cfg::kConsumers * kWarpgroupThreads);
-    } else {
-      ptx::named_barrier_sync(1 + consumer, kWarpgroupThreads);
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)); hidden pairs (above the
+      // causal diagonal, keys past the end) get 0. lse_log2 is +inf for rows past
+      // the end and rows that see no key, so their P is 0 too.
+      ptx::wgmma_wait<1>();
+      fence_registers(st);
+      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+      const bool crosses_end = col0 + kBlockN > p.len_k;
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        const int64_t key = col0 + key_row + ((i / 2) % 2) * 8;
+        const int64_t query = row0 + query_of(i);
+        const bool hidden = (crosses_end && key >= p.len_k) || (crosses_diagonal && key > query + offset);
+        st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
+      }
+      to_fragments<Elem>(st, p_frag);
+
+      // dV += P^T dO.
+      ptx::wgmma_wait<0>();
+      fence_registers(dpt);
+      fence_registers(p_frag);
+      fence_registers(dv);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        ptx::wgmma_rs<Elem, kHeadDim, 1>(dv, p_frag[kk], q_rows_desc(dout_addr, stage, kk), true);
+      }
+      ptx::wgmma_commit();
+
+      // dS^T = P^T * (dP^T - delta), to registers and to this tile's dS^T buffer
+      // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine writes).
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
+      to_fragments<Elem>(dpt, ds_frag);
+      unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
+          const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
+          *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) +
+                                       (lane % 4) * 4) = ds_frag[kk][r];
+        }
+      }
+      ptx::fence_proxy_async();
+
+      // dK += dS^T Q.
+      fence_registers(ds_frag);
+      fence_registers(dk);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockM / 16; ++kk) {
+        ptx::wgmma_rs<Elem, kHeadDim, 1>(dk, ds_frag[kk], q_rows_desc(q_addr, stage, kk), true);
+      }
+      ptx::wgmma_commit();
     }
-    const int dq_key0 = kSplitColumns ? 0 : consumer * 64;
-    const int dq_col0 = kSplitColumns ? consumer * kDqCols : 0;
-    float dq[kDqRegs];
+    if (tile == 0) {  // no dQ yet
+      ptx::wgmma_wait<0>();
+      fence_registers(dk);
+      fence_registers(dv);
+      fence_registers(p_frag);
+      fence_registers(ds_frag);
+      if (has_tile) ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
+      continue;
+    }
+
+    // dQ of the previous tile = dS K over all kBlockN keys, this consumer's
+    // kDqCols columns: A is dS^T read transposed, B is K read N-major (both
+    // from shared memory).
+    const int prev = tile - 1;
+    ptx::named_barrier_sync(ds_written(1 - consumer, prev), kPairThreads);
+    const uint32_t ds_prev = ds_addr + (prev % Cfg::kDsBuffers) * Cfg::kDsBytes;
     fence_registers(dq);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kDqKeys / 16; ++kk) {
-      const int key = dq_key0 + kk * 16;
-      const uint64_t ds_desc = smem_matrix_desc(ptx::smem_addr(ds_tile) + key * kSwizzleRowBytes, Cfg::kDsBytes,
-                                                kSwizzleAtomBytes);
-      const uint64_t k_desc = smem_matrix_desc(
-          k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + key * kSwizzleRowBytes, Cfg::kKVColBlockBytes,
-          kSwizzleAtomBytes);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const int key = kk * 16;
+      const uint64_t ds_desc = smem_matrix_desc(ds_prev + key * kSwizzleRowBytes, Cfg::kDsBytes, kSwizzleAtomBytes);
+      const uint64_t k_desc = smem_matrix_desc(k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes +
+                                                   (dq_col0 % kSwizzleCols) * 2 + key * kSwizzleRowBytes,
+                                               Cfg::kKVColBlockBytes, kSwizzleAtomBytes);
       ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, ds_desc, k_desc, kk > 0);
     }
     ptx::wgmma_commit();
@@ -311,11 +327,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_registers(dq);
     fence_registers(dk);
     fence_registers(dv);
-    ptx::mbarrier_arrive(&bars->q_empty[stage]);
-    ptx::mbarrier_arrive(&bars->dout_empty[stage]);
+    fence_registers(p_frag);
+    fence_registers(ds_frag);
+    // Tile t - 1's dK and dV are done with its Q and dO stage.
+    const int prev_stage = prev % kStages;
+    ptx::mbarrier_arrive(&bars->q_empty[prev_stage]);
+    ptx::mbarrier_arrive(&bars->dout_empty[prev_stage]);
+    if (has_tile) ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
 
     // dq_accum += dQ piece: rows past len_q land in the padding.
-    float* dq_rows = params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim;
+    const int64_t prev_h = h_kv * group + prev / m_count;
+    const int64_t prev_row0 = (m_begin + prev % m_count) * kBlockM;
+    float* dq_rows = params.dq_accum + ((b * p.heads_q + prev_h) * padded_len_q + prev_row0) * kHeadDim;
     const int query = (tid / kWarpSize) * 16 + lane / 4;
 #pragma unroll
     for (int pair = 0; pair < kDqCols / 16; ++pair) {

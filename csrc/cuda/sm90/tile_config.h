@@ -43,18 +43,18 @@ struct FwdTileConfig {
 // producer warpgroup loads K and V once and streams Q and dO tiles of every
 // query head of the group through kStages stages; kConsumers warpgroups of 64
 // keys each keep their dK and dV in registers, and each computes half of the
-// columns of every tile's dQ = dS K from the dS^T of both (two buffers).
+// columns of every tile's dQ = dS K from the dS^T of both, one tile late.
 template <int kHeadDim_>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;  // keys per block
   static constexpr int kBlockM = 64;               // queries per streamed tile (= kDqAccumRowMultiple)
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;     // a tile's stage is freed one tile late, with its dQ
+  static constexpr int kDsBuffers = 3;  // see the kernel's ds_written
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
-  static constexpr int kDqCols = kHeadDim / kConsumers;  // dQ columns per consumer
 
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
@@ -64,9 +64,10 @@ struct BwdTileConfig {
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  // K, V, the stages of Q and dO, two dS^T buffers, the stats, the barriers; slack to align the base.
+  // K, V, the stages of Q and dO, the dS^T buffers, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes =
-      2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes + kStatsBytes + kBarrierBytes + 1024;
+      2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes + kStatsBytes + kBarrierBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
   static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM == kSwizzleCols, "whole 64-column blocks; dS^T rows of 128 bytes");
 };
 
