@@ -185,6 +185,28 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
       : "memory");
 }
 
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: the copy engine
+// adds `bytes` (a multiple of 16) of floats from shared memory to global memory
+// (both 16-byte aligned), element by element; completion is tracked by bulk
+// groups (bulk_commit_group, bulk_wait_group_read, bulk_wait_group).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem_dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
+
+// cp.async.bulk.commit_group: close the group of bulk copies issued so far.
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// cp.async.bulk.wait_group.read 0: wait until every bulk group has finished
+// reading its shared-memory source (which may then be overwritten).
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// cp.async.bulk.wait_group 0: wait until every bulk group has completed.
+__device__ __forceinline__ void bulk_wait_group() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // prefetch.tensormap: fetch a tensor map into the cache before its first use.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");

@@ -1,9 +1,11 @@
-// The Hopper backward kernel (sm_90a), with dQ by float32 atomics: one thread
-// block per (block of 128 keys, key/value head, batch), split by role into
-// warpgroups as in the forward.
-//  - The producer warpgroup's one thread loads K and V once, then streams the
-//    Q and dO tiles (64 queries) of every query head of the group through a
-//    ring of stages (full / empty mbarriers).
+// The Hopper backward kernel (sm_90a), with dQ accumulated in float32: one
+// thread block per (block of 128 keys, key/value head, batch), split by role
+// into warpgroups as in the forward.
+//  - In the producer warpgroup, one warp loads K and V once, then streams the
+//    Q and dO tiles (64 queries) of every query head of the group, with their
+//    lse and delta, through a ring of stages (full / empty mbarriers); another
+//    warp (the dQ writer) has the copy engine add each tile's dQ to dq_accum
+//    (a bulk reduce from shared memory).
 //  - Two consumer warpgroups own 64 keys each and keep their dK and dV in
 //    registers. Per tile, with wgmma:
 //      S^T = K Q^T and dP^T = V dO^T            (both operands in shared memory)
@@ -11,11 +13,12 @@
 //      dV += P^T dO                              (P^T from registers)
 //      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
 //      dK += dS^T Q                              (dS^T from registers)
-//      dQ piece = dS K, added to dq_accum        (both from shared memory)
+//      dQ piece = dS K, to shared memory         (both operands in shared memory)
 //    Each consumer computes half of the dQ columns over all 128 keys: the two
 //    dS^T halves meet in shared memory, and dQ runs one tile late so that
-//    neither consumer waits for the other's current tile. A last kernel scales and rounds dq_accum
-//    into dq (convert_dq_accum); delta = rowsum(dO * O) comes first (compute_delta).
+//    neither consumer waits for the other's current tile.
+// A last kernel scales and rounds dq_accum into dq (convert_dq_accum); delta =
+// rowsum(dO * O) comes first (compute_delta).
 #include <cmath>
 
 #include "cuda/flash_common.cuh"
@@ -84,7 +87,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
   // Per stage: lse (in log2 units) and delta of the tile's queries.
-  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
+  // Tiles' dQ in dq_accum's layout (kBlockM rows), for the copy engine to add.
+  float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_dq + Cfg::kDqBuffers * kBlockM * kHeadDim);
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
@@ -98,6 +103,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockM;
   const int m_count = static_cast<int>(m_blocks - m_begin);
   const int tiles = static_cast<int>(group) * m_count;  // (query head of the group, query block) pairs
+
+  // Named barriers (0 is __syncthreads): ds_written below takes 1 to 4. The
+  // consumers hand dQ buffer i to the dQ writer warp at dq_full(i), and get it
+  // back empty at dq_empty(i).
+  auto dq_full = [](int buffer) { return 5 + buffer; };
+  auto dq_empty = [](int buffer) { return 5 + Cfg::kDqBuffers + buffer; };
+  constexpr int kDqHandoffThreads = Cfg::kConsumers * kWarpgroupThreads + kWarpSize;
+  const int64_t padded_len_q = m_blocks * kBlockM;
+  // dq_accum's rows of tile t: query head h_kv * group + t / m_count, queries from
+  // (m_begin + t % m_count) * kBlockM (a whole tile: dq_accum's rows are padded).
+  auto dq_accum_tile = [&](int t) {
+    const int64_t h = h_kv * group + t / m_count, row0 = (m_begin + t % m_count) * kBlockM;
+    return params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim;
+  };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
@@ -117,8 +136,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // stages lse and delta of the queries (plain loads: their rows are not
     // 16-byte aligned for the copy engine).
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x >= kWarpSize || tiles == 0) return;
-    const int lane = threadIdx.x;
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    if (warp > 1 || tiles == 0) return;
+    if (warp == 1) {
+      // The dQ writer: the copy engine adds each tile's dQ from s_dq to dq_accum,
+      // so the consumers' atomics leave the critical path.
+      for (int buffer = 0; buffer < Cfg::kDqBuffers && buffer < tiles; ++buffer) {
+        ptx::named_barrier_arrive(dq_empty(buffer), kDqHandoffThreads);
+      }
+      for (int tile = 0; tile < tiles; ++tile) {
+        const int buffer = tile % Cfg::kDqBuffers;
+        ptx::named_barrier_sync(dq_full(buffer), kDqHandoffThreads);
+        if (lane == 0) {
+          ptx::bulk_reduce_add_f32(dq_accum_tile(tile), s_dq + buffer * kBlockM * kHeadDim,
+                                   kBlockM * kHeadDim * sizeof(float));
+          ptx::bulk_commit_group();
+          ptx::bulk_wait_group_read();
+        }
+        __syncwarp();
+        if (tile + Cfg::kDqBuffers < tiles) ptx::named_barrier_arrive(dq_empty(buffer), kDqHandoffThreads);
+      }
+      if (lane == 0) ptx::bulk_wait_group();
+      return;
+    }
     const int batch = static_cast<int>(b), kv_head = static_cast<int>(h_kv), key_row = static_cast<int>(col0);
     if (lane == 0) {
       ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
@@ -192,7 +232,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
 
   if (tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
-  const int64_t padded_len_q = m_blocks * kBlockM;
   const int dq_col0 = consumer * kDqCols;
   // dQ of a tile = dS K needs both consumers' dS^T, so it runs one tile late:
   // consumer c announces "my dS^T of tile t is in buffer t % kDsBuffers, and my
@@ -295,13 +334,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       ptx::wgmma_commit();
     }
+    // Tile t's dK and dV are done with its Q and dO stage once waited for.
+    auto release_stage = [&] {
+      ptx::mbarrier_arrive(&bars->q_empty[stage]);
+      ptx::mbarrier_arrive(&bars->dout_empty[stage]);
+    };
     if (tile == 0) {  // no dQ yet
       ptx::wgmma_wait<0>();
       fence_registers(dk);
       fence_registers(dv);
       fence_registers(p_frag);
       fence_registers(ds_frag);
-      if (has_tile) ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
+      if (has_tile) {
+        release_stage();
+        ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
+      }
       continue;
     }
 
@@ -329,26 +376,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_registers(dv);
     fence_registers(p_frag);
     fence_registers(ds_frag);
-    // Tile t - 1's dK and dV are done with its Q and dO stage.
-    const int prev_stage = prev % kStages;
-    ptx::mbarrier_arrive(&bars->q_empty[prev_stage]);
-    ptx::mbarrier_arrive(&bars->dout_empty[prev_stage]);
-    if (has_tile) ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
+    if (has_tile) {
+      release_stage();
+      ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
+    }
 
-    // dq_accum += dQ piece: rows past len_q land in the padding.
-    const int64_t prev_h = h_kv * group + prev / m_count;
-    const int64_t prev_row0 = (m_begin + prev % m_count) * kBlockM;
-    float* dq_rows = params.dq_accum + ((b * p.heads_q + prev_h) * padded_len_q + prev_row0) * kHeadDim;
+    // dQ piece to s_dq (rows past len_q land in dq_accum's padding), once the
+    // writer has taken the previous one; then handed to the writer.
+    const int dq_buffer = prev % Cfg::kDqBuffers;
+    float* dq_tile = s_dq + dq_buffer * kBlockM * kHeadDim;
+    ptx::named_barrier_sync(dq_empty(dq_buffer), kDqHandoffThreads);
     const int query = (tid / kWarpSize) * 16 + lane / 4;
 #pragma unroll
     for (int pair = 0; pair < kDqCols / 16; ++pair) {
       const int col = dq_accum_column(dq_col0 + pair * 16 + (lane % 4) * 2);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        ptx::red_add_v4_f32(dq_rows + (query + half * 8) * kHeadDim + col, dq[8 * pair + 2 * half],
-                            dq[8 * pair + 2 * half + 1], dq[8 * pair + 4 + 2 * half], dq[8 * pair + 5 + 2 * half]);
+        *reinterpret_cast<float4*>(dq_tile + (query + half * 8) * kHeadDim + col) =
+            make_float4(dq[8 * pair + 2 * half], dq[8 * pair + 2 * half + 1], dq[8 * pair + 4 + 2 * half],
+                        dq[8 * pair + 5 + 2 * half]);
       }
     }
+    ptx::fence_proxy_async();
+    ptx::named_barrier_arrive(dq_full(dq_buffer), kDqHandoffThreads);
   }
 
   // dK (times the scale) and dV of this consumer's keys.

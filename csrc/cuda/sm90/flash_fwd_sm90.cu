@@ -8,7 +8,8 @@
 //    wgmma: S = Q K^T with both operands in shared memory, the online softmax
 //    in registers, O += P V with P from registers. Each overlaps its own work:
 //    the QK^T of tile j and the P V of tile j - 1 are in flight together while
-//    the softmax of tile j waits only for the first.
+//    the softmax of tile j waits only for the first; and the two take turns to
+//    issue them (ping-pong), so that one's softmax hides under the other's GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
 // masked; those tiles come last in the loop. Out and the log-sum-exp are
 // written from registers.
@@ -152,19 +153,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                             kSwizzleAtomBytes);
   };
 
-  // S = Q K^T for one tile, issued (not waited for).
+  auto wait_k = [&](int n_block) { ptx::mbarrier_wait(&bars->k_full[n_block % kStages], (n_block / kStages) & 1); };
+  auto wait_v = [&](int n_block) { ptx::mbarrier_wait(&bars->v_full[n_block % kStages], (n_block / kStages) & 1); };
+  // S = Q K^T for one tile (its K loaded), issued (not waited for).
   auto issue_scores = [&](float (&s)[kKeyRegs], int n_block) {
     const int stage = n_block % kStages;
-    ptx::mbarrier_wait(&bars->k_full[stage], (n_block / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) ptx::wgmma_ss<Elem, kBlockN>(s, q_desc(kk), k_desc(stage, kk), kk > 0);
     ptx::wgmma_commit();
   };
-  // O += P V for one tile, issued (not waited for).
+  // O += P V for one tile (its V loaded), issued (not waited for).
   auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int n_block) {
     const int stage = n_block % kStages;
-    ptx::mbarrier_wait(&bars->v_full[stage], (n_block / kStages) & 1);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], v_desc(stage, kk), true);
@@ -237,11 +238,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 #pragma unroll
   for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
 
+  // Ping-pong: the consumers take turns to issue a tile's two GEMMs (named
+  // barrier 1 + c is consumer c's turn; the other consumer grants it), so one's
+  // softmax runs while the tensor cores work for the other. Consumer 0 starts,
+  // and the last turn grants nothing, so every arrival is waited for.
+  const int other = 1 - consumer;
+  auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, 2 * kWarpgroupThreads); };
+  auto grant_turn = [&] { ptx::named_barrier_arrive(1 + other, 2 * kWarpgroupThreads); };
+  static_assert(Cfg::kConsumers == 2, "the ping-pong pairs two consumers");
+
   if (n_blocks > 0) {
     ptx::mbarrier_wait(&bars->q_full, 0);
+    if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, 2 * kWarpgroupThreads);
     uint32_t pa[kBlockN / 16][4];
     {
       float s[kKeyRegs];
+      wait_k(0);
       issue_scores(s, 0);
       ptx::wgmma_wait<0>();
       fence_registers(s);
@@ -255,8 +267,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       // The scores of this tile and the P V of the previous one run together;
       // the softmax needs only the scores (the first group of two).
       float s[kKeyRegs];
+      wait_k(n_block);
+      wait_v(n_block - 1);
+      wait_turn();
       issue_scores(s, n_block);
       issue_pv(o, pa, n_block - 1);
+      if (consumer == 0 || n_block + 1 < n_blocks) grant_turn();
       ptx::wgmma_wait<1>();
       fence_registers(s);
       ptx::mbarrier_arrive(&bars->k_empty[n_block % kStages]);
@@ -269,6 +285,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       scale_rows(o, rescale);
       to_fragments(s, pa);
     }
+    wait_v(n_blocks - 1);
     issue_pv(o, pa, n_blocks - 1);
     ptx::wgmma_wait<0>();
     fence_registers(o);

@@ -50,8 +50,11 @@ struct BwdTileConfig {
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;  // keys per block
   static constexpr int kBlockM = 64;               // queries per streamed tile (= kDqAccumRowMultiple)
-  static constexpr int kStages = 3;     // a tile's stage is freed one tile late, with its dQ
+  static constexpr int kStages = 2;
   static constexpr int kDsBuffers = 3;  // see the kernel's ds_written
+  // dQ buffers for the bulk reduce: two where shared memory allows, so that the
+  // consumers need not wait for the copy engine to read the last one.
+  static constexpr int kDqBuffers = kHeadDim <= 64 ? 2 : 1;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -62,11 +65,12 @@ struct BwdTileConfig {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer: kBlockN rows of 64 queries
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
+  static constexpr int kDqBytes = kBlockM * kHeadDim * 4;  // one tile's dQ in float, for the bulk reduce
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  // K, V, the stages of Q and dO, the dS^T buffers, the stats, the barriers; slack to align the base.
-  static constexpr int kSmemBytes =
-      2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes + kStatsBytes + kBarrierBytes + 1024;
+  // K, V, the stages of Q and dO, the dS^T buffers, dQ, the stats, the barriers; slack to align the base.
+  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
+                                    kDqBuffers * kDqBytes + kStatsBytes + kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
   static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM == kSwizzleCols, "whole 64-column blocks; dS^T rows of 128 bytes");
 };
