@@ -2,7 +2,9 @@
 shape, for Nsight Compute to profile (not a benchmark: nothing is timed here).
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:sm90 python3 benchmarks/ncu_workload.py
+    python3 benchmarks/ncu_workload.py --dims 128 --causal off      # one cell
 """
+import argparse
 import sys
 
 import torch
@@ -12,9 +14,13 @@ import flashattn_ext
 BATCH, HEADS, SEQLEN = 4, 16, 4096
 
 
-def main() -> int:
-    for head_dim in (64, 128):
-        for causal in (False, True):
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dims", nargs="+", type=int, default=[64, 128])
+    parser.add_argument("--causal", nargs="+", choices=["off", "on"], default=["off", "on"])
+    args = parser.parse_args(argv)
+    for head_dim in args.dims:
+        for causal in (c == "on" for c in args.causal):
             q, k, v = (
                 torch.randn(BATCH, HEADS, SEQLEN, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                 for _ in range(3)

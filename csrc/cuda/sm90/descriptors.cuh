@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/tile_config.h"
 
 namespace flashattn_ext::cuda::sm90 {
@@ -26,6 +27,15 @@ __device__ __forceinline__ uint64_t smem_matrix_desc(uint32_t smem_addr, uint32_
                                                      uint32_t stride_bytes) {
   return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
+}
+
+// The dynamic shared memory rounded up to the swizzle pattern's period (the
+// pattern is applied to absolute addresses, so tiles start 1024-byte aligned).
+// Pointer arithmetic on the __shared__ array, not a round trip through an
+// integer: the compiler then still knows the result is shared memory and
+// emits LDS / STS rather than generic loads and stores.
+__device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_raw) {
+  return smem_raw + (kSwizzleAtomBytes - ptx::smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
 }
 
 // A 4-d view (col, row, head, batch) of a 16-bit tensor, for tensor maps.

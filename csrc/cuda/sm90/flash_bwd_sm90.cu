@@ -79,8 +79,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const AttentionProblem& p = params.problem;
 
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes);
+  unsigned char* smem = swizzle_aligned(smem_raw);
   unsigned char* s_k = smem;
   unsigned char* s_v = s_k + Cfg::kKVBytes;
   unsigned char* s_q = s_v + Cfg::kKVBytes;

@@ -62,10 +62,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   const AttentionProblem& p = params.problem;
 
   extern __shared__ unsigned char smem_raw[];
-  // The swizzle pattern repeats every 1024 bytes and is applied to absolute
-  // addresses: tiles start 1024-byte aligned.
-  unsigned char* smem = reinterpret_cast<unsigned char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + kSwizzleAtomBytes - 1) / kSwizzleAtomBytes * kSwizzleAtomBytes);
+  unsigned char* smem = swizzle_aligned(smem_raw);
   unsigned char* s_q = smem;
   unsigned char* s_k = s_q + Cfg::kQBytes;
   unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
