@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
-#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [bench] [bench-hopper] [ncu] [bench-full]
-# (hopper: the Hopper kernels' own tests; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
-#  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels)
+#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model]
+# (hopper: the Hopper kernels' own tests; sass: counts of the Hopper instructions in the built library;
+#  bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes; ncu: Nsight Compute's speed-of-light
+#  and warp stall sections for the sm90 kernels; model: the model-level training-step benchmark)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
@@ -39,11 +40,21 @@ for stage in $stages; do
       python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 30 ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in memcheck racecheck synccheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tests/sanitizer_workload.py \
           >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
         tail -n 3 "$OUT/sanitizer_$tool.log"
       done ;;
+    sass)
+      # HGMMA: wgmma; UTMALDG: TMA tensor loads; UBLKRED: bulk reduce-add; HMMA: mma.sync (sm80 kernels).
+      lib=$(python3 -c 'import flashattn_ext._C as c; print(c.__file__)')
+      cuobjdump -sass "$lib" >"$OUT/sass.txt" 2>&1 || status=1
+      for op in HGMMA UTMALDG UBLKRED SYNCS HMMA; do
+        echo "$op $(grep -cE "[[:space:]]$op" "$OUT/sass.txt")"
+      done | tee "$OUT/sass_counts.txt" ;;
+    model)
+      python3 benchmarks/bench_model.py --out "$OUT" 2>&1 | tee "$OUT/model.log" | tail -n 30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     ncu)
       ncu --kernel-name-base mangled --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
         -k regex:sm90 python3 benchmarks/ncu_workload.py >"$OUT/ncu.log" 2>&1 || status=1
