@@ -1,15 +1,16 @@
-// The Hopper forward kernel (sm_90a): one thread block per (block of 128 query
+// The Hopper forward kernel (sm_90a): one thread block per (block of query
 // rows, head, batch), split by role into warpgroups.
 //  - The producer warpgroup gives most of its registers away (setmaxnreg), and
 //    one of its threads drives the copy engine: Q once, then K and V tiles into
 //    a ring of shared-memory stages, each completed on an mbarrier ("full") and
 //    handed back by the consumers on another ("empty").
-//  - Two consumer warpgroups of 64 query rows each run the algorithm with
-//    wgmma: S = Q K^T with both operands in shared memory, the online softmax
-//    in registers, O += P V with P from registers. Each overlaps its own work:
-//    the QK^T of tile j and the P V of tile j - 1 are in flight together while
-//    the softmax of tile j waits only for the first; and the two take turns to
-//    issue them (ping-pong), so that one's softmax hides under the other's GEMMs.
+//  - Consumer warpgroups of 64 query rows each (two, three at head dim 64) run
+//    the algorithm with wgmma: S = Q K^T with both operands in shared memory,
+//    the online softmax in registers, O += P V with P from registers. Each
+//    overlaps its own work: the QK^T of tile j and the P V of tile j - 1 are in
+//    flight together while the softmax of tile j waits only for the first; and
+//    the consumers take turns to issue them (ping-pong), so that one's softmax
+//    hides under the others' GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
 // masked; those tiles come last in the loop. Out and the log-sum-exp are
 // written from registers.
@@ -235,18 +236,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 #pragma unroll
   for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
 
-  // Ping-pong: the consumers take turns to issue a tile's two GEMMs (named
-  // barrier 1 + c is consumer c's turn; the other consumer grants it), so one's
-  // softmax runs while the tensor cores work for the other. Consumer 0 starts,
-  // and the last turn grants nothing, so every arrival is waited for.
-  const int other = 1 - consumer;
-  auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, 2 * kWarpgroupThreads); };
-  auto grant_turn = [&] { ptx::named_barrier_arrive(1 + other, 2 * kWarpgroupThreads); };
-  static_assert(Cfg::kConsumers == 2, "the ping-pong pairs two consumers");
+  // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
+  // (named barrier 1 + c is consumer c's turn; the one before grants it), so
+  // that one's softmax runs while the tensor cores work for the others.
+  // Consumer 0 starts, and the last consumer's last turn grants nothing, so
+  // every arrival is waited for.
+  constexpr int kTurnThreads = 2 * kWarpgroupThreads;  // the waiting consumer and the granting one
+  auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, kTurnThreads); };
+  auto grant_turn = [&] { ptx::named_barrier_arrive(1 + (consumer + 1) % Cfg::kConsumers, kTurnThreads); };
 
   if (n_blocks > 0) {
     ptx::mbarrier_wait(&bars->q_full, 0);
-    if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, 2 * kWarpgroupThreads);
+    if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, kTurnThreads);
     uint32_t pa[kBlockN / 16][4];
     {
       float s[kKeyRegs];
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       wait_turn();
       issue_scores(s, n_block);
       issue_pv(o, pa, n_block - 1);
-      if (consumer == 0 || n_block + 1 < n_blocks) grant_turn();
+      if (consumer + 1 < Cfg::kConsumers || n_block + 1 < n_blocks) grant_turn();
       ptx::wgmma_wait<1>();
       fence_registers(s);
       ptx::mbarrier_arrive(&bars->k_empty[n_block % kStages]);

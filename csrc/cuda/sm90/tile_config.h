@@ -18,14 +18,17 @@ constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle 
 template <int kHeadDim_>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128; smaller head dims read as zero-padded
-  static constexpr int kConsumers = 2;
+  // Three consumers at head dim 64, where the softmax's exp2 costs as much as
+  // the two GEMMs: with three taking turns, two hide the third's softmax.
+  static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
   static constexpr int kBlockN = 128;              // keys per streamed tile
   static constexpr int kStages = 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
-  // setmaxnreg: the producer gives its registers to the consumers (24 * 128 + 240 * 256 <= 64K).
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg: the producer gives its registers to the consumers
+  // (24 * 128 + 240 * 256 and 32 * 128 + 160 * 384 are both <= 64K).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
