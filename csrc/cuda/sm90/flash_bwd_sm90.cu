@@ -85,9 +85,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_q = s_v + Cfg::kKVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
-  // Per stage: lse (in log2 units) and delta of the tile's queries.
   // Tiles' dQ in dq_accum's layout (kBlockM rows), for the copy engine to add.
   float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
+  // Per stage: lse (in log2 units) and delta of the tile's queries.
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_dq + Cfg::kDqBuffers * kBlockM * kHeadDim);
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
@@ -131,15 +131,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   __syncthreads();
 
   if (warpgroup == 0) {
-    // Producer: one warp; its first lane drives the copy engine, and every lane
-    // stages lse and delta of the queries (plain loads: their rows are not
-    // 16-byte aligned for the copy engine).
+    // Producer: two warps. The loader's first lane drives the copy engine, and
+    // every lane stages lse and delta of the queries (plain loads: their rows
+    // are not 16-byte aligned for the copy engine); the dQ writer adds dQ.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     if (warp > 1 || tiles == 0) return;
     if (warp == 1) {
       // The dQ writer: the copy engine adds each tile's dQ from s_dq to dq_accum,
-      // so the consumers' atomics leave the critical path.
+      // so the consumers only store it to shared memory.
       for (int buffer = 0; buffer < Cfg::kDqBuffers && buffer < tiles; ++buffer) {
         ptx::named_barrier_arrive(dq_empty(buffer), kDqHandoffThreads);
       }
