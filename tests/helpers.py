@@ -66,6 +66,26 @@ def relative_error(actual, expected, zero_scale=None):
     return error / max(scale, 1e-30)
 
 
+# The CUDA caching allocator serves requests up to 1 MiB from a pool of 2 MiB segments of its own.
+SMALL_POOL_REQUEST = 1 << 20
+
+
+def poison_cuda_allocator(nbytes, device="cuda"):
+    """Fills about nbytes of the CUDA caching allocator's free memory with NaN.
+
+    Outputs and workspaces are carved from that free memory, so an element that a kernel forgets
+    to write reads as NaN instead of a stale value that may happen to look right. Cached blocks
+    are released first so that the poisoned ones are what the next allocations reuse; the two
+    1 MiB blocks fill one segment of the pool that serves small requests such as lse."""
+    torch.cuda.empty_cache()
+    blocks = [
+        torch.empty(size // 4, dtype=torch.float32, device=device)
+        for size in (nbytes, SMALL_POOL_REQUEST, SMALL_POOL_REQUEST)
+    ]
+    for block in blocks:
+        block.fill_(math.nan)
+
+
 def random_qkv(shape_q, shape_k, shape_v, dtype, device, seed=0):
     """Random inputs (never zeros) on the device, created in float64 and rounded to dtype."""
     gen = torch.Generator().manual_seed(seed)

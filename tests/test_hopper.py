@@ -5,7 +5,6 @@ through them too. These tests check what is particular to them: that they run at
 name in the profiler), every covered shape (ragged lengths against the 128-row tiles, Nq != Nk, both
 causal alignments, GQA, padded head dims, sequence-major strides), every output element written
 (outputs land on memory poisoned with NaN), and the calls they leave to the mma.sync kernels."""
-import math
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from torch.nn.attention.bias import causal_lower_right
 from torch.profiler import ProfilerActivity, profile
 
 import flashattn_ext
-from helpers import CUDA_REASON, ERROR_FLOOR, naive_attention, relative_error
+from helpers import CUDA_REASON, ERROR_FLOOR, naive_attention, poison_cuda_allocator, relative_error
 
 pytestmark = [
     pytest.mark.cuda,
@@ -41,15 +40,13 @@ SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 MODES = ["full", "causal", "causal_lower_right"]
 
 
-def poison_cache(device="cuda", mib=512):
-    """Fills free blocks of torch's caching allocator with NaN, so that an output the kernel
-    fails to write shows up as NaN instead of stale but plausible numbers."""
-    torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).fill_(math.nan)
+# NaN poison laid into the CUDA allocator's free memory before each call under test.
+POISON_BYTES = 512 * 2**20
 
 
 def forward(q, k, v, mode, scale=None):
     """flashattn_ext's (out, lse), its outputs allocated on poisoned memory."""
-    poison_cache()
+    poison_cuda_allocator(POISON_BYTES)
     return flashattn_ext.attention_with_lse(
         q, k, v, is_causal=mode != "full", causal_lower_right=mode == "causal_lower_right", scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
@@ -132,7 +129,7 @@ def test_backward_matches_float64(shape, mode, dtype):
     q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 1)
     gen = torch.Generator().manual_seed(7)
     grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda")
-    poison_cache()
+    poison_cuda_allocator(POISON_BYTES)
     ours = lambda *args, **kwargs: flashattn_ext.scaled_dot_product_attention(*args, enable_gqa=True, **kwargs)  # noqa: E731
     got = gradients(ours, q, k, v, mode, grad_out)
     want = gradients(expanded(F.scaled_dot_product_attention), q.double(), k.double(), v.double(), mode, grad_out)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, cuda_test, naive_attention, relative_error
+from helpers import DEVICES, ERROR_FLOOR, cuda_test, naive_attention, poison_cuda_allocator, relative_error
 
 LENGTHS = (1, 7, 63, 64, 65, 127, 128, 129, 255, 257, 1000)
 CUDA_ONLY_LENGTHS = (2048, 2049)
@@ -30,8 +30,6 @@ CPU_MAX_LENGTH, CPU_MAX_HEAD_DIM = 300, 128
 NAMES = ("out", "dq", "dk", "dv")
 # Poison of this many float32 per input element: several times out, the gradients and any workspace.
 POISON_FACTOR = 4
-# The CUDA caching allocator serves requests up to 1 MiB from a pool of 2 MiB segments of its own.
-SMALL_POOL_REQUEST = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -125,22 +123,6 @@ def random_on_cuda(shapes, dtype, seed):
 def leaves(*tensors):
     """Fresh autograd leaves on the same memory (views keep their strides)."""
     return [t.detach().requires_grad_() for t in tensors]
-
-
-def poison_cuda_allocator(nbytes, device="cuda"):
-    """Fills about nbytes of the CUDA caching allocator's free memory with NaN.
-
-    Outputs and workspaces are carved from that free memory, so an element that a kernel forgets
-    to write reads as NaN instead of a stale value that may happen to look right. Cached blocks
-    are released first so that the poisoned ones are what the next allocations reuse; the two
-    1 MiB blocks fill one segment of the pool that serves small requests such as lse."""
-    torch.cuda.empty_cache()
-    blocks = [
-        torch.empty(size // 4, dtype=torch.float32, device=device)
-        for size in (nbytes, SMALL_POOL_REQUEST, SMALL_POOL_REQUEST)
-    ]
-    for block in blocks:
-        block.fill_(math.nan)
 
 
 def ours(case, q, k, v, grad_out, poison=False):
