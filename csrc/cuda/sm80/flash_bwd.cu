@@ -362,17 +362,16 @@ void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
 }  // namespace
 
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
-  const AttentionProblem& p = params.problem;
+  compute_delta(params, type, stream);
+  if (params.dq_accum != nullptr) {
+    attention_backward_atomic_dq(params, type, stream);
+    convert_dq_accum(params, type, stream);
+    return;
+  }
   dispatch_element_type(type, [&](auto elem) {
-    using Elem = decltype(elem);
-    compute_delta(params, type, stream);
-    if (params.dq_accum != nullptr) {
-      attention_backward_atomic_dq(params, type, stream);
-      convert_dq_accum(params, type, stream);
-      return;
-    }
-    dispatch_head_dim(p.head_dim,
-                      [&](auto head_dim) { two_pass_backward<Elem, decltype(head_dim)::value>(params, stream); });
+    dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
+      two_pass_backward<decltype(elem), decltype(head_dim)::value>(params, stream);
+    });
   });
 }
 
