@@ -24,12 +24,14 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 }  // namespace
 
-bool encode_tensor_map(CUtensorMap* map, const TensorMapShape& shape, bool bfloat16, int box_rows) {
+bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
+                       int64_t heads, bool bfloat16, int box_rows) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   constexpr int64_t kElemBytes = 2;
-  const int64_t strides[3] = {shape.stride_row, shape.stride_head, shape.stride_batch};
-  cuuint64_t dims[4] = {shape.cols, shape.rows, shape.heads, shape.batch};
+  const int64_t strides[3] = {t.stride_row, t.stride_head, t.stride_batch};
+  cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(rows),
+                        static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(p.batch)};
   cuuint64_t stride_bytes[3];
   for (int i = 0; i < 3; ++i) {
     // The copy engine takes strides that are positive multiples of 16 bytes below 2^40.
@@ -45,7 +47,7 @@ bool encode_tensor_map(CUtensorMap* map, const TensorMapShape& shape, bool bfloa
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult result =
       encode(map, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-             const_cast<void*>(shape.data), dims, stride_bytes, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             t.data, dims, stride_bytes, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }

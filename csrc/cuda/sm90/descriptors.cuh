@@ -10,6 +10,7 @@
 
 #include "cuda/ptx.cuh"
 #include "cuda/sm90/tile_config.h"
+#include "flash_params.h"
 
 namespace flashattn_ext::cuda::sm90 {
 
@@ -29,6 +30,20 @@ __device__ __forceinline__ uint64_t smem_matrix_desc(uint32_t smem_addr, uint32_
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
 }
 
+// The descriptor of k16 step kk of a K-major operand whose tile starts at
+// tile_addr, stored as 64-column blocks col_block_bytes apart.
+__device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr, uint32_t col_block_bytes, int kk) {
+  constexpr int kStepsPerBlock = kSwizzleCols / 16, kStepBytes = 16 * 2;
+  return smem_matrix_desc(tile_addr + (kk / kStepsPerBlock) * col_block_bytes + (kk % kStepsPerBlock) * kStepBytes,
+                          16, kSwizzleAtomBytes);
+}
+
+// The descriptor of k16 step kk (16 rows) of an N-major operand whose tile
+// starts at tile_addr, stored as 64-column blocks col_block_bytes apart.
+__device__ __forceinline__ uint64_t n_major_desc(uint32_t tile_addr, uint32_t col_block_bytes, int kk) {
+  return smem_matrix_desc(tile_addr + kk * 16 * kSwizzleRowBytes, col_block_bytes, kSwizzleAtomBytes);
+}
+
 // The dynamic shared memory rounded up to the swizzle pattern's period (the
 // pattern is applied to absolute addresses, so tiles start 1024-byte aligned).
 // Pointer arithmetic on the __shared__ array, not a round trip through an
@@ -38,18 +53,14 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
   return smem_raw + (kSwizzleAtomBytes - ptx::smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
 }
 
-// A 4-d view (col, row, head, batch) of a 16-bit tensor, for tensor maps.
-struct TensorMapShape {
-  const void* data;
-  uint64_t cols, rows, heads, batch;
-  int64_t stride_row, stride_head, stride_batch;  // elements
-};
-
-// Encodes a tensor map whose boxes are 64 columns x box_rows rows of one
-// (head, batch), 128-byte swizzled, out-of-range elements read as zero.
-// Returns false where the copy engine cannot take the tensor (a stride not a
-// multiple of 16 bytes or zero, a misaligned base, sizes past its limits, or
-// no driver entry point); the caller then runs another kernel.
-bool encode_tensor_map(CUtensorMap* map, const TensorMapShape& shape, bool bfloat16, int box_rows);
+// Encodes a tensor map of one of the call's 16-bit tensors (q, k, v or dout)
+// seen as 4-d (col, row, head, batch): p.head_dim columns, `rows` rows,
+// `heads` heads, p.batch batches, t's strides. Its boxes are 64 columns x
+// box_rows rows of one (head, batch), 128-byte swizzled, out-of-range elements
+// read as zero. Returns false where the copy engine cannot take the tensor (a
+// stride not a multiple of 16 bytes or zero, a misaligned base, sizes past its
+// limits, or no driver entry point); the caller then runs another kernel.
+bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
+                       int64_t heads, bool bfloat16, int box_rows);
 
 }  // namespace flashattn_ext::cuda::sm90

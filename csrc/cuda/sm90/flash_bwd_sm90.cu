@@ -23,6 +23,7 @@
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
 
@@ -40,31 +41,6 @@ struct BwdBarriers {
   uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
   uint64_t q_empty[kStages], dout_empty[kStages];
 };
-
-template <int kRegs>
-__device__ __forceinline__ void fence_registers(float (&regs)[kRegs]) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) ptx::fence_register(regs[i]);
-}
-template <int kSteps>
-__device__ __forceinline__ void fence_registers(uint32_t (&frags)[kSteps][4]) {
-#pragma unroll
-  for (int i = 0; i < kSteps; ++i) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) ptx::fence_register(frags[i][r]);
-  }
-}
-
-// Accumulator tiles (kRegs floats) rounded to Elem as wgmma A fragments: two
-// adjacent 8-column tiles are one k16 step.
-template <typename Elem, int kRegs>
-__device__ __forceinline__ void to_fragments(const float (&x)[kRegs], uint32_t (&frag)[kRegs / 8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kRegs / 8; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) frag[kk][r] = ptx::pack2<Elem>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
-  }
-}
 
 template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -92,9 +68,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
-  const int64_t n_block = blockIdx.x % n_blocks;  // causal: the first key blocks have the most queries
-  const int64_t h_kv = (blockIdx.x / n_blocks) % p.heads_kv;
-  const int64_t b = blockIdx.x / (n_blocks * p.heads_kv);
+  const GridPosition position = grid_position(n_blocks, p.heads_kv);
+  const int64_t n_block = position.block;  // causal: the first key blocks have the most queries
+  const int64_t h_kv = position.head, b = position.batch;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t col0 = n_block * kBlockN;
   const int64_t offset = causal_offset(p);
@@ -212,17 +188,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                  dout_addr = ptx::smem_addr(s_dout), ds_addr = ptx::smem_addr(s_ds);
   // K-major descriptors: this consumer's 64 rows of K or V, a stage's Q or dO.
   auto kv_desc = [&](uint32_t base, int kk) {
-    return smem_matrix_desc(base + (kk / 4) * Cfg::kKVColBlockBytes + consumer * 64 * kSwizzleRowBytes + (kk % 4) * 32,
-                            16, kSwizzleAtomBytes);
+    return k_major_desc(base + consumer * 64 * kSwizzleRowBytes, Cfg::kKVColBlockBytes, kk);
   };
   auto q_desc = [&](uint32_t base, int stage, int kk) {
-    return smem_matrix_desc(base + stage * Cfg::kQBytes + (kk / 4) * Cfg::kQColBlockBytes + (kk % 4) * 32, 16,
-                            kSwizzleAtomBytes);
+    return k_major_desc(base + stage * Cfg::kQBytes, Cfg::kQColBlockBytes, kk);
   };
   // N-major: 16 rows (queries) of a stage's Q or dO as the B of dK += dS^T Q, dV += P^T dO.
   auto q_rows_desc = [&](uint32_t base, int stage, int kk) {
-    return smem_matrix_desc(base + stage * Cfg::kQBytes + kk * 16 * kSwizzleRowBytes, Cfg::kQColBlockBytes,
-                            kSwizzleAtomBytes);
+    return n_major_desc(base + stage * Cfg::kQBytes, Cfg::kQColBlockBytes, kk);
   };
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
@@ -257,7 +230,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
       const float(&lse_q)[kBlockM] = s_stats[stage][0];
       const float(&delta_q)[kBlockM] = s_stats[stage][1];
-      auto query_of = [&](int i) { return (i / 4) * 8 + 2 * (lane % 4) + i % 2; };
+      auto query_of = [&](int i) { return accumulator_column(i, lane); };
 
       // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
       float st[kScoreRegs], dpt[kScoreRegs];
@@ -286,24 +259,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const bool crosses_end = col0 + kBlockN > p.len_k;
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
-        const int64_t key = col0 + key_row + ((i / 2) % 2) * 8;
+        const int64_t key = col0 + key_row + accumulator_row_offset(i);
         const int64_t query = row0 + query_of(i);
         const bool hidden = (crosses_end && key >= p.len_k) || (crosses_diagonal && key > query + offset);
         st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
       }
       to_fragments<Elem>(st, p_frag);
 
+      // grad += A (a 64 x kBlockM fragment) times a stage's Q or dO, issued.
+      auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint32_t rows_base) {
+        fence_registers(a);
+        fence_registers(grad);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
+          ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], q_rows_desc(rows_base, stage, kk), true);
+        }
+        ptx::wgmma_commit();
+      };
+
       // dV += P^T dO.
       ptx::wgmma_wait<0>();
       fence_registers(dpt);
-      fence_registers(p_frag);
-      fence_registers(dv);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        ptx::wgmma_rs<Elem, kHeadDim, 1>(dv, p_frag[kk], q_rows_desc(dout_addr, stage, kk), true);
-      }
-      ptx::wgmma_commit();
+      accumulate_gradient(dv, p_frag, dout_addr);
 
       // dS^T = P^T * (dP^T - delta), to registers and to this tile's dS^T buffer
       // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine writes).
@@ -324,14 +302,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_proxy_async();
 
       // dK += dS^T Q.
-      fence_registers(ds_frag);
-      fence_registers(dk);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        ptx::wgmma_rs<Elem, kHeadDim, 1>(dk, ds_frag[kk], q_rows_desc(q_addr, stage, kk), true);
-      }
-      ptx::wgmma_commit();
+      accumulate_gradient(dk, ds_frag, q_addr);
     }
     // Tile t's dK and dV are done with its Q and dO stage once waited for.
     auto release_stage = [&] {
@@ -357,16 +328,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int prev = tile - 1;
     ptx::named_barrier_sync(ds_written(1 - consumer, prev), kPairThreads);
     const uint32_t ds_prev = ds_addr + (prev % Cfg::kDsBuffers) * Cfg::kDsBytes;
+    // This consumer's dQ columns of K (read N-major, keys as the reduction).
+    const uint32_t k_dq_cols =
+        k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + (dq_col0 % kSwizzleCols) * 2;
     fence_registers(dq);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      const int key = kk * 16;
-      const uint64_t ds_desc = smem_matrix_desc(ds_prev + key * kSwizzleRowBytes, Cfg::kDsBytes, kSwizzleAtomBytes);
-      const uint64_t k_desc = smem_matrix_desc(k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes +
-                                                   (dq_col0 % kSwizzleCols) * 2 + key * kSwizzleRowBytes,
-                                               Cfg::kKVColBlockBytes, kSwizzleAtomBytes);
-      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, ds_desc, k_desc, kk > 0);
+      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, n_major_desc(ds_prev, Cfg::kDsBytes, kk),
+                                         n_major_desc(k_dq_cols, Cfg::kKVColBlockBytes, kk), kk > 0);
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait<0>();
@@ -430,10 +400,7 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   kp.call = params;
   constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    const TensorMapShape shape{t.data,        static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
-                               static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch), t.stride_row,
-                               t.stride_head, t.stride_batch};
-    return encode_tensor_map(m, shape, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
   };
   if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.dout_map, params.dout, p.len_q, p.heads_q, Cfg::kBlockM) ||

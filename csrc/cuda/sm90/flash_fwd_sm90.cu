@@ -18,6 +18,7 @@
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
 
@@ -47,12 +48,6 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&fa
   for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
 }
 
-template <int kRegs>
-__device__ __forceinline__ void fence_registers(float (&regs)[kRegs]) {
-#pragma unroll
-  for (int i = 0; i < kRegs; ++i) ptx::fence_register(regs[i]);
-}
-
 template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -70,9 +65,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   auto* bars = reinterpret_cast<FwdBarriers<kStages>*>(s_v + kStages * Cfg::kKVBytes);
 
   const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
-  const int64_t m_block = m_blocks - 1 - blockIdx.x % m_blocks;  // longest causal rows first
-  const int64_t h = (blockIdx.x / m_blocks) % p.heads_q;
-  const int64_t b = blockIdx.x / (m_blocks * p.heads_q);
+  const GridPosition position = grid_position(m_blocks, p.heads_q);
+  const int64_t m_block = m_blocks - 1 - position.block;  // longest causal rows first
+  const int64_t h = position.head, b = position.batch;
   const int64_t h_kv = h / (p.heads_q / p.heads_kv);
   const int64_t row0 = m_block * kBlockM;
   const int64_t offset = causal_offset(p);
@@ -139,16 +134,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // K-major) and V (N-major), at their first k16 step.
   const uint32_t q_addr = ptx::smem_addr(s_q) + consumer * 64 * kSwizzleRowBytes;
   const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v);
-  auto q_desc = [&](int kk) {
-    return smem_matrix_desc(q_addr + (kk / 4) * Cfg::kQColBlockBytes + (kk % 4) * 32, 16, kSwizzleAtomBytes);
-  };
+  auto q_desc = [&](int kk) { return k_major_desc(q_addr, Cfg::kQColBlockBytes, kk); };
   auto k_desc = [&](int stage, int kk) {
-    return smem_matrix_desc(k_addr + stage * Cfg::kKVBytes + (kk / 4) * Cfg::kKVColBlockBytes + (kk % 4) * 32, 16,
-                            kSwizzleAtomBytes);
+    return k_major_desc(k_addr + stage * Cfg::kKVBytes, Cfg::kKVColBlockBytes, kk);
   };
   auto v_desc = [&](int stage, int kk) {
-    return smem_matrix_desc(v_addr + stage * Cfg::kKVBytes + kk * 16 * kSwizzleRowBytes, Cfg::kKVColBlockBytes,
-                            kSwizzleAtomBytes);
+    return n_major_desc(v_addr + stage * Cfg::kKVBytes, Cfg::kKVColBlockBytes, kk);
   };
 
   auto wait_k = [&](int n_block) { ptx::mbarrier_wait(&bars->k_full[n_block % kStages], (n_block / kStages) & 1); };
@@ -187,8 +178,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 #pragma unroll
     for (int i = 0; i < kKeyRegs; ++i) {
-      const int c = (i / 4) * 8 + (lane % 4) * 2 + i % 2;
-      const int64_t row = row0 + tile_row + ((i / 2) % 2) * 8;
+      const int c = accumulator_column(i, lane);
+      const int64_t row = row0 + tile_row + accumulator_row_offset(i);
       if (c >= keys_left || (crosses_diagonal && col0 + c > row + offset)) s[i] = -INFINITY;
     }
   };
@@ -222,16 +213,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     }
   };
 
-  // P rounded to Elem as wgmma A fragments: two adjacent 8-key accumulator
-  // tiles are one k16 step.
-  auto to_fragments = [&](const float (&s)[kKeyRegs], uint32_t (&pa)[kBlockN / 16][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) pa[kk][r] = ptx::pack2<Elem>(s[8 * kk + 2 * r], s[8 * kk + 2 * r + 1]);
-    }
-  };
-
   float o[kOutRegs];
 #pragma unroll
   for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
@@ -259,7 +240,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       mask_tile(s, 0);
       float rescale[2];
       softmax(s, rescale);
-      to_fragments(s, pa);
+      to_fragments<Elem>(s, pa);
     }
     for (int n_block = 1; n_block < n_blocks; ++n_block) {
       // The scores of this tile and the P V of the previous one run together;
@@ -281,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       fence_registers(o);
       ptx::mbarrier_arrive(&bars->v_empty[(n_block - 1) % kStages]);
       scale_rows(o, rescale);
-      to_fragments(s, pa);
+      to_fragments<Elem>(s, pa);
     }
     wait_v(n_blocks - 1);
     issue_pv(o, pa, n_blocks - 1);
@@ -323,10 +304,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   kp.call = params;
   constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    const TensorMapShape shape{t.data,        static_cast<uint64_t>(p.head_dim), static_cast<uint64_t>(rows),
-                               static_cast<uint64_t>(heads), static_cast<uint64_t>(p.batch), t.stride_row,
-                               t.stride_head, t.stride_batch};
-    return encode_tensor_map(m, shape, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
   };
   if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
