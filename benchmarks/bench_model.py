@@ -40,13 +40,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import REPO, cudnn_version, device_name, git_commit  # noqa: E402  (also puts REPO on sys.path)
-
-try:
-    from flashattn_ext import scaled_dot_product_attention as ext_attention
-except (ImportError, OSError) as import_error:  # still measure SDPA; the ext's cells say why not
-    def ext_attention(*args, _error=import_error, **kwargs):
-        raise _error
+# (bench_attention also puts REPO on sys.path; its ext_attention raises the import error if the ext is missing)
+from bench_attention import REPO, cudnn_version, device_name, ext_attention, git_commit  # noqa: E402
 
 PROVIDERS = {"SDPA": F.scaled_dot_product_attention, "flashattn_ext": ext_attention}
 WARMUP_STEPS, LOSS_STEPS = 3, 3

@@ -47,11 +47,14 @@ for stage in $stages; do
       done ;;
     sass)
       # HGMMA: wgmma; UTMALDG: TMA tensor loads; UBLKRED: bulk reduce-add; HMMA: mma.sync (sm80 kernels).
+      # (The whole SASS is too large to bring back from the device: it stays in a temporary file.)
       lib=$(python3 -c 'import flashattn_ext._C as c; print(c.__file__)')
-      cuobjdump -sass "$lib" >"$OUT/sass.txt" 2>&1 || status=1
+      sass=$(mktemp)
+      cuobjdump -sass "$lib" >"$sass" 2>&1 || status=1
       for op in HGMMA UTMALDG UBLKRED SYNCS HMMA; do
-        echo "$op $(grep -cE "[[:space:]]$op" "$OUT/sass.txt")"
-      done | tee "$OUT/sass_counts.txt" ;;
+        echo "$op $(grep -cE "[[:space:]]$op" "$sass")"
+      done | tee "$OUT/sass_counts.txt"
+      rm -f "$sass" ;;
     model)
       python3 benchmarks/bench_model.py --out "$OUT" 2>&1 | tee "$OUT/model.log" | tail -n 30
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
