@@ -304,21 +304,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // dK += dS^T Q.
       accumulate_gradient(dk, ds_frag, q_addr);
     }
-    // Tile t's dK and dV are done with its Q and dO stage once waited for.
-    auto release_stage = [&] {
-      ptx::mbarrier_arrive(&bars->q_empty[stage]);
-      ptx::mbarrier_arrive(&bars->dout_empty[stage]);
-    };
-    if (tile == 0) {  // no dQ yet
+    // The round's last wait: tile t's dK and dV are then done with its Q and dO
+    // stage, and the previous tile's dQ with its dS^T buffer (ds_written).
+    auto finish_round = [&] {
       ptx::wgmma_wait<0>();
       fence_registers(dk);
       fence_registers(dv);
       fence_registers(p_frag);
       fence_registers(ds_frag);
       if (has_tile) {
-        release_stage();
+        ptx::mbarrier_arrive(&bars->q_empty[stage]);
+        ptx::mbarrier_arrive(&bars->dout_empty[stage]);
         ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
       }
+    };
+    if (tile == 0) {  // no dQ yet
+      finish_round();
       continue;
     }
 
@@ -339,16 +340,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                          n_major_desc(k_dq_cols, Cfg::kKVColBlockBytes, kk), kk > 0);
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    finish_round();
     fence_registers(dq);
-    fence_registers(dk);
-    fence_registers(dv);
-    fence_registers(p_frag);
-    fence_registers(ds_frag);
-    if (has_tile) {
-      release_stage();
-      ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
-    }
 
     // dQ piece to s_dq (rows past len_q land in dq_accum's padding), once the
     // writer has taken the previous one; then handed to the writer.
