@@ -9,7 +9,7 @@ namespace {
 constexpr int kConvertThreads = 256;
 
 // dq = dq_accum * scale, rounded to Elem; one thread per pair of columns.
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, DqAccumLayout kLayout>
 __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_kernel(const BwdParams params) {
   const AttentionProblem& p = params.problem;
   const int64_t pair = int64_t(blockIdx.x) * kConvertThreads + threadIdx.x;
@@ -18,8 +18,12 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_kernel(const
   const int64_t col = (pair % pairs_per_row) * 2, row = pair / pairs_per_row;
   const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+  const float* head = params.dq_accum + (b * p.heads_q + h) * padded_len_q * kHeadDim;
   const float2 acc = *reinterpret_cast<const float2*>(
-      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * kHeadDim + dq_accum_column(col));
+      kLayout == DqAccumLayout::kRows
+          ? head + i * kHeadDim + dq_accum_column(col)
+          : head + (i - i % kDqAccumRowMultiple) * kHeadDim +
+                dq_accum_tile_offset(i % kDqAccumRowMultiple, col, kHeadDim));
   const float scale = static_cast<float>(p.scale);
   *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
       ptx::pack2<Elem>(acc.x * scale, acc.y * scale);
@@ -38,11 +42,14 @@ int64_t dq_accum_floats(const AttentionProblem& p) {
   return floats;
 }
 
-void convert_dq_accum(const BwdParams& params, ElementType type, cudaStream_t stream) {
+void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-      launch_kernel(convert_dq_accum_kernel<decltype(elem), decltype(head_dim)::value>,
+      using Elem = decltype(elem);
+      constexpr int kHeadDim = decltype(head_dim)::value;
+      launch_kernel(layout == DqAccumLayout::kRows ? convert_dq_accum_kernel<Elem, kHeadDim, DqAccumLayout::kRows>
+                                                   : convert_dq_accum_kernel<Elem, kHeadDim, DqAccumLayout::kWgmmaTiles>,
                     ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
                     params, stream);
     });

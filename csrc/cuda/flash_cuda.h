@@ -22,8 +22,12 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
 // none (head dim above sm80::kMaxAtomicDqHeadDim).
 int64_t dq_accum_floats(const AttentionProblem& p);
 
+// How a backward laid out dq_accum (flash_common.cuh): rows with permuted
+// columns (the sm80 atomics) or, within each tile, wgmma's register order (sm90).
+enum class DqAccumLayout { kRows, kWgmmaTiles };
+
 // dq = dq_accum * scale, rounded to the element type.
-void convert_dq_accum(const BwdParams& params, ElementType type, cudaStream_t stream);
+void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream);
 
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.

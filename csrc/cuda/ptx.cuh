@@ -198,10 +198,12 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const void*
 // cp.async.bulk.commit_group: close the group of bulk copies issued so far.
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
-// cp.async.bulk.wait_group.read 0: wait until every bulk group has finished
-// reading its shared-memory source (which may then be overwritten).
+// cp.async.bulk.wait_group.read kPending: wait until all but the kPending most
+// recent bulk groups have finished reading their shared-memory sources (which
+// may then be overwritten).
+template <int kPending>
 __device__ __forceinline__ void bulk_wait_group_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // cp.async.bulk.wait_group 0: wait until every bulk group has completed.

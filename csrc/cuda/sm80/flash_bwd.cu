@@ -365,7 +365,7 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   compute_delta(params, type, stream);
   if (params.dq_accum != nullptr) {
     attention_backward_atomic_dq(params, type, stream);
-    convert_dq_accum(params, type, stream);
+    convert_dq_accum(params, type, DqAccumLayout::kRows, stream);
     return;
   }
   dispatch_element_type(type, [&](auto elem) {

@@ -12,13 +12,14 @@
 //      P^T = exp(S^T * scale - lse)              (registers)
 //      dV += P^T dO                              (P^T from registers)
 //      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
+//      dQ slice = dS K, to shared memory         (both operands in shared memory)
 //      dK += dS^T Q                              (dS^T from registers)
-//      dQ piece = dS K, to shared memory         (both operands in shared memory)
-//    Each consumer computes half of the dQ columns over all 128 keys: the two
-//    dS^T halves meet in shared memory, and dQ runs one tile late so that
-//    neither consumer waits for the other's current tile.
-// A last kernel scales and rounds dq_accum into dq (convert_dq_accum); delta =
-// rowsum(dO * O) comes first (compute_delta).
+//    Each consumer computes one column slice of dQ over all 128 keys: the two
+//    dS^T halves meet in shared memory. dQ is issued before dK so that its
+//    shared-memory stores run under dK's wgmma.
+// A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
+// layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
+// (compute_delta).
 #include <cmath>
 
 #include "cuda/flash_common.cuh"
@@ -61,10 +62,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_q = s_v + Cfg::kKVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
-  // Tiles' dQ in dq_accum's layout (kBlockM rows), for the copy engine to add.
+  // Each consumer's dQ slice buffers, in dq_accum's layout, for the copy engine to add.
   float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
+  auto dq_slice = [&](int consumer, int buffer) {
+    return s_dq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqSliceFloats;
+  };
   // Per stage: lse (in log2 units) and delta of the tile's queries.
-  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_dq + Cfg::kDqBuffers * kBlockM * kHeadDim);
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_slice(Cfg::kConsumers, 0));
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
@@ -79,12 +83,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int m_count = static_cast<int>(m_blocks - m_begin);
   const int tiles = static_cast<int>(group) * m_count;  // (query head of the group, query block) pairs
 
-  // Named barriers (0 is __syncthreads): ds_written below takes 1 to 4. The
-  // consumers hand dQ buffer i to the dQ writer warp at dq_full(i), and get it
-  // back empty at dq_empty(i).
-  auto dq_full = [](int buffer) { return 5 + buffer; };
-  auto dq_empty = [](int buffer) { return 5 + Cfg::kDqBuffers + buffer; };
-  constexpr int kDqHandoffThreads = Cfg::kConsumers * kWarpgroupThreads + kWarpSize;
+  // Named barriers (0 is __syncthreads). kDsReady: both consumers' dS^T of a
+  // tile are in shared memory. Consumer c hands its dQ slice buffer i to the dQ
+  // writer warp at dq_full(c, i), and gets it back empty at dq_empty(c, i).
+  constexpr int kDsReady = 1;
+  auto dq_full = [](int consumer, int buffer) { return 2 + consumer * Cfg::kDqBuffers + buffer; };
+  auto dq_empty = [](int consumer, int buffer) {
+    return 2 + (Cfg::kConsumers + consumer) * Cfg::kDqBuffers + buffer;
+  };
+  constexpr int kDqHandoffThreads = kWarpgroupThreads + kWarpSize;
   const int64_t padded_len_q = m_blocks * kBlockM;
   // dq_accum's rows of tile t: query head h_kv * group + t / m_count, queries from
   // (m_begin + t % m_count) * kBlockM (a whole tile: dq_accum's rows are padded).
@@ -114,22 +121,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     if (warp > 1 || tiles == 0) return;
     if (warp == 1) {
-      // The dQ writer: the copy engine adds each tile's dQ from s_dq to dq_accum,
-      // so the consumers only store it to shared memory.
-      for (int buffer = 0; buffer < Cfg::kDqBuffers && buffer < tiles; ++buffer) {
-        ptx::named_barrier_arrive(dq_empty(buffer), kDqHandoffThreads);
+      // The dQ writer: the copy engine adds each dQ slice to dq_accum, so the
+      // consumers only store them to shared memory. A tile's buffers go back
+      // to the consumers once the copy engine has read them, checked
+      // kDqBuffers - 1 tiles later, so that its reads overlap the next tiles.
+      constexpr int kLag = Cfg::kDqBuffers - 1;
+      for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
+        for (int buffer = 0; buffer < Cfg::kDqBuffers && buffer < tiles; ++buffer) {
+          ptx::named_barrier_arrive(dq_empty(consumer, buffer), kDqHandoffThreads);
+        }
       }
       for (int tile = 0; tile < tiles; ++tile) {
         const int buffer = tile % Cfg::kDqBuffers;
-        ptx::named_barrier_sync(dq_full(buffer), kDqHandoffThreads);
-        if (lane == 0) {
-          ptx::bulk_reduce_add_f32(dq_accum_tile(tile), s_dq + buffer * kBlockM * kHeadDim,
-                                   kBlockM * kHeadDim * sizeof(float));
-          ptx::bulk_commit_group();
-          ptx::bulk_wait_group_read();
+        for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
+          ptx::named_barrier_sync(dq_full(consumer, buffer), kDqHandoffThreads);
+          if (lane == 0) {
+            ptx::bulk_reduce_add_f32(dq_accum_tile(tile) + consumer * Cfg::kDqSliceFloats, dq_slice(consumer, buffer),
+                                     Cfg::kDqSliceFloats * sizeof(float));
+            ptx::bulk_commit_group();
+          }
         }
+        const int read = tile - kLag;  // the tile whose buffers are read out now
+        if (lane == 0) ptx::bulk_wait_group_read<Cfg::kConsumers * kLag>();
         __syncwarp();
-        if (tile + Cfg::kDqBuffers < tiles) ptx::named_barrier_arrive(dq_empty(buffer), kDqHandoffThreads);
+        if (read >= 0 && read + Cfg::kDqBuffers < tiles) {
+          for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
+            ptx::named_barrier_arrive(dq_empty(consumer, read % Cfg::kDqBuffers), kDqHandoffThreads);
+          }
+        }
       }
       if (lane == 0) ptx::bulk_wait_group();
       return;
@@ -204,163 +223,148 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
 
   if (tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
+  // This consumer's dQ columns of K (read N-major: the keys are dQ's reduction).
   const int dq_col0 = consumer * kDqCols;
-  // dQ of a tile = dS K needs both consumers' dS^T, so it runs one tile late:
-  // consumer c announces "my dS^T of tile t is in buffer t % kDsBuffers, and my
-  // dQ of tile t - 1 has finished reading" on barrier ds_written(c, t); the
-  // other consumer waits there before its dQ of tile t. Neither waits for the
-  // other's current tile, so their softmax and atomics drift apart and overlap
-  // the other's wgmma. (Three buffers: a consumer writes buffer t % 3 while the
-  // other may still read t - 2's; two barrier ids a consumer suffice, because
-  // neither gets two tiles ahead.)
-  auto ds_written = [](int writer, int tile) { return 1 + 2 * writer + tile % 2; };
-  constexpr int kPairThreads = 2 * kWarpgroupThreads;
+  const uint32_t k_dq_cols =
+      k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + (dq_col0 % kSwizzleCols) * 2;
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
   float dq[kDqRegs];
 
-  // Tile t's S^T .. dK, then tile t - 1's dQ; one extra round for the last dQ.
-  for (int tile = 0; tile <= tiles; ++tile) {
-    const bool has_tile = tile < tiles;
+  int m_index = 0;  // tile % m_count, counted rather than divided
+  for (int tile = 0; tile < tiles; ++tile) {
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
-    const int64_t row0 = (m_begin + tile % m_count) * kBlockM;
-    // P^T and dS^T as the A fragments of dV and dK: kept in scope until the
-    // wgmma that read them are waited for.
-    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
-    if (has_tile) {
-      // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
-      const float(&lse_q)[kBlockM] = s_stats[stage][0];
-      const float(&delta_q)[kBlockM] = s_stats[stage][1];
-      auto query_of = [&](int i) { return accumulator_column(i, lane); };
+    const int64_t row0 = (m_begin + m_index) * kBlockM;
+    if (++m_index == m_count) m_index = 0;
+    // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
+    const float(&lse_q)[kBlockM] = s_stats[stage][0];
+    const float(&delta_q)[kBlockM] = s_stats[stage][1];
+    auto query_of = [&](int i) { return accumulator_column(i, lane); };
 
-      // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
-      float st[kScoreRegs], dpt[kScoreRegs];
-      ptx::mbarrier_wait(&bars->q_full[stage], parity);
-      ptx::mbarrier_wait(&bars->dout_full[stage], parity);
-      fence_registers(st);
-      fence_registers(dpt);
-      ptx::wgmma_fence();
+    // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
+    float st[kScoreRegs], dpt[kScoreRegs];
+    ptx::mbarrier_wait(&bars->q_full[stage], parity);
+    ptx::mbarrier_wait(&bars->dout_full[stage], parity);
+    fence_registers(st);
+    fence_registers(dpt);
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
-      }
-      ptx::wgmma_commit();
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
+    }
+    ptx::wgmma_commit();
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
-      }
-      ptx::wgmma_commit();
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
+    }
+    ptx::wgmma_commit();
 
-      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)); hidden pairs (above the
-      // causal diagonal, keys past the end) get 0. lse_log2 is +inf for rows past
-      // the end and rows that see no key, so their P is 0 too.
-      ptx::wgmma_wait<1>();
-      fence_registers(st);
-      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-      const bool crosses_end = col0 + kBlockN > p.len_k;
+    // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)). lse_log2 is +inf for
+    // rows past the end and rows that see no key, so their P is 0. Only tiles
+    // on the causal diagonal or at the end of the keys hide pairs; there, in
+    // 32-bit tile coordinates, key >= key_end is past the end and key - query >
+    // diagonal above the causal diagonal.
+    ptx::wgmma_wait<1>();
+    fence_registers(st);
+    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+    const bool crosses_end = col0 + kBlockN > p.len_k;
+    if (crosses_diagonal || crosses_end) {
+      const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
+      const int diagonal =
+          crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
-        const int64_t key = col0 + key_row + accumulator_row_offset(i);
-        const int64_t query = row0 + query_of(i);
-        const bool hidden = (crosses_end && key >= p.len_k) || (crosses_diagonal && key > query + offset);
-        st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
+        const int key = key_row + accumulator_row_offset(i), query = query_of(i);
+        st[i] = key >= key_end || key - query > diagonal ? 0.f
+                                                         : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query]);
       }
-      to_fragments<Elem>(st, p_frag);
-
-      // grad += A (a 64 x kBlockM fragment) times a stage's Q or dO, issued.
-      auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint32_t rows_base) {
-        fence_registers(a);
-        fence_registers(grad);
-        ptx::wgmma_fence();
+    } else {
 #pragma unroll
-        for (int kk = 0; kk < kBlockM / 16; ++kk) {
-          ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], q_rows_desc(rows_base, stage, kk), true);
-        }
-        ptx::wgmma_commit();
-      };
+      for (int i = 0; i < kScoreRegs; ++i) st[i] = ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
+    }
+    // P^T and dS^T as the A fragments of dV and dK.
+    uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
+    to_fragments<Elem>(st, p_frag);
 
-      // dV += P^T dO.
-      ptx::wgmma_wait<0>();
-      fence_registers(dpt);
-      accumulate_gradient(dv, p_frag, dout_addr);
-
-      // dS^T = P^T * (dP^T - delta), to registers and to this tile's dS^T buffer
-      // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine writes).
-#pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
-      to_fragments<Elem>(dpt, ds_frag);
-      unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
+    // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO, issued.
+    auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint32_t rows_base) {
+      fence_registers(a);
+      fence_registers(grad);
+      ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
-          const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
-          *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) +
-                                       (lane % 4) * 4) = ds_frag[kk][r];
-        }
+        ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], q_rows_desc(rows_base, stage, kk), true);
       }
-      ptx::fence_proxy_async();
-
-      // dK += dS^T Q.
-      accumulate_gradient(dk, ds_frag, q_addr);
-    }
-    // The round's last wait: tile t's dK and dV are then done with its Q and dO
-    // stage, and the previous tile's dQ with its dS^T buffer (ds_written).
-    auto finish_round = [&] {
-      ptx::wgmma_wait<0>();
-      fence_registers(dk);
-      fence_registers(dv);
-      fence_registers(p_frag);
-      fence_registers(ds_frag);
-      if (has_tile) {
-        ptx::mbarrier_arrive(&bars->q_empty[stage]);
-        ptx::mbarrier_arrive(&bars->dout_empty[stage]);
-        ptx::named_barrier_arrive(ds_written(consumer, tile), kPairThreads);
-      }
+      ptx::wgmma_commit();
     };
-    if (tile == 0) {  // no dQ yet
-      finish_round();
-      continue;
-    }
 
-    // dQ of the previous tile = dS K over all kBlockN keys, this consumer's
-    // kDqCols columns: A is dS^T read transposed, B is K read N-major (both
-    // from shared memory).
-    const int prev = tile - 1;
-    ptx::named_barrier_sync(ds_written(1 - consumer, prev), kPairThreads);
-    const uint32_t ds_prev = ds_addr + (prev % Cfg::kDsBuffers) * Cfg::kDsBytes;
-    // This consumer's dQ columns of K (read N-major, keys as the reduction).
-    const uint32_t k_dq_cols =
-        k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + (dq_col0 % kSwizzleCols) * 2;
+    // dV += P^T dO.
+    ptx::wgmma_wait<0>();
+    fence_registers(dpt);
+    accumulate_gradient(dv, p_frag, dout_addr);
+
+    // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
+    // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine
+    // writes). The buffer's last readers, both consumers' dQ of tile t -
+    // kDsBuffers, finished before the other consumer reached ds_ready of tile t - 1.
+#pragma unroll
+    for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
+    to_fragments<Elem>(dpt, ds_frag);
+    const int ds_buffer = tile % Cfg::kDsBuffers;
+    unsigned char* ds_tile = s_ds + ds_buffer * Cfg::kDsBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
+        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
+        *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) +
+                                     (lane % 4) * 4) = ds_frag[kk][r];
+      }
+    }
+    ptx::fence_proxy_async();
+    ptx::named_barrier_sync(kDsReady, kConsumerThreads);
+
+    // This consumer's dQ slice = dS K over all kBlockN keys: A is dS^T read
+    // transposed, B is K read N-major (both from shared memory). Issued before
+    // dK, so that its shared-memory stores below run under dK's wgmma.
+    const uint32_t ds_tile_addr = ds_addr + ds_buffer * Cfg::kDsBytes;
     fence_registers(dq);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, n_major_desc(ds_prev, Cfg::kDsBytes, kk),
+      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, n_major_desc(ds_tile_addr, Cfg::kDsBytes, kk),
                                          n_major_desc(k_dq_cols, Cfg::kKVColBlockBytes, kk), kk > 0);
     }
     ptx::wgmma_commit();
-    finish_round();
-    fence_registers(dq);
 
-    // dQ piece to s_dq (rows past len_q land in dq_accum's padding), once the
-    // writer has taken the previous one; then handed to the writer.
-    const int dq_buffer = prev % Cfg::kDqBuffers;
-    float* dq_tile = s_dq + dq_buffer * kBlockM * kHeadDim;
-    ptx::named_barrier_sync(dq_empty(dq_buffer), kDqHandoffThreads);
-    const int query = (tid / kWarpSize) * 16 + lane / 4;
+    // dK += dS^T Q.
+    accumulate_gradient(dk, ds_frag, q_addr);
+
+    // dV and dQ are done: dO's stage is free, and the dQ slice goes to a
+    // buffer (in dq_accum's layout: one float4 a thread and register quad,
+    // conflict-free) once the writer has emptied it, then to the writer.
+    ptx::wgmma_wait<1>();
+    fence_registers(dv);
+    fence_registers(p_frag);
+    fence_registers(dq);
+    ptx::mbarrier_arrive(&bars->dout_empty[stage]);
+    const int dq_buffer = tile % Cfg::kDqBuffers;
+    float* slice = dq_slice(consumer, dq_buffer);
+    ptx::named_barrier_sync(dq_empty(consumer, dq_buffer), kDqHandoffThreads);
 #pragma unroll
-    for (int pair = 0; pair < kDqCols / 16; ++pair) {
-      const int col = dq_accum_column(dq_col0 + pair * 16 + (lane % 4) * 2);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        *reinterpret_cast<float4*>(dq_tile + (query + half * 8) * kHeadDim + col) =
-            make_float4(dq[8 * pair + 2 * half], dq[8 * pair + 2 * half + 1], dq[8 * pair + 4 + 2 * half],
-                        dq[8 * pair + 5 + 2 * half]);
-      }
+    for (int j = 0; j < kDqRegs / 4; ++j) {
+      *reinterpret_cast<float4*>(slice + (j * kWarpgroupThreads + tid) * 4) =
+          make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     }
     ptx::fence_proxy_async();
-    ptx::named_barrier_arrive(dq_full(dq_buffer), kDqHandoffThreads);
+    ptx::named_barrier_arrive(dq_full(consumer, dq_buffer), kDqHandoffThreads);
+
+    // dK is done with Q's stage.
+    ptx::wgmma_wait<0>();
+    fence_registers(dk);
+    fence_registers(ds_frag);
+    ptx::mbarrier_arrive(&bars->q_empty[stage]);
   }
 
   // dK (times the scale) and dV of this consumer's keys.
@@ -407,7 +411,7 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t blocks = ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch;
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
-  convert_dq_accum(params, type, stream);
+  convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
   return true;
 }
 

@@ -1,6 +1,8 @@
 // Every tile shape and pipeline depth of the Hopper (sm_90a) kernels, in one place.
 #pragma once
 
+#include "cuda/flash_common.cuh"
+
 namespace flashattn_ext::cuda::sm90 {
 
 constexpr int kWarpgroupThreads = 128;  // four warps: the unit that issues wgmma
@@ -45,19 +47,21 @@ struct FwdTileConfig {
 // The backward: one block per (kBlockN keys, key/value head, batch). The
 // producer warpgroup loads K and V once and streams Q and dO tiles of every
 // query head of the group through kStages stages; kConsumers warpgroups of 64
-// keys each keep their dK and dV in registers, and each computes half of the
-// columns of every tile's dQ = dS K from the dS^T of both, one tile late.
+// keys each keep their dK and dV in registers, and each computes one column
+// slice of every tile's dQ = dS K from the dS^T of both.
 template <int kHeadDim_>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
-  static constexpr int kConsumers = 2;
+  static constexpr int kConsumers = kDqAccumSlices;  // one dQ column slice each
   static constexpr int kBlockN = 64 * kConsumers;  // keys per block
   static constexpr int kBlockM = 64;               // queries per streamed tile (= kDqAccumRowMultiple)
   static constexpr int kStages = 2;
-  static constexpr int kDsBuffers = 3;  // see the kernel's ds_written
-  // dQ buffers for the bulk reduce: two where shared memory allows, so that the
-  // consumers need not wait for the copy engine to read the last one.
-  static constexpr int kDqBuffers = kHeadDim <= 64 ? 2 : 1;
+  // dS^T buffers: tile t's is written while the other consumer may still read
+  // t - 1's (see the kernel's ds_ready).
+  static constexpr int kDsBuffers = 2;
+  // dQ slice buffers of each consumer for the bulk reduce: with two, the copy
+  // engine has a whole tile's time to read one.
+  static constexpr int kDqBuffers = 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -68,12 +72,13 @@ struct BwdTileConfig {
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer: kBlockN rows of 64 queries
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
-  static constexpr int kDqBytes = kBlockM * kHeadDim * 4;  // one tile's dQ in float, for the bulk reduce
+  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kConsumers;  // a consumer's dQ of one tile
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  // K, V, the stages of Q and dO, the dS^T buffers, dQ, the stats, the barriers; slack to align the base.
+  // K, V, the stages of Q and dO, the dS^T buffers, the dQ slices, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kDqBuffers * kDqBytes + kStatsBytes + kBarrierBytes + 1024;
+                                    kConsumers * kDqBuffers * kDqSliceFloats * 4 + kStatsBytes + kBarrierBytes +
+                                    1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
   static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM == kSwizzleCols, "whole 64-column blocks; dS^T rows of 128 bytes");
 };
