@@ -168,13 +168,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-  // Masks keys past the end and above the causal diagonal (to -inf), on the
-  // tiles that have any.
+  // Masks keys past the end and above the causal diagonal (to -inf): only the
+  // tiles for which tile_needs_mask holds have any.
+  auto tile_needs_mask = [&](int n_block) {
+    const int64_t col0 = int64_t(n_block) * kBlockN;
+    return col0 + kBlockN > p.len_k || (p.is_causal && col0 + kBlockN - 1 > row0 + offset);
+  };
   auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
     const int64_t col0 = int64_t(n_block) * kBlockN;
-    const bool crosses_end = col0 + kBlockN > p.len_k;
     const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-    if (!crosses_end && !crosses_diagonal) return;
     const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 #pragma unroll
     for (int i = 0; i < kKeyRegs; ++i) {
@@ -237,7 +239,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::wgmma_wait<0>();
       fence_registers(s);
       ptx::mbarrier_arrive(&bars->k_empty[0]);
-      mask_tile(s, 0);
+      if (tile_needs_mask(0)) mask_tile(s, 0);
       float rescale[2];
       softmax(s, rescale);
       to_fragments<Elem>(s, pa);
@@ -255,9 +257,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::wgmma_wait<1>();
       fence_registers(s);
       ptx::mbarrier_arrive(&bars->k_empty[n_block % kStages]);
-      mask_tile(s, n_block);
+      // The softmax sits in the branches of its own if: the compiler schedules
+      // each basic block on its own, and in one shared with the wait for P V
+      // below it hoists that wait (a free instruction to it) above the
+      // softmax, which then no longer runs under P V.
       float rescale[2];
-      softmax(s, rescale);
+      if (tile_needs_mask(n_block)) {
+        mask_tile(s, n_block);
+        softmax(s, rescale);
+      } else {
+        softmax(s, rescale);
+      }
       ptx::wgmma_wait<0>();
       fence_registers(o);
       ptx::mbarrier_arrive(&bars->v_empty[(n_block - 1) % kStages]);
