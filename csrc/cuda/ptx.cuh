@@ -274,9 +274,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define FLASHATTN_WGMMA_ACC64                                                                                   \
   FLASHATTN_WGMMA_ACC32, FLASHATTN_WGMMA_ACC8(32), FLASHATTN_WGMMA_ACC8(40), FLASHATTN_WGMMA_ACC8(48), \
       FLASHATTN_WGMMA_ACC8(56)
+#define FLASHATTN_WGMMA_ACC88 \
+  FLASHATTN_WGMMA_ACC64, FLASHATTN_WGMMA_ACC8(64), FLASHATTN_WGMMA_ACC8(72), FLASHATTN_WGMMA_ACC8(80)
 #define FLASHATTN_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FLASHATTN_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLASHATTN_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+
+#define FLASHATTN_WGMMA_D88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
 
 // One specialization of wgmma_ss and wgmma_rs per (element type, N); the
 // operands after the N / 2 accumulators are numbered from N / 2 (written out:
@@ -319,11 +323,15 @@ FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_
 FLASHATTN_WGMMA(__half, "f16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37", "38")
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69", "70")
 FLASHATTN_WGMMA(__half, "f16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69", "70")
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA_ACC88, "88", "89", "90", "91", "92", "93", "94")
+FLASHATTN_WGMMA(__half, "f16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA_ACC88, "88", "89", "90", "91", "92", "93", "94")
 
 #undef FLASHATTN_WGMMA
 #undef FLASHATTN_WGMMA_D16
 #undef FLASHATTN_WGMMA_D32
 #undef FLASHATTN_WGMMA_D64
+#undef FLASHATTN_WGMMA_D88
+#undef FLASHATTN_WGMMA_ACC88
 #undef FLASHATTN_WGMMA_ACC64
 #undef FLASHATTN_WGMMA_ACC32
 #undef FLASHATTN_WGMMA_ACC16

@@ -306,9 +306,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 #endif
 }
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, bool kCausal>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
-  using Cfg = FwdTileConfig<kHeadDim>;
+  using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal)>;
   const AttentionProblem& p = params.problem;
   FwdKernelParams kp;
   kp.call = params;
@@ -341,7 +341,12 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    launched = p.head_dim <= 64 ? launch_forward<Elem, 64>(params, stream) : launch_forward<Elem, 128>(params, stream);
+    auto launch = [&](auto causal) {
+      constexpr bool kCausal = decltype(causal)::value;
+      return p.head_dim <= 64 ? launch_forward<Elem, 64, kCausal>(params, stream)
+                              : launch_forward<Elem, 128, kCausal>(params, stream);
+    };
+    launched = p.is_causal ? launch(std::true_type{}) : launch(std::false_type{});
   });
   return launched;
 }

@@ -14,17 +14,23 @@ constexpr int kSwizzleCols = 64;
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle pattern's period
 
+// Keys per streamed K/V tile of the forward: 176 at head dim 128 without the
+// causal mask (FlashAttention-3's choice: the per-tile costs, the consumers'
+// turn barrier, the row max and the rescale of O, spread over more keys), else
+// 128 (causal: the masked diagonal tiles stay narrow).
+constexpr int fwd_block_n(int head_dim, bool causal) { return head_dim > 64 && !causal ? 176 : 128; }
+
 // The forward: one producer warpgroup loads Q once and streams K and V tiles
 // through a ring of kStages shared-memory stages; kConsumers warpgroups of 64
 // query rows each compute on them.
-template <int kHeadDim_>
+template <int kHeadDim_, int kBlockN_>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128; smaller head dims read as zero-padded
   // Three consumers at head dim 64, where the softmax's exp2 costs as much as
   // the two GEMMs: with three taking turns, two hide the third's softmax.
   static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
-  static constexpr int kBlockN = 128;              // keys per streamed tile
+  static constexpr int kBlockN = kBlockN_;  // keys per streamed tile
   static constexpr int kStages = 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   // setmaxnreg: the producer gives its registers to the consumers
@@ -42,6 +48,7 @@ struct FwdTileConfig {
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
 // The backward: one block per (kBlockN keys, key/value head, batch). The
