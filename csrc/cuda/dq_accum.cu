@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_kernel(const
       kLayout == DqAccumLayout::kRows
           ? head + i * kHeadDim + dq_accum_column(col)
           : head + (i - i % kDqAccumRowMultiple) * kHeadDim +
-                dq_accum_tile_offset(i % kDqAccumRowMultiple, col, kHeadDim));
+                dq_accum_tile_offset(i % kDqAccumRowMultiple, col));
   const float scale = static_cast<float>(p.scale);
   *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
       ptx::pack2<Elem>(acc.x * scale, acc.y * scale);

@@ -80,15 +80,15 @@ __host__ __device__ constexpr int dq_accum_column(int col) {
 // shape, but within each kDqAccumRowMultiple-row tile the floats follow the
 // register order of wgmma's accumulator, so that its shared-memory stores of
 // dQ are conflict-free and the copy engine adds them as they lie. A tile is
-// kDqAccumSlices column slices one after the other (one per consumer
-// warpgroup); in a slice of S columns, thread t of the warpgroup keeps its
-// registers 4j .. 4j + 3 (rows r and r + 8, columns 8j + c and 8j + c + 1 of its
-// accumulator) at floats 4 (128 j + t) .. 4 (128 j + t) + 3.
-constexpr int kDqAccumSlices = 2;
-__host__ __device__ constexpr int dq_accum_tile_offset(int row, int col, int head_dim) {
-  const int slice_cols = head_dim / kDqAccumSlices, slice = col / slice_cols, c = col % slice_cols;
+// slices of kDqAccumSliceCols columns one after the other (each the 64 x 64
+// dQ block of one consumer warpgroup); in a slice, thread t of the warpgroup
+// keeps its registers 4j .. 4j + 3 (rows r and r + 8, columns 8j + c and
+// 8j + c + 1 of its accumulator) at floats 4 (128 j + t) .. 4 (128 j + t) + 3.
+constexpr int kDqAccumSliceCols = 64;
+__host__ __device__ constexpr int dq_accum_tile_offset(int row, int col) {
+  const int slice = col / kDqAccumSliceCols, c = col % kDqAccumSliceCols;
   const int thread = (row / 16) * 32 + (row % 8) * 4 + (c % 8) / 2;
-  return slice * kDqAccumRowMultiple * slice_cols + ((c / 8) * 128 + thread) * 4 + (row / 8) % 2 * 2 + c % 2;
+  return slice * kDqAccumRowMultiple * kDqAccumSliceCols + ((c / 8) * 128 + thread) * 4 + (row / 8) % 2 * 2 + c % 2;
 }
 
 // The first element of head (b, h) of a tensor.

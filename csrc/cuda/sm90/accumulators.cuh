@@ -41,4 +41,12 @@ __device__ __forceinline__ void to_fragments(const float (&x)[kRegs], uint32_t (
   }
 }
 
+// Element i of an accumulator that to_fragments rounded into frag, as a float.
+template <typename Elem, int kSteps>
+__device__ __forceinline__ float from_fragments(const uint32_t (&frag)[kSteps][4], int i) {
+  const uint32_t pair = frag[i / 8][(i % 8) / 2];
+  const auto bits = static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu);
+  return ptx::to_float(*reinterpret_cast<const Elem*>(&bits));
+}
+
 }  // namespace flashattn_ext::cuda::sm90

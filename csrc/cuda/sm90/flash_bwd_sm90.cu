@@ -2,7 +2,7 @@
 // thread block per (block of 128 keys, key/value head, batch), split by role
 // into warpgroups as in the forward.
 //  - In the producer warpgroup, one warp loads K and V once, then streams the
-//    Q and dO tiles (64 queries) of every query head of the group, with their
+//    Q and dO tiles (kBlockM queries) of every query head of the group, with their
 //    lse and delta, through a ring of stages (full / empty mbarriers); another
 //    warp (the dQ writer) has the copy engine add each tile's dQ to dq_accum
 //    (a bulk reduce from shared memory).
@@ -14,7 +14,8 @@
 //      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
 //      dQ slice = dS K, to shared memory         (both operands in shared memory)
 //      dK += dS^T Q                              (dS^T from registers)
-//    Each consumer computes one column slice of dQ over all 128 keys: the two
+//    Each consumer computes one 64 x 64 block of dQ over all 128 keys (a
+//    column half of the tile's at head dim 128, a row half at 64): the two
 //    dS^T halves meet in shared memory. dQ is issued before dK so that its
 //    shared-memory stores run under dK's wgmma.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
@@ -50,8 +51,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
   constexpr int kGradRegs = kHeadDim / 2;  // and of its 64 x kHeadDim dK or dV
-  constexpr int kDqCols = kHeadDim / Cfg::kConsumers;  // dQ columns of each consumer
-  constexpr int kDqRegs = kDqCols / 2;
+  constexpr int kDqRegs = kDqAccumSliceCols / 2;  // a thread's share of its 64 x 64 dQ block
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
 
@@ -62,13 +62,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_q = s_v + Cfg::kKVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
-  // Each consumer's dQ slice buffers, in dq_accum's layout, for the copy engine to add.
+  // Each consumer's dQ block buffers, in dq_accum's layout, for the copy engine to add.
   float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
-  auto dq_slice = [&](int consumer, int buffer) {
-    return s_dq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqSliceFloats;
+  auto dq_buffer_of = [&](int consumer, int buffer) {
+    return s_dq + (consumer * Cfg::kDqBuffers + buffer) * Cfg::kDqBlockFloats;
   };
   // Per stage: lse (in log2 units) and delta of the tile's queries.
-  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_slice(Cfg::kConsumers, 0));
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_buffer_of(Cfg::kConsumers, 0));
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tiles = static_cast<int>(group) * m_count;  // (query head of the group, query block) pairs
 
   // Named barriers (0 is __syncthreads). kDsReady: both consumers' dS^T of a
-  // tile are in shared memory. Consumer c hands its dQ slice buffer i to the dQ
+  // tile are in shared memory. Consumer c hands its dQ block buffer i to the dQ
   // writer warp at dq_full(c, i), and gets it back empty at dq_empty(c, i).
   constexpr int kDsReady = 1;
   auto dq_full = [](int consumer, int buffer) { return 2 + consumer * Cfg::kDqBuffers + buffer; };
@@ -92,12 +92,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     return 2 + (Cfg::kConsumers + consumer) * Cfg::kDqBuffers + buffer;
   };
   constexpr int kDqHandoffThreads = kWarpgroupThreads + kWarpSize;
-  const int64_t padded_len_q = m_blocks * kBlockM;
-  // dq_accum's rows of tile t: query head h_kv * group + t / m_count, queries from
-  // (m_begin + t % m_count) * kBlockM (a whole tile: dq_accum's rows are padded).
-  auto dq_accum_tile = [&](int t) {
-    const int64_t h = h_kv * group + t / m_count, row0 = (m_begin + t % m_count) * kBlockM;
-    return params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim;
+  // Consumer c's dQ block of tile t in dq_accum (query head h_kv * group + t /
+  // m_count, queries from (m_begin + t % m_count) * kBlockM + 64 * its row
+  // block): a whole dq_accum tile's slice, its rows past len_q in the padding;
+  // nullptr where all of them are past len_q.
+  const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+  auto dq_accum_block = [&](int t, int consumer) -> float* {
+    const int64_t h = h_kv * group + t / m_count;
+    const int64_t row0 = (m_begin + t % m_count) * kBlockM + 64 * (consumer % Cfg::kDqRowBlocks);
+    if (row0 >= p.len_q) return nullptr;
+    return params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim +
+           (consumer / Cfg::kDqRowBlocks) * kDqAccumRowMultiple * kDqAccumSliceCols;
   };
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
@@ -121,7 +126,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     if (warp > 1 || tiles == 0) return;
     if (warp == 1) {
-      // The dQ writer: the copy engine adds each dQ slice to dq_accum, so the
+      // The dQ writer: the copy engine adds each dQ block to dq_accum, so the
       // consumers only store them to shared memory. A tile's buffers go back
       // to the consumers once the copy engine has read them, checked
       // kDqBuffers - 1 tiles later, so that its reads overlap the next tiles.
@@ -135,10 +140,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int buffer = tile % Cfg::kDqBuffers;
         for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
           ptx::named_barrier_sync(dq_full(consumer, buffer), kDqHandoffThreads);
+          float* dst = dq_accum_block(tile, consumer);
           if (lane == 0) {
-            ptx::bulk_reduce_add_f32(dq_accum_tile(tile) + consumer * Cfg::kDqSliceFloats, dq_slice(consumer, buffer),
-                                     Cfg::kDqSliceFloats * sizeof(float));
-            ptx::bulk_commit_group();
+            if (dst != nullptr) {
+              ptx::bulk_reduce_add_f32(dst, dq_buffer_of(consumer, buffer), Cfg::kDqBlockFloats * sizeof(float));
+            }
+            ptx::bulk_commit_group();  // (empty if nothing to add: the group count stays in step)
           }
         }
         const int read = tile - kLag;  // the tile whose buffers are read out now
@@ -223,10 +230,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
 
   if (tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
-  // This consumer's dQ columns of K (read N-major: the keys are dQ's reduction).
-  const int dq_col0 = consumer * kDqCols;
-  const uint32_t k_dq_cols =
-      k_addr + (dq_col0 / kSwizzleCols) * Cfg::kKVColBlockBytes + (dq_col0 % kSwizzleCols) * 2;
+  // This consumer's dQ block: its rows are a 64-column block of dS^T (read
+  // transposed), its columns a column block of K (read N-major: the keys are
+  // dQ's reduction).
+  const uint32_t ds_dq_rows = (consumer % Cfg::kDqRowBlocks) * Cfg::kDsColBlockBytes;
+  const uint32_t k_dq_cols = k_addr + (consumer / Cfg::kDqRowBlocks) * Cfg::kKVColBlockBytes;
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
   float dq[kDqRegs];
 
@@ -304,11 +312,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     accumulate_gradient(dv, p_frag, dout_addr);
 
     // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
-    // (rows of 64 queries, 128-byte swizzled like the tiles the copy engine
-    // writes). The buffer's last readers, both consumers' dQ of tile t -
+    // (rows of kBlockM queries in blocks of 64 columns, 128-byte swizzled like
+    // the tiles the copy engine writes). The buffer's last readers, both consumers' dQ of tile t -
     // kDsBuffers, finished before the other consumer reached ds_ready of tile t - 1.
+    // (With 128-query tiles registers are short: P^T is read back from its
+    // rounded fragments there, so that st dies with its conversion.)
 #pragma unroll
-    for (int i = 0; i < kScoreRegs; ++i) dpt[i] = st[i] * (dpt[i] - delta_q[query_of(i)]);
+    for (int i = 0; i < kScoreRegs; ++i) {
+      const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
+      dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
+    }
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
     unsigned char* ds_tile = s_ds + ds_buffer * Cfg::kDsBytes;
@@ -317,23 +330,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
-        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
-        *reinterpret_cast<uint32_t*>(ds_tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) +
-                                     (lane % 4) * 4) = ds_frag[kk][r];
+        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;  // chunk: 8 queries
+        *reinterpret_cast<uint32_t*>(ds_tile + (chunk / 8) * Cfg::kDsColBlockBytes + row * kSwizzleRowBytes +
+                                     (((chunk % 8) ^ (row % 8)) * 16) + (lane % 4) * 4) = ds_frag[kk][r];
       }
     }
     ptx::fence_proxy_async();
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
 
-    // This consumer's dQ slice = dS K over all kBlockN keys: A is dS^T read
-    // transposed, B is K read N-major (both from shared memory). Issued before
-    // dK, so that its shared-memory stores below run under dK's wgmma.
-    const uint32_t ds_tile_addr = ds_addr + ds_buffer * Cfg::kDsBytes;
+    // This consumer's dQ block = dS K over all kBlockN keys (both operands from
+    // shared memory). Issued before dK, so that its shared-memory stores below
+    // run under dK's wgmma.
+    const uint32_t ds_tile_addr = ds_addr + ds_buffer * Cfg::kDsBytes + ds_dq_rows;
     fence_registers(dq);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kDqCols, 1, 1>(dq, n_major_desc(ds_tile_addr, Cfg::kDsBytes, kk),
+      ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(dq, n_major_desc(ds_tile_addr, Cfg::kDsColBlockBytes, kk),
                                          n_major_desc(k_dq_cols, Cfg::kKVColBlockBytes, kk), kk > 0);
     }
     ptx::wgmma_commit();
@@ -341,7 +354,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dK += dS^T Q.
     accumulate_gradient(dk, ds_frag, q_addr);
 
-    // dV and dQ are done: dO's stage is free, and the dQ slice goes to a
+    // dV and dQ are done: dO's stage is free, and the dQ block goes to a
     // buffer (in dq_accum's layout: one float4 a thread and register quad,
     // conflict-free) once the writer has emptied it, then to the writer.
     ptx::wgmma_wait<1>();
@@ -350,11 +363,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_registers(dq);
     ptx::mbarrier_arrive(&bars->dout_empty[stage]);
     const int dq_buffer = tile % Cfg::kDqBuffers;
-    float* slice = dq_slice(consumer, dq_buffer);
+    float* dq_block = dq_buffer_of(consumer, dq_buffer);
     ptx::named_barrier_sync(dq_empty(consumer, dq_buffer), kDqHandoffThreads);
 #pragma unroll
     for (int j = 0; j < kDqRegs / 4; ++j) {
-      *reinterpret_cast<float4*>(slice + (j * kWarpgroupThreads + tid) * 4) =
+      *reinterpret_cast<float4*>(dq_block + (j * kWarpgroupThreads + tid) * 4) =
           make_float4(dq[4 * j], dq[4 * j + 1], dq[4 * j + 2], dq[4 * j + 3]);
     }
     ptx::fence_proxy_async();

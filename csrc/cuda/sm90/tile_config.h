@@ -54,21 +54,27 @@ struct FwdTileConfig {
 // The backward: one block per (kBlockN keys, key/value head, batch). The
 // producer warpgroup loads K and V once and streams Q and dO tiles of every
 // query head of the group through kStages stages; kConsumers warpgroups of 64
-// keys each keep their dK and dV in registers, and each computes one column
-// slice of every tile's dQ = dS K from the dS^T of both.
+// keys each keep their dK and dV in registers, and each computes one 64 x 64
+// block of every tile's dQ = dS K from the dS^T of both.
 template <int kHeadDim_>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
-  static constexpr int kConsumers = kDqAccumSlices;  // one dQ column slice each
+  static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64 * kConsumers;  // keys per block
-  static constexpr int kBlockM = 64;               // queries per streamed tile (= kDqAccumRowMultiple)
+  // Queries per streamed tile: 128 at head dim 64, where a tile's GEMMs are
+  // small next to its softmax, barriers and waits (64 at 128: registers).
+  static constexpr int kBlockM = kHeadDim <= 64 ? 128 : 64;
+  // The consumers' dQ blocks tile the kBlockM x kHeadDim dQ of a tile: consumer
+  // c has row block c % kDqRowBlocks and column block c / kDqRowBlocks.
+  static constexpr int kDqRowBlocks = kBlockM / 64;
+  static constexpr int kDqBlockFloats = 64 * kDqAccumSliceCols;  // one consumer's dQ of one tile
   static constexpr int kStages = 2;
   // dS^T buffers: tile t's is written while the other consumer may still read
   // t - 1's (see the kernel's ds_ready).
   static constexpr int kDsBuffers = 2;
-  // dQ slice buffers of each consumer for the bulk reduce: with two, the copy
-  // engine has a whole tile's time to read one.
-  static constexpr int kDqBuffers = 2;
+  // dQ block buffers of each consumer for the bulk reduce: with two, the copy
+  // engine has a whole tile's time to read one (one where shared memory is short).
+  static constexpr int kDqBuffers = kBlockM > 64 ? 1 : 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -76,18 +82,19 @@ struct BwdTileConfig {
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer: kBlockN rows of 64 queries
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer: kBlockN rows of kBlockM queries,
+  static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;  // in blocks of 64 columns
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
-  static constexpr int kDqSliceFloats = kBlockM * kHeadDim / kConsumers;  // a consumer's dQ of one tile
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   // K, V, the stages of Q and dO, the dS^T buffers, the dQ slices, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kConsumers * kDqBuffers * kDqSliceFloats * 4 + kStatsBytes + kBarrierBytes +
+                                    kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes +
                                     1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-  static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM == kSwizzleCols, "whole 64-column blocks; dS^T rows of 128 bytes");
+  static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM % kSwizzleCols == 0, "whole 64-column blocks");
+  static_assert(kDqRowBlocks * (kHeadDim / kDqAccumSliceCols) == kConsumers, "one dQ block a consumer");
 };
 
 }  // namespace flashattn_ext::cuda::sm90
