@@ -185,11 +185,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                              c * kSwizzleCols, q_row, head, batch);
           }
         }
-        for (int i = lane; i < kBlockM; i += kWarpSize) {
-          s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
-          s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
-        }
-        ptx::mbarrier_arrive(&bars->q_full[stage]);
+        // dO's stage is released before Q's: no wait here. Both copies are
+        // under way before the stats' plain loads.
         if (lane == 0) {
           ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
           ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
@@ -198,6 +195,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                              &bars->dout_full[stage], c * kSwizzleCols, q_row, head, batch);
           }
         }
+        for (int i = lane; i < kBlockM; i += kWarpSize) {
+          s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
+          s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
+        }
+        ptx::mbarrier_arrive(&bars->q_full[stage]);
       }
     }
     return;

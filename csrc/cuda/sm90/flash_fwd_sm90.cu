@@ -174,15 +174,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     const int64_t col0 = int64_t(n_block) * kBlockN;
     return col0 + kBlockN > p.len_k || (p.is_causal && col0 + kBlockN - 1 > row0 + offset);
   };
+  // In 32-bit tile coordinates: key c of the tile is past the end when c >=
+  // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
+  // when c - r > diagonal.
   auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
     const int64_t col0 = int64_t(n_block) * kBlockN;
     const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
     const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+    const int diagonal =
+        crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
 #pragma unroll
     for (int i = 0; i < kKeyRegs; ++i) {
-      const int c = accumulator_column(i, lane);
-      const int64_t row = row0 + tile_row + accumulator_row_offset(i);
-      if (c >= keys_left || (crosses_diagonal && col0 + c > row + offset)) s[i] = -INFINITY;
+      const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
+      if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
     }
   };
 

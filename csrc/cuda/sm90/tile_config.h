@@ -31,7 +31,6 @@ struct FwdTileConfig {
   static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
   static constexpr int kBlockN = kBlockN_;  // keys per streamed tile
-  static constexpr int kStages = 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   // setmaxnreg: the producer gives its registers to the consumers
   // (24 * 128 + 240 * 256 and 32 * 128 + 160 * 384 are both <= 64K).
@@ -44,9 +43,12 @@ struct FwdTileConfig {
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   // Q, then K and V of every stage, then the mbarriers; the tiles 1024-byte
-  // aligned (the swizzle pattern repeats every 1024 bytes), plus slack to align the base.
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kBarrierBytes + 1024;
+  // aligned (the swizzle pattern repeats every 1024 bytes), plus slack to align
+  // the base. Three stages where they fit (not with 176-key tiles at head dim 128).
+  static constexpr int kStageBytes = 2 * kKVBytes + 4 * 8;  // K, V and their four mbarriers
+  static constexpr int kFixedBytes = kQBytes + 8 + 1024;     // Q, its mbarrier, the slack
+  static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
+  static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
