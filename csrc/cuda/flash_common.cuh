@@ -63,6 +63,23 @@ __device__ __forceinline__ GridPosition grid_position(int64_t blocks_per_head, i
   return {blockIdx.x % blocks_per_head, (blockIdx.x / blocks_per_head) % heads, blockIdx.x / (blocks_per_head * heads)};
 }
 
+// The same grid in the order for causal calls, whose block 0 of a head has the
+// most work: the (batch, head) pairs in chunks whose streamed tensors take
+// about kL2ChunkBytes together (bytes_per_head each), and within a chunk block
+// 0 of every head first, then block 1, ... So the last blocks launched are
+// light ones (no heavy block starts at the end, alone), and the blocks that
+// run together read the same few heads from L2.
+constexpr int64_t kL2ChunkBytes = int64_t{24} << 20;  // about half the H100's L2
+__device__ __forceinline__ GridPosition heaviest_first_position(int64_t blocks_per_head, int64_t heads,
+                                                                int64_t bytes_per_head) {
+  const int64_t pairs = gridDim.x / blocks_per_head;  // batch * heads
+  const int64_t chunk = max(int64_t{1}, kL2ChunkBytes / max(bytes_per_head, int64_t{1}));
+  const int64_t first = blockIdx.x / (chunk * blocks_per_head) * chunk, rest = blockIdx.x % (chunk * blocks_per_head);
+  const int64_t in_chunk = min(chunk, pairs - first);
+  const int64_t pair = first + rest % in_chunk;
+  return {rest / in_chunk, pair % heads, pair / heads};
+}
+
 // The float32 dQ accumulator of the atomic backwards (both families): shaped
 // (batch, heads_q, len_q rounded up to kDqAccumRowMultiple, the specialized head
 // dim of dispatch_head_dim), zero-filled, and scaled and rounded into dq by
@@ -84,11 +101,16 @@ __host__ __device__ constexpr int dq_accum_column(int col) {
 // dQ block of one consumer warpgroup); in a slice, thread t of the warpgroup
 // keeps its registers 4j .. 4j + 3 (rows r and r + 8, columns 8j + c and
 // 8j + c + 1 of its accumulator) at floats 4 (128 j + t) .. 4 (128 j + t) + 3.
+// dq_accum_quad: where quad q of a tile (its floats 4q .. 4q + 3) lies: rows
+// row and row + 8, columns col and col + 1.
 constexpr int kDqAccumSliceCols = 64;
-__host__ __device__ constexpr int dq_accum_tile_offset(int row, int col) {
-  const int slice = col / kDqAccumSliceCols, c = col % kDqAccumSliceCols;
-  const int thread = (row / 16) * 32 + (row % 8) * 4 + (c % 8) / 2;
-  return slice * kDqAccumRowMultiple * kDqAccumSliceCols + ((c / 8) * 128 + thread) * 4 + (row / 8) % 2 * 2 + c % 2;
+struct DqAccumQuad {
+  int row, col;
+};
+__host__ __device__ constexpr DqAccumQuad dq_accum_quad(int quad) {
+  constexpr int kSliceQuads = kDqAccumRowMultiple * kDqAccumSliceCols / 4;
+  const int slice = quad / kSliceQuads, j = quad % kSliceQuads / 128, t = quad % 128;
+  return {(t / 32) * 16 + (t % 32) / 4, slice * kDqAccumSliceCols + j * 8 + (t % 4) * 2};
 }
 
 // The first element of head (b, h) of a tensor.

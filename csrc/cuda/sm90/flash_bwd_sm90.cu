@@ -72,10 +72,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
-  const GridPosition position = grid_position(n_blocks, p.heads_kv);
+  const int64_t group = p.heads_q / p.heads_kv;
+  const GridPosition position =
+      p.is_causal
+          ? heaviest_first_position(n_blocks, p.heads_kv, group * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)})
+          : grid_position(n_blocks, p.heads_kv);
   const int64_t n_block = position.block;  // causal: the first key blocks have the most queries
   const int64_t h_kv = position.head, b = position.batch;
-  const int64_t group = p.heads_q / p.heads_kv;
   const int64_t col0 = n_block * kBlockN;
   const int64_t offset = causal_offset(p);
   const int64_t m_blocks = ceil_div(p.len_q, kBlockM);

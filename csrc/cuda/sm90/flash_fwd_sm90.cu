@@ -65,7 +65,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   auto* bars = reinterpret_cast<FwdBarriers<kStages>*>(s_v + kStages * Cfg::kKVBytes);
 
   const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
-  const GridPosition position = grid_position(m_blocks, p.heads_q);
+  const GridPosition position =
+      p.is_causal ? heaviest_first_position(m_blocks, p.heads_q, p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)})
+                  : grid_position(m_blocks, p.heads_q);
   const int64_t m_block = m_blocks - 1 - position.block;  // longest causal rows first
   const int64_t h = position.head, b = position.batch;
   const int64_t h_kv = h / (p.heads_q / p.heads_kv);
