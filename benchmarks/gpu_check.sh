@@ -2,7 +2,8 @@
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
 #   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model]
-# (hopper: the Hopper kernels' own tests; sass: counts of the Hopper instructions in the built library;
+# (hopper: the Hopper kernels' own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
+#  each also a stage of its own (one call's time limit may not hold all three); sass: counts of the Hopper instructions in the built library;
 #  bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes; ncu: Nsight Compute's speed-of-light
 #  and warp stall sections for the sm90 kernels; model: the model-level training-step benchmark)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
@@ -39,8 +40,10 @@ for stage in $stages; do
     bench-hopper)
       python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 30 ;;
-    sanitize)
-      for tool in memcheck racecheck synccheck; do
+    sanitize|memcheck|racecheck|synccheck)
+      tools=$stage
+      [ "$stage" = sanitize ] && tools="memcheck racecheck synccheck"
+      for tool in $tools; do
         compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tests/sanitizer_workload.py \
           >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
         tail -n 3 "$OUT/sanitizer_$tool.log"
