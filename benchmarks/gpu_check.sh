@@ -3,9 +3,10 @@
 # stages named as arguments (default: all), logging each under $OUT.
 #   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model]
 # (hopper: the Hopper kernels' own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
-#  each also a stage of its own (one call's time limit may not hold all three); sass: counts of the Hopper instructions in the built library;
-#  bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes; ncu: Nsight Compute's speed-of-light
-#  and warp stall sections for the sm90 kernels; model: the model-level training-step benchmark)
+#  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
+#  instructions in the built library; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
+#  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels; model: the model-level
+#  training-step benchmark)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full

@@ -12,7 +12,7 @@
 //      P^T = exp(S^T * scale - lse)              (registers)
 //      dV += P^T dO                              (P^T from registers)
 //      dS^T = P^T * (dP^T - delta)               (registers, and to shared memory)
-//      dQ slice = dS K, to shared memory         (both operands in shared memory)
+//      dQ block = dS K, to shared memory         (both operands in shared memory)
 //      dK += dS^T Q                              (dS^T from registers)
 //    Each consumer computes one 64 x 64 block of dQ over all 128 keys (a
 //    column half of the tile's at head dim 128, a row half at 64): the two
@@ -318,10 +318,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
     // (rows of kBlockM queries in blocks of 64 columns, 128-byte swizzled like
-    // the tiles the copy engine writes). The buffer's last readers, both consumers' dQ of tile t -
-    // kDsBuffers, finished before the other consumer reached ds_ready of tile t - 1.
-    // (With 128-query tiles registers are short: P^T is read back from its
-    // rounded fragments there, so that st dies with its conversion.)
+    // the tiles the copy engine writes). The buffer's last readers, both
+    // consumers' dQ of tile t - kDsBuffers, finished before the other consumer
+    // reached kDsReady of tile t - 1. (With 128-query tiles registers are
+    // short: P^T is read back from its rounded fragments there, so that st
+    // dies with its conversion.)
 #pragma unroll
     for (int i = 0; i < kScoreRegs; ++i) {
       const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];

@@ -72,7 +72,7 @@ struct BwdTileConfig {
   static constexpr int kDqBlockFloats = 64 * kDqAccumSliceCols;  // one consumer's dQ of one tile
   static constexpr int kStages = 2;
   // dS^T buffers: tile t's is written while the other consumer may still read
-  // t - 1's (see the kernel's ds_ready).
+  // t - 1's (see the kernel's kDsReady).
   static constexpr int kDsBuffers = 2;
   // dQ block buffers of each consumer for the bulk reduce: with two, the copy
   // engine has a whole tile's time to read one (one where shared memory is short).
@@ -84,13 +84,14 @@ struct BwdTileConfig {
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
-  static constexpr int kDsBytes = kBlockN * kBlockM * 2;   // one dS^T buffer: kBlockN rows of kBlockM queries,
-  static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;  // in blocks of 64 columns
+  // One dS^T buffer: kBlockN rows (keys) of kBlockM queries, in blocks of 64 columns.
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  // K, V, the stages of Q and dO, the dS^T buffers, the dQ slices, the stats, the barriers; slack to align the base.
+  // K, V, the stages of Q and dO, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes +
                                     1024;
