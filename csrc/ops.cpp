@@ -4,6 +4,8 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 
@@ -136,6 +138,21 @@ MaskKind mask_kind(const std::optional<at::Tensor>& attn_mask) {
 
 TensorView4d optional_view(const std::optional<at::Tensor>& t) { return t.has_value() ? view_of(*t) : TensorView4d{}; }
 
+// An empty (B, H, L, Ev) tensor whose batch, head and row dims lie in memory
+// in the order of q's (by stride, ties in dim order; the last dim contiguous),
+// as SDPA's fused backends lay out their output: for q transposed from
+// (B, L, H, E), the usual layout of a model's projections,
+// out.transpose(1, 2).reshape(B, L, H * Ev) is then a view, not a copy.
+// (_fake.py mirrors this.)
+at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> sizes) {
+  std::array<int64_t, 3> order{0, 1, 2};  // outermost first
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return q.stride(a) > q.stride(b); });
+  const at::Tensor t = at::empty({sizes[order[0]], sizes[order[1]], sizes[order[2]], sizes[3]}, q.options());
+  std::array<int64_t, 4> inverse{0, 0, 0, 3};
+  for (int64_t i = 0; i < 3; ++i) inverse[order[i]] = i;
+  return t.permute(inverse);
+}
+
 }  // namespace
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
@@ -147,7 +164,7 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
   FwdParams params;
   params.problem = check_qkv(q, k, v, options);
   const AttentionProblem& p = params.problem;
-  out = at::empty({p.batch, p.heads_q, p.len_q, p.head_dim_v}, q.options());
+  out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));
   params.q = view_of(q);
   params.k = view_of(k);

@@ -7,10 +7,18 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
+    """empty_in_layout_of in csrc/ops.cpp: dims 0-2 in the memory order of query's (by stride, ties in dim
+    order; sorted() is stable), the last dim contiguous."""
+    order = sorted(range(3), key=lambda dim: -query.stride(dim))
+    out = query.new_empty([sizes[dim] for dim in order] + [sizes[3]])
+    return out.permute([order.index(dim) for dim in range(3)] + [3])
+
+
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale):
     batch, heads, len_q, _ = query.shape
-    out = query.new_empty((batch, heads, len_q, value.shape[-1]))
+    out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
     rng_state = query.new_empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64)
     return out, lse, rng_state
