@@ -20,6 +20,7 @@ Usage (from the repository root):
     python3 benchmarks/bench_model.py                 # MHA 16:16 and GQA 16:4 at N in {2048, 8192}
     python3 benchmarks/bench_model.py --quick         # the same grid with 2 layers and 5 timed steps
     python3 benchmarks/bench_model.py --seqlens 8192 --kv-heads 4 --layers 8
+    python3 benchmarks/bench_model.py --quick --profile --out /tmp/prof   # + a kernel table per provider
     python3 benchmarks/bench_model.py --device cpu --seqlens 128 --layers 1 --d-model 256 --heads 4 --kv-heads 2
 """
 import argparse
@@ -135,8 +136,11 @@ def sdpa_backend(args, n: int, kv_heads: int, device) -> str:
         return "unknown"
 
 
-def train(model: Decoder, batches: List[torch.Tensor], device) -> Dict:
-    """Train on the batches: losses of the first steps, median step seconds of the timed ones, peak MiB."""
+def train(model: Decoder, batches: List[torch.Tensor], device, profile_path: Optional[Path] = None) -> Dict:
+    """Train on the batches: losses of the first steps, median step seconds of the timed ones, peak MiB.
+
+    With profile_path, two more steps run under torch.profiler afterwards, and its table of GPU kernels
+    (CPU ops on the CPU; by self time, both steps together) is written there."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
 
     def step(tokens):
@@ -165,6 +169,17 @@ def train(model: Decoder, batches: List[torch.Tensor], device) -> Dict:
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = None
+    if profile_path is not None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            for tokens in batches[-2:]:
+                step(tokens)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        profile_path.write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90))
     return dict(losses=losses[:LOSS_STEPS], seconds=statistics.median(times), peak=peak)
 
 
@@ -180,8 +195,11 @@ def measure_row(args, base: Decoder, n: int, device, notes: Dict[str, str]) -> D
         model.attention = attention
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        profile_path = None
+        if args.profile:
+            profile_path = args.out / f"model_profile_{label}_{row['config'].replace(' ', '_').replace(':', 'x')}_N{n}.txt"
         try:
-            row["results"][label] = train(model, batches, device)
+            row["results"][label] = train(model, batches, device, profile_path)
         except Exception as error:  # noqa: BLE001 - a failing provider is one row of "—"
             row["results"][label] = None
             first_line = (str(error).strip().splitlines() or [""])[0][:300]
@@ -249,6 +267,8 @@ def parse_args(argv=None):
     parser.add_argument("--vocab", type=int, help="vocabulary size (default 32000; CPU 4096)")
     parser.add_argument("--tokens", type=int, help="tokens per step, B = tokens // N (default 16384; CPU 256)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed steps, profile two more and write each provider's kernel table to --out")
     args = parser.parse_args(argv)
     defaults = dict(GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS)
     if args.quick:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
-#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model]
+#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model] [model-profile]
 # (hopper: the Hopper kernels' own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
 #  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
 #  instructions in the built library; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
 #  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels; model: the model-level
-#  training-step benchmark)
+#  training-step benchmark; model-profile: the same, and each provider's GPU kernel table)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
@@ -59,8 +59,10 @@ for stage in $stages; do
         echo "$op $(grep -cE "[[:space:]]$op" "$sass")"
       done | tee "$OUT/sass_counts.txt"
       rm -f "$sass" ;;
-    model)
-      python3 benchmarks/bench_model.py --out "$OUT" 2>&1 | tee "$OUT/model.log" | tail -n 30
+    model|model-profile)
+      profile=""
+      [ "$stage" = model-profile ] && profile=--profile
+      python3 benchmarks/bench_model.py $profile --out "$OUT" 2>&1 | tee "$OUT/model.log" | tail -n 30
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     ncu)
       ncu --kernel-name-base mangled --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
