@@ -136,11 +136,12 @@ def sdpa_backend(args, n: int, kv_heads: int, device) -> str:
         return "unknown"
 
 
-def train(model: Decoder, batches: List[torch.Tensor], device, profile_path: Optional[Path] = None) -> Dict:
+def train(model: Decoder, batches: List[torch.Tensor], device, profile_path: Optional[Path] = None,
+          profile_title: str = "") -> Dict:
     """Train on the batches: losses of the first steps, median step seconds of the timed ones, peak MiB.
 
     With profile_path, two more steps run under torch.profiler afterwards, and its table of GPU kernels
-    (CPU ops on the CPU; by self time, both steps together) is written there."""
+    (CPU ops on the CPU; by self time, both steps together) is appended there under profile_title."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=True)
 
     def step(tokens):
@@ -179,7 +180,9 @@ def train(model: Decoder, batches: List[torch.Tensor], device, profile_path: Opt
             if device.type == "cuda":
                 torch.cuda.synchronize()
         sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        profile_path.write_text(profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=90))
+        with profile_path.open("a") as file:
+            file.write(f"\n## {profile_title}\n\n")
+            file.write(profiler.key_averages().table(sort_by=sort_by, row_limit=40, max_name_column_width=110))
     return dict(losses=losses[:LOSS_STEPS], seconds=statistics.median(times), peak=peak)
 
 
@@ -195,11 +198,9 @@ def measure_row(args, base: Decoder, n: int, device, notes: Dict[str, str]) -> D
         model.attention = attention
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        profile_path = None
-        if args.profile:
-            profile_path = args.out / f"model_profile_{label}_{row['config'].replace(' ', '_').replace(':', 'x')}_N{n}.txt"
+        profile_path = args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt" if args.profile else None
         try:
-            row["results"][label] = train(model, batches, device, profile_path)
+            row["results"][label] = train(model, batches, device, profile_path, f"{label}, {row['config']}, N={n}, B={b}")
         except Exception as error:  # noqa: BLE001 - a failing provider is one row of "—"
             row["results"][label] = None
             first_line = (str(error).strip().splitlines() or [""])[0][:300]
@@ -211,6 +212,14 @@ def measure_row(args, base: Decoder, n: int, device, notes: Dict[str, str]) -> D
             torch.cuda.empty_cache()
     notes[f"SDPA backend, {row['config']}, N={n}"] = sdpa_backend(args, n, base.blocks[0].kv_heads, device)
     return row
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+
+
+def device_slug(args, device) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if args.quick else "")
 
 
 def losses_agree(row: Dict, rtol: float) -> Optional[bool]:
@@ -288,10 +297,9 @@ def main(argv=None) -> int:
         sys.exit("no CUDA device; use --device cpu for the smoke test")
     device = torch.device(args.device)
     rtol = 2e-2 if args.dtype == torch.bfloat16 else 1e-3
-    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     timing = "CUDA events" if device.type == "cuda" else "time.perf_counter, tiny smoke-test sizes"
     header = [
-        f"Measured {today} (UTC) on one {device_name(device)} (torch {torch.__version__}, cuDNN {cudnn_version()}), "
+        f"Measured {today()} (UTC) on one {device_name(device)} (torch {torch.__version__}, cuDNN {cudnn_version()}), "
         f"flashattn_ext at commit {git_commit()}.",
         f"Command: `{' '.join(shlex.quote(arg) for arg in ['python3', *sys.argv])}`",
         "",
@@ -307,9 +315,10 @@ def main(argv=None) -> int:
         f"above {rtol:g}. SDPA is torch's default dispatch; the backend it picks is listed under the table.",
     ]
     title = "Model training step: flashattn_ext against torch SDPA"
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    md_path = args.out / f"model_{today}_{slug}.md"
+    md_path = args.out / f"model_{today()}_{device_slug(args, device)}.md"
+    if args.profile:
+        (args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt").write_text(f"# {title}: profiles\n")
     print(f"# {title}\n\n" + "\n".join(header) + "\n", flush=True)
     for line in table_head():
         print(line, flush=True)
