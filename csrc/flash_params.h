@@ -46,6 +46,8 @@ enum class MaskKind : int { kNone, kBool, kAdditive };
 // strides: a broadcast mask has stride 0 where it repeats.
 // With dropout, the output is P dropped (see dropout.h) times V over the
 // undropped row sums, and the lse is that of the undropped scores.
+// tile_counter (CUDA only) is a zero-filled int32 that the Hopper forward's
+// tile scheduler counts with; that kernel runs only where it is set.
 struct FwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out;
@@ -53,6 +55,7 @@ struct FwdParams {
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask;
   DropoutParams dropout;
+  int* tile_counter = nullptr;
 };
 
 // The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv,

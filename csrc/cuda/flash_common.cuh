@@ -54,27 +54,28 @@ __device__ __forceinline__ void load_tile_async(Elem* smem, const Elem* head, in
   }
 }
 
-// This block's place in a flattened grid ordered (block, head, batch), blocks
-// fastest: blocks_per_head blocks for each of heads heads of each batch.
+// The place of tile `index` in a flattened grid ordered (block, head, batch),
+// blocks fastest: blocks_per_head blocks for each of heads heads of each batch.
+// (A non-persistent kernel's tile is its thread block: index blockIdx.x.)
 struct GridPosition {
   int64_t block, head, batch;
 };
-__device__ __forceinline__ GridPosition grid_position(int64_t blocks_per_head, int64_t heads) {
-  return {blockIdx.x % blocks_per_head, (blockIdx.x / blocks_per_head) % heads, blockIdx.x / (blocks_per_head * heads)};
+__device__ __forceinline__ GridPosition grid_position(int64_t index, int64_t blocks_per_head, int64_t heads) {
+  return {index % blocks_per_head, (index / blocks_per_head) % heads, index / (blocks_per_head * heads)};
 }
 
-// The same grid in the order for causal calls, whose block 0 of a head has the
-// most work: the (batch, head) pairs in chunks whose streamed tensors take
-// about kL2ChunkBytes together (bytes_per_head each), and within a chunk block
-// 0 of every head first, then block 1, ... So the last blocks launched are
-// light ones (no heavy block starts at the end, alone), and the blocks that
-// run together read the same few heads from L2.
+// The same grid (of `tiles` tiles) in the order for causal calls, whose block
+// 0 of a head has the most work: the (batch, head) pairs in chunks whose
+// streamed tensors take about kL2ChunkBytes together (bytes_per_head each), and
+// within a chunk block 0 of every head first, then block 1, ... So the last
+// tiles handed out are light ones (no heavy tile starts at the end, alone), and
+// the tiles that run together read the same few heads from L2.
 constexpr int64_t kL2ChunkBytes = int64_t{24} << 20;  // about half the H100's L2
-__device__ __forceinline__ GridPosition heaviest_first_position(int64_t blocks_per_head, int64_t heads,
-                                                                int64_t bytes_per_head) {
-  const int64_t pairs = gridDim.x / blocks_per_head;  // batch * heads
+__device__ __forceinline__ GridPosition heaviest_first_position(int64_t index, int64_t tiles, int64_t blocks_per_head,
+                                                                int64_t heads, int64_t bytes_per_head) {
+  const int64_t pairs = tiles / blocks_per_head;  // batch * heads
   const int64_t chunk = max(int64_t{1}, kL2ChunkBytes / max(bytes_per_head, int64_t{1}));
-  const int64_t first = blockIdx.x / (chunk * blocks_per_head) * chunk, rest = blockIdx.x % (chunk * blocks_per_head);
+  const int64_t first = index / (chunk * blocks_per_head) * chunk, rest = index % (chunk * blocks_per_head);
   const int64_t in_chunk = min(chunk, pairs - first);
   const int64_t pair = first + rest % in_chunk;
   return {rest / in_chunk, pair % heads, pair / heads};

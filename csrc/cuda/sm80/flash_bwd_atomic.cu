@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   float* s_delta = s_lse + 2 * kBlockM;                                     // two buffers
 
   const AttentionProblem& p = params.problem;
-  const GridPosition position = grid_position(ceil_div(p.len_k, kBlockN), p.heads_kv);
+  const GridPosition position = grid_position(blockIdx.x, ceil_div(p.len_k, kBlockN), p.heads_kv);
   const int64_t n_block = position.block, h_kv = position.head, b = position.batch;
   const int64_t group = p.heads_q / p.heads_kv;
   const int64_t col0 = n_block * kBlockN;  // first key of the block

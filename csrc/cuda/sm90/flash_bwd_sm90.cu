@@ -75,8 +75,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int64_t group = p.heads_q / p.heads_kv;
   const GridPosition position =
       p.is_causal
-          ? heaviest_first_position(n_blocks, p.heads_kv, group * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)})
-          : grid_position(n_blocks, p.heads_kv);
+          ? heaviest_first_position(blockIdx.x, gridDim.x, n_blocks, p.heads_kv,
+                                    group * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)})
+          : grid_position(blockIdx.x, n_blocks, p.heads_kv);
   const int64_t n_block = position.block;  // causal: the first key blocks have the most queries
   const int64_t h_kv = position.head, b = position.batch;
   const int64_t col0 = n_block * kBlockN;

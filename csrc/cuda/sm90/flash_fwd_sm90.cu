@@ -1,9 +1,16 @@
-// The Hopper forward kernel (sm_90a): one thread block per (block of query
-// rows, head, batch), split by role into warpgroups.
+// The Hopper forward kernel (sm_90a): persistent, one thread block per SM,
+// each taking (block of query rows, head, batch) tiles from a tile scheduler
+// (the first from its block index, the next from an atomic counter, in the
+// order of heaviest_first_position for causal calls), split by role into
+// warpgroups.
 //  - The producer warpgroup gives most of its registers away (setmaxnreg), and
-//    one of its threads drives the copy engine: Q once, then K and V tiles into
-//    a ring of shared-memory stages, each completed on an mbarrier ("full") and
-//    handed back by the consumers on another ("empty").
+//    one of its threads fetches the tiles, hands each to the consumers through
+//    shared memory, and drives the copy engine: a tile's Q once, then K and V
+//    tiles into a ring of shared-memory stages, each completed on an mbarrier
+//    ("full") and handed back by the consumers on another ("empty"). The ring
+//    runs on across tiles, and the next tile's Q loads as soon as the
+//    consumers' last Q K^T of the current one is done: its first tiles are in
+//    shared memory while the consumers write the current one's output.
 //  - Consumer warpgroups of 64 query rows each (two, three at head dim 64) run
 //    the algorithm with wgmma: S = Q K^T with both operands in shared memory,
 //    the online softmax in registers, O += P V with P from registers. Each
@@ -14,6 +21,7 @@
 // Scores of tiles that cross the causal diagonal or the end of the keys are
 // masked; those tiles come last in the loop. Out and the log-sum-exp are
 // written from registers.
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/flash_common.cuh"
@@ -32,12 +40,14 @@ struct FwdKernelParams {
   CUtensorMap q_map, k_map, v_map;
 };
 
-// The mbarriers of one block, in shared memory.
+// The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
 template <int kStages>
-struct FwdBarriers {
-  uint64_t q_full;
+struct FwdSharedState {
+  uint64_t q_full, q_empty;
   uint64_t k_full[kStages], v_full[kStages];    // the copy engine filled the stage
   uint64_t k_empty[kStages], v_empty[kStages];  // every consumer thread is done reading it
+  uint64_t tile_full[2], tile_empty[2];         // tile[slot] was written / read by every consumer thread
+  int tile[2];  // the producer runs at most one tile ahead: two slots
 };
 
 // Rescales (with the row's factor) and adds: the two rows of a thread are
@@ -48,6 +58,28 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&fa
   for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
 }
 
+// Where a tile of the forward lies, and how many key tiles its rows see.
+struct FwdTile {
+  int64_t row0, head, kv_head, batch;
+  int n_blocks;
+};
+
+template <typename Cfg, typename Elem>
+__device__ __forceinline__ FwdTile fwd_tile(const AttentionProblem& p, int64_t tile, int64_t tiles) {
+  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM);
+  const GridPosition position =
+      p.is_causal ? heaviest_first_position(tile, tiles, m_blocks, p.heads_q,
+                                            p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)})
+                  : grid_position(tile, m_blocks, p.heads_q);
+  FwdTile t;
+  t.row0 = (m_blocks - 1 - position.block) * Cfg::kBlockM;  // longest causal rows first
+  t.head = position.head;
+  t.kv_head = position.head / (p.heads_q / p.heads_kv);
+  t.batch = position.batch;
+  t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
+  return t;
+}
+
 template <typename Elem, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -56,72 +88,83 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
   const FwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
+  const int64_t tiles = ceil_div(p.len_q, kBlockM) * p.heads_q * p.batch;
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
   unsigned char* s_q = smem;
   unsigned char* s_k = s_q + Cfg::kQBytes;
   unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
-  auto* bars = reinterpret_cast<FwdBarriers<kStages>*>(s_v + kStages * Cfg::kKVBytes);
-
-  const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
-  const GridPosition position =
-      p.is_causal ? heaviest_first_position(m_blocks, p.heads_q, p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)})
-                  : grid_position(m_blocks, p.heads_q);
-  const int64_t m_block = m_blocks - 1 - position.block;  // longest causal rows first
-  const int64_t h = position.head, b = position.batch;
-  const int64_t h_kv = h / (p.heads_q / p.heads_kv);
-  const int64_t row0 = m_block * kBlockM;
-  const int64_t offset = causal_offset(p);
-  const int n_blocks = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockM), kBlockN));
+  auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(s_v + kStages * Cfg::kKVBytes);
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(&bars->q_full, 1);
+    ptx::mbarrier_init(&shared->q_full, 1);
+    ptx::mbarrier_init(&shared->q_empty, kConsumerThreads);
     for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&bars->k_full[s], 1);
-      ptx::mbarrier_init(&bars->v_full[s], 1);
-      ptx::mbarrier_init(&bars->k_empty[s], Cfg::kConsumers * kWarpgroupThreads);
-      ptx::mbarrier_init(&bars->v_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+      ptx::mbarrier_init(&shared->k_full[s], 1);
+      ptx::mbarrier_init(&shared->v_full[s], 1);
+      ptx::mbarrier_init(&shared->k_empty[s], kConsumerThreads);
+      ptx::mbarrier_init(&shared->v_empty[s], kConsumerThreads);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      ptx::mbarrier_init(&shared->tile_full[slot], 1);
+      ptx::mbarrier_init(&shared->tile_empty[slot], kConsumerThreads);
     }
     ptx::fence_barrier_init();
   }
   __syncthreads();
 
+  // Producer and consumers step through the same sequence of tiles (round r's
+  // in slot r % 2) and the same ring of K/V stages (the kv-th tile loaded or
+  // read overall in stage kv % kStages). A fresh barrier's preceding phase
+  // counts as complete, so the first waits for an "empty" pass at once.
   if (warpgroup == 0) {
     // Producer.
     ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-    if (threadIdx.x != 0 || n_blocks == 0) return;
+    if (threadIdx.x != 0) return;
     ptx::prefetch_tensor_map(&kp.q_map);
     ptx::prefetch_tensor_map(&kp.k_map);
     ptx::prefetch_tensor_map(&kp.v_map);
-    const int q_row = static_cast<int>(row0), head = static_cast<int>(h), kv_head = static_cast<int>(h_kv),
-              batch = static_cast<int>(b);
-    ptx::mbarrier_arrive_expect_tx(&bars->q_full, Cfg::kQBytes);
-    for (int c = 0; c < Cfg::kColBlocks; ++c) {
-      ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full, c * kSwizzleCols, q_row, head,
-                       batch);
-    }
-    for (int n_block = 0; n_block < n_blocks; ++n_block) {
-      const int stage = n_block % kStages;
-      const uint32_t parity = (n_block / kStages) & 1;
-      const int key_row = n_block * kBlockN;
-      // Wait until the consumers released this stage's previous tile (the first
-      // round passes at once: a fresh barrier's preceding phase counts as done).
-      ptx::mbarrier_wait(&bars->k_empty[stage], parity ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&bars->k_full[stage], Cfg::kKVBytes);
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->k_full[stage],
-                         c * kSwizzleCols, key_row, kv_head, batch);
+    int64_t tile = blockIdx.x;
+    for (int round = 0, kv = 0, q_round = 0;; ++round) {
+      const int slot = round % 2;
+      ptx::mbarrier_wait(&shared->tile_empty[slot], ((round / 2) & 1) ^ 1);
+      shared->tile[slot] = static_cast<int>(min(tile, tiles));
+      ptx::mbarrier_arrive(&shared->tile_full[slot]);
+      if (tile >= tiles) return;
+      const int64_t next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
+      const FwdTile t = fwd_tile<Cfg, Elem>(p, tile, tiles);
+      const int head = static_cast<int>(t.head), kv_head = static_cast<int>(t.kv_head),
+                batch = static_cast<int>(t.batch);
+      if (t.n_blocks > 0) {
+        ptx::mbarrier_wait(&shared->q_empty, (q_round++ & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&shared->q_full, Cfg::kQBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * kSwizzleCols,
+                           static_cast<int>(t.row0), head, batch);
+        }
       }
-      ptx::mbarrier_wait(&bars->v_empty[stage], parity ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&bars->v_full[stage], Cfg::kKVBytes);
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(s_v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->v_full[stage],
-                         c * kSwizzleCols, key_row, kv_head, batch);
+      for (int n_block = 0; n_block < t.n_blocks; ++n_block, ++kv) {
+        const int stage = kv % kStages;
+        const uint32_t parity = (kv / kStages) & 1;
+        const int key_row = n_block * kBlockN;
+        ptx::mbarrier_wait(&shared->k_empty[stage], parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
+                           c * kSwizzleCols, key_row, kv_head, batch);
+        }
+        ptx::mbarrier_wait(&shared->v_empty[stage], parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&shared->v_full[stage], Cfg::kKVBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
+                           c * kSwizzleCols, key_row, kv_head, batch);
+        }
       }
+      tile = next_tile;
     }
-    return;
   }
 
   // Consumers.
@@ -144,22 +187,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     return n_major_desc(v_addr + stage * Cfg::kKVBytes, Cfg::kKVColBlockBytes, kk);
   };
 
-  auto wait_k = [&](int n_block) { ptx::mbarrier_wait(&bars->k_full[n_block % kStages], (n_block / kStages) & 1); };
-  auto wait_v = [&](int n_block) { ptx::mbarrier_wait(&bars->v_full[n_block % kStages], (n_block / kStages) & 1); };
+  // kv: the K/V tile's place in the ring (see above).
+  auto wait_k = [&](int kv) { ptx::mbarrier_wait(&shared->k_full[kv % kStages], (kv / kStages) & 1); };
+  auto wait_v = [&](int kv) { ptx::mbarrier_wait(&shared->v_full[kv % kStages], (kv / kStages) & 1); };
+  auto release_v = [&](int kv) { ptx::mbarrier_arrive(&shared->v_empty[kv % kStages]); };
   // S = Q K^T for one tile (its K loaded), issued (not waited for).
-  auto issue_scores = [&](float (&s)[kKeyRegs], int n_block) {
-    const int stage = n_block % kStages;
+  auto issue_scores = [&](float (&s)[kKeyRegs], int kv) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) ptx::wgmma_ss<Elem, kBlockN>(s, q_desc(kk), k_desc(stage, kk), kk > 0);
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockN>(s, q_desc(kk), k_desc(kv % kStages, kk), kk > 0);
+    }
     ptx::wgmma_commit();
   };
   // O += P V for one tile (its V loaded), issued (not waited for).
-  auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int n_block) {
-    const int stage = n_block % kStages;
+  auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int kv) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], v_desc(stage, kk), true);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], v_desc(kv % kStages, kk), true);
     ptx::wgmma_commit();
   };
 
@@ -168,149 +213,172 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // times the scale is the max of the scaled ones: scaling and subtracting the
   // max fold into one fma.
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-
-  // Masks keys past the end and above the causal diagonal (to -inf): only the
-  // tiles for which tile_needs_mask holds have any.
-  auto tile_needs_mask = [&](int n_block) {
-    const int64_t col0 = int64_t(n_block) * kBlockN;
-    return col0 + kBlockN > p.len_k || (p.is_causal && col0 + kBlockN - 1 > row0 + offset);
-  };
-  // In 32-bit tile coordinates: key c of the tile is past the end when c >=
-  // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
-  // when c - r > diagonal.
-  auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
-    const int64_t col0 = int64_t(n_block) * kBlockN;
-    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-    const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
-    const int diagonal =
-        crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
-#pragma unroll
-    for (int i = 0; i < kKeyRegs; ++i) {
-      const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
-      if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
-    }
-  };
-
-  // The online softmax of one tile: turns s into unnormalized probabilities
-  // and returns each row's rescale factor for the output so far.
-  auto softmax = [&](float (&s)[kKeyRegs], float (&rescale)[2]) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kKeyRegs / 4; ++j) tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-      const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
-      // A row with nothing visible yet keeps max -inf; subtract 0 instead so
-      // that exp2(-inf - max) stays 0 rather than NaN.
-      const float max_used = new_max == -INFINITY ? 0.f : new_max;
-      rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
-      row_max[half] = new_max;
-      float tile_sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < kKeyRegs / 4; ++j) {
-#pragma unroll
-        for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used));
-          tile_sum += s[4 * j + e];
-        }
-      }
-      row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
-    }
-  };
-
-  float o[kOutRegs];
-#pragma unroll
-  for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
+  const int64_t offset = causal_offset(p);
 
   // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
   // (named barrier 1 + c is consumer c's turn; the one before grants it), so
   // that one's softmax runs while the tensor cores work for the others.
   // Consumer 0 starts, and the last consumer's last turn grants nothing, so
-  // every arrival is waited for.
+  // every arrival is waited for within the tile.
   constexpr int kTurnThreads = 2 * kWarpgroupThreads;  // the waiting consumer and the granting one
   auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, kTurnThreads); };
   auto grant_turn = [&] { ptx::named_barrier_arrive(1 + (consumer + 1) % Cfg::kConsumers, kTurnThreads); };
 
-  if (n_blocks > 0) {
-    ptx::mbarrier_wait(&bars->q_full, 0);
-    if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, kTurnThreads);
-    uint32_t pa[kBlockN / 16][4];
-    {
-      float s[kKeyRegs];
-      wait_k(0);
-      issue_scores(s, 0);
-      ptx::wgmma_wait<0>();
-      fence_registers(s);
-      ptx::mbarrier_arrive(&bars->k_empty[0]);
-      if (tile_needs_mask(0)) mask_tile(s, 0);
-      float rescale[2];
-      softmax(s, rescale);
-      to_fragments<Elem>(s, pa);
-    }
-    for (int n_block = 1; n_block < n_blocks; ++n_block) {
-      // The scores of this tile and the P V of the previous one run together;
-      // the softmax needs only the scores (the first group of two).
-      float s[kKeyRegs];
-      wait_k(n_block);
-      wait_v(n_block - 1);
-      wait_turn();
-      issue_scores(s, n_block);
-      issue_pv(o, pa, n_block - 1);
-      if (consumer + 1 < Cfg::kConsumers || n_block + 1 < n_blocks) grant_turn();
-      ptx::wgmma_wait<1>();
-      fence_registers(s);
-      ptx::mbarrier_arrive(&bars->k_empty[n_block % kStages]);
-      // The softmax sits in the branches of its own if: the compiler schedules
-      // each basic block on its own, and in one shared with the wait for P V
-      // below it hoists that wait (a free instruction to it) above the
-      // softmax, which then no longer runs under P V.
-      float rescale[2];
-      if (tile_needs_mask(n_block)) {
-        mask_tile(s, n_block);
-        softmax(s, rescale);
-      } else {
-        softmax(s, rescale);
+  for (int round = 0, kv = 0, q_round = 0;; ++round) {
+    const int slot = round % 2;
+    ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
+    const int64_t tile = shared->tile[slot];
+    ptx::mbarrier_arrive(&shared->tile_empty[slot]);
+    if (tile >= tiles) break;
+    const FwdTile t = fwd_tile<Cfg, Elem>(p, tile, tiles);
+    const int64_t row0 = t.row0;
+    const int n_blocks = t.n_blocks;
+
+    // The tile's last Q K^T is its last read of Q: the next tile's may load.
+    auto release_k = [&](int n_block) {
+      ptx::mbarrier_arrive(&shared->k_empty[(kv + n_block) % kStages]);
+      if (n_block == n_blocks - 1) ptx::mbarrier_arrive(&shared->q_empty);
+    };
+    // Masks keys past the end and above the causal diagonal (to -inf): only the
+    // tiles for which tile_needs_mask holds have any.
+    auto tile_needs_mask = [&](int n_block) {
+      const int64_t col0 = int64_t(n_block) * kBlockN;
+      return col0 + kBlockN > p.len_k || (p.is_causal && col0 + kBlockN - 1 > row0 + offset);
+    };
+    // In 32-bit tile coordinates: key c of the tile is past the end when c >=
+    // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
+    // when c - r > diagonal.
+    auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
+      const int64_t col0 = int64_t(n_block) * kBlockN;
+      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+      const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+      const int diagonal =
+          crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+#pragma unroll
+      for (int i = 0; i < kKeyRegs; ++i) {
+        const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
+        if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
       }
+    };
+
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // The online softmax of one tile: turns s into unnormalized probabilities
+    // and returns each row's rescale factor for the output so far.
+    auto softmax = [&](float (&s)[kKeyRegs], float (&rescale)[2]) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kKeyRegs / 4; ++j) {
+          tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
+        // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+        // that exp2(-inf - max) stays 0 rather than NaN.
+        const float max_used = new_max == -INFINITY ? 0.f : new_max;
+        rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
+        row_max[half] = new_max;
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kKeyRegs / 4; ++j) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used));
+            tile_sum += s[4 * j + e];
+          }
+        }
+        row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
+      }
+    };
+
+    float o[kOutRegs];
+#pragma unroll
+    for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
+
+    if (n_blocks > 0) {
+      ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
+      if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, kTurnThreads);
+      uint32_t pa[kBlockN / 16][4];
+      {
+        float s[kKeyRegs];
+        wait_k(kv);
+        issue_scores(s, kv);
+        ptx::wgmma_wait<0>();
+        fence_registers(s);
+        release_k(0);
+        if (tile_needs_mask(0)) mask_tile(s, 0);
+        float rescale[2];
+        softmax(s, rescale);
+        to_fragments<Elem>(s, pa);
+      }
+      for (int n_block = 1; n_block < n_blocks; ++n_block) {
+        // The scores of this tile and the P V of the previous one run together;
+        // the softmax needs only the scores (the first group of two).
+        float s[kKeyRegs];
+        wait_k(kv + n_block);
+        wait_v(kv + n_block - 1);
+        wait_turn();
+        issue_scores(s, kv + n_block);
+        issue_pv(o, pa, kv + n_block - 1);
+        if (consumer + 1 < Cfg::kConsumers || n_block + 1 < n_blocks) grant_turn();
+        ptx::wgmma_wait<1>();
+        fence_registers(s);
+        release_k(n_block);
+        // The softmax sits in the branches of its own if: the compiler schedules
+        // each basic block on its own, and in one shared with the wait for P V
+        // below it hoists that wait (a free instruction to it) above the
+        // softmax, which then no longer runs under P V.
+        float rescale[2];
+        if (tile_needs_mask(n_block)) {
+          mask_tile(s, n_block);
+          softmax(s, rescale);
+        } else {
+          softmax(s, rescale);
+        }
+        ptx::wgmma_wait<0>();
+        fence_registers(o);
+        release_v(kv + n_block - 1);
+        scale_rows(o, rescale);
+        to_fragments<Elem>(s, pa);
+      }
+      wait_v(kv + n_blocks - 1);
+      issue_pv(o, pa, kv + n_blocks - 1);
       ptx::wgmma_wait<0>();
       fence_registers(o);
-      ptx::mbarrier_arrive(&bars->v_empty[(n_block - 1) % kStages]);
-      scale_rows(o, rescale);
-      to_fragments<Elem>(s, pa);
+      release_v(kv + n_blocks - 1);
+      kv += n_blocks;
     }
-    wait_v(n_blocks - 1);
-    issue_pv(o, pa, n_blocks - 1);
-    ptx::wgmma_wait<0>();
-    fence_registers(o);
-    ptx::mbarrier_arrive(&bars->v_empty[(n_blocks - 1) % kStages]);
-  }
 
-  // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
-  Elem* out = head_ptr<Elem>(params.out, b, h);
-  float* lse = static_cast<float*>(params.lse) + (b * p.heads_q + h) * p.len_q;
-  const int dim = static_cast<int>(p.head_dim);
+    // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
+    Elem* out = head_ptr<Elem>(params.out, t.batch, t.head);
+    float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
+    const int dim = static_cast<int>(p.head_dim);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffff, sum, 1);
-    sum += __shfl_xor_sync(0xffffffff, sum, 2);
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-    const int64_t row = row0 + tile_row + half * 8;
-    if (row >= p.len_q) continue;
+    for (int half = 0; half < 2; ++half) {
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+      const int64_t row = row0 + tile_row + half * 8;
+      if (row >= p.len_q) continue;
 #pragma unroll
-    for (int j = 0; j < kOutRegs / 4; ++j) {
-      const int col = j * 8 + (lane % 4) * 2;
-      if (col < dim) {
-        *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
-            ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum, o[4 * j + 2 * half + 1] * inv_sum);
+      for (int j = 0; j < kOutRegs / 4; ++j) {
+        const int col = j * 8 + (lane % 4) * 2;
+        if (col < dim) {
+          *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
+              ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum, o[4 * j + 2 * half + 1] * inv_sum);
+        }
       }
+      if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
     }
-    if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
   }
 #endif
 }
+
+// The tile scheduler counts tiles in an int (with room for the grid's last fetches past the end).
+constexpr int64_t kMaxTiles = int64_t{1} << 30;
 
 template <typename Elem, int kHeadDim, bool kCausal>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
@@ -329,7 +397,12 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   }
   auto kernel = attention_forward_kernel<Elem, Cfg>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  const int64_t blocks = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
+  const int64_t tiles = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
+  if (tiles > kMaxTiles) return false;
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t blocks = std::min<int64_t>(tiles, std::max(sms, 1));  // one block an SM (shared memory)
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   return true;
 }
@@ -339,7 +412,8 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   // What this kernel covers; the rest runs the sm80 kernels.
-  if (params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 || !(p.scale > 0.0) ||
+  if (params.tile_counter == nullptr || params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 ||
+      !(p.scale > 0.0) ||
       p.head_dim != p.head_dim_v || p.head_dim > 128 || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 ||
       p.batch == 0) {
     return false;

@@ -33,8 +33,8 @@ struct FwdTileConfig {
   static constexpr int kBlockN = kBlockN_;  // keys per streamed tile
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   // setmaxnreg: the producer gives its registers to the consumers
-  // (24 * 128 + 240 * 256 and 32 * 128 + 160 * 384 are both <= 64K).
-  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  // (32 * 128 + 240 * 256 and 32 * 128 + 160 * 384 are both 64K).
+  static constexpr int kProducerRegs = 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
