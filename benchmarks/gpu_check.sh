@@ -36,7 +36,7 @@ for stage in $stages; do
       python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     hopper)
-      timeout 600 python3 -m pytest -q -rs -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
+      timeout 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench-hopper)
       python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \

@@ -96,6 +96,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   unsigned char* s_k = s_q + Cfg::kQBytes;
   unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
   auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(s_v + kStages * Cfg::kKVBytes);
+  static_assert(Cfg::kQBytes + 2 * kStages * Cfg::kKVBytes + sizeof(FwdSharedState<kStages>) + 1024 <=
+                    Cfg::kSmemBytes,
+                "the shared state fits after the tiles");
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
 
   const int warpgroup = threadIdx.x / kWarpgroupThreads;
@@ -217,19 +220,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 
   // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
   // (named barrier 1 + c is consumer c's turn; the one before grants it), so
-  // that one's softmax runs while the tensor cores work for the others.
-  // Consumer 0 starts, and the last consumer's last turn grants nothing, so
-  // every arrival is waited for within the tile.
+  // that one's softmax runs while the tensor cores work for the others. The
+  // order runs on across tiles (a consumer that is done with a tile must not
+  // take two turns before the next one's last): consumer 0 grants itself the
+  // first turn, and takes one more at the end that no GEMM follows, so every
+  // arrival is waited for.
   constexpr int kTurnThreads = 2 * kWarpgroupThreads;  // the waiting consumer and the granting one
   auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, kTurnThreads); };
   auto grant_turn = [&] { ptx::named_barrier_arrive(1 + (consumer + 1) % Cfg::kConsumers, kTurnThreads); };
+  if (consumer == 0) ptx::named_barrier_arrive(1, kTurnThreads);
 
   for (int round = 0, kv = 0, q_round = 0;; ++round) {
     const int slot = round % 2;
     ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
     const int64_t tile = shared->tile[slot];
     ptx::mbarrier_arrive(&shared->tile_empty[slot]);
-    if (tile >= tiles) break;
+    if (tile >= tiles) {
+      if (consumer == 0) wait_turn();
+      break;
+    }
     const FwdTile t = fwd_tile<Cfg, Elem>(p, tile, tiles);
     const int64_t row0 = t.row0;
     const int n_blocks = t.n_blocks;
@@ -299,7 +308,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 
     if (n_blocks > 0) {
       ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
-      if (consumer == 0 && n_blocks > 1) ptx::named_barrier_arrive(1, kTurnThreads);
       uint32_t pa[kBlockN / 16][4];
       {
         float s[kKeyRegs];
@@ -322,7 +330,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         wait_turn();
         issue_scores(s, kv + n_block);
         issue_pv(o, pa, kv + n_block - 1);
-        if (consumer + 1 < Cfg::kConsumers || n_block + 1 < n_blocks) grant_turn();
+        grant_turn();
         ptx::wgmma_wait<1>();
         fence_registers(s);
         release_k(n_block);

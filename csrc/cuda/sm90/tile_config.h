@@ -42,11 +42,12 @@ struct FwdTileConfig {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
-  // Q, then K and V of every stage, then the mbarriers; the tiles 1024-byte
-  // aligned (the swizzle pattern repeats every 1024 bytes), plus slack to align
-  // the base. Three stages where they fit (not with 176-key tiles at head dim 128).
+  // Q, then K and V of every stage, then the mbarriers and the scheduler's tile
+  // slots; the tiles 1024-byte aligned (the swizzle pattern repeats every 1024
+  // bytes), plus slack to align the base. Three stages where they fit (not
+  // with 176-key tiles at head dim 128).
   static constexpr int kStageBytes = 2 * kKVBytes + 4 * 8;  // K, V and their four mbarriers
-  static constexpr int kFixedBytes = kQBytes + 8 + 1024;     // Q, its mbarrier, the slack
+  static constexpr int kFixedBytes = kQBytes + 64 + 1024;    // Q, its 2 mbarriers, the tile slots' 4 and 2 ints, the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
