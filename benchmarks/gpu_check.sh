@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
 # stages named as arguments (default: all), logging each under $OUT.
-#   bash benchmarks/gpu_check.sh [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model] [model-profile]
-# (hopper: the Hopper kernels' own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
+#   bash benchmarks/gpu_check.sh [smoke] [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model] [model-profile]
+# (smoke: a minute's run of the Hopper kernels, the script stops if it fails or hangs; hopper: their own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
 #  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
 #  instructions in the built library; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
 #  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels; model: the model-level
@@ -35,6 +35,10 @@ for stage in $stages; do
     test)
       python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+    smoke)
+      # A hang here would otherwise take the rest of the call: stop the script.
+      timeout 120 python3 benchmarks/smoke_sm90.py 2>&1 | tee "$OUT/smoke.log" | tail -n 20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
     hopper)
       timeout 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
