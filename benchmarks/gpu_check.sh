@@ -36,11 +36,12 @@ for stage in $stages; do
       python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     smoke)
-      # A hang here would otherwise take the rest of the call: stop the script.
-      timeout 120 python3 benchmarks/smoke_sm90.py 2>&1 | tee "$OUT/smoke.log" | tail -n 20
+      # A hang here would otherwise take the rest of the call: stop the script (SIGKILL: a process
+      # waiting on a hung kernel does not end on SIGTERM).
+      timeout -s KILL 120 python3 benchmarks/smoke_sm90.py 2>&1 | tee "$OUT/smoke.log" | tail -n 20
       [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
     hopper)
-      timeout 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
+      timeout -s KILL 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench-hopper)
       python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \

@@ -32,9 +32,12 @@ struct FwdTileConfig {
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
   static constexpr int kBlockN = kBlockN_;  // keys per streamed tile
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
-  // setmaxnreg: the producer gives its registers to the consumers
-  // (32 * 128 + 240 * 256 and 32 * 128 + 160 * 384 are both 64K).
-  static constexpr int kProducerRegs = 32;
+  // setmaxnreg: the producer gives its registers to the consumers. The
+  // consumers can take only what the producer gave back from the block's launch
+  // allocation (the same for every thread: 168 and 128 registers, so that 384
+  // and 512 threads fit in 64K), else their setmaxnreg.inc waits forever:
+  // (168 - 24) * 128 = (240 - 168) * 256 and (128 - 32) * 128 = (160 - 128) * 384.
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
