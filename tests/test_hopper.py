@@ -35,6 +35,10 @@ SHAPES = [
     (2, 2, 2, 129, 257, 72),
     (1, 2, 1, 300, 300, 32),
     (1, 1, 1, 4096, 4096, 128),
+    # More tiles than an H100 or H200 has SMs (132): the persistent forward's blocks take several
+    # each, with the K/V ring running on across them; in the second, tiles whose rows see no key.
+    (4, 40, 8, 520, 520, 128),
+    (2, 48, 48, 600, 100, 64),
 ]
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 MODES = ["full", "causal", "causal_lower_right"]
