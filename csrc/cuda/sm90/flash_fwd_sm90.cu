@@ -272,54 +272,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     // The online softmax of one tile: turns s into unnormalized probabilities
-    // and returns each row's rescale factor for the output so far. The row max
-    // and sum are kChains independent partial ones, combined at the end: one
-    // running value is a chain of dependent instructions as long as the row
-    // (SASS: 32 serial FMNMX and FADD a row at 128 keys), whose latency then
-    // stalls the warp ("stall wait", the first reason in Nsight Compute).
+    // and returns each row's rescale factor for the output so far.
     auto softmax = [&](float (&s)[kKeyRegs], float (&rescale)[2]) {
-      constexpr int kChains = 4;
-      float partial[2][kChains];
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
 #pragma unroll
-        for (int c = 0; c < kChains; ++c) partial[half][c] = -INFINITY;
-      }
-#pragma unroll
-      for (int j = 0; j < kKeyRegs / 4; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          partial[half][j % kChains] =
-              fmaxf(partial[half][j % kChains], fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+        for (int j = 0; j < kKeyRegs / 4; ++j) {
+          tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
         }
-      }
-      float max_used[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float tile_max = fmaxf(fmaxf(partial[half][0], partial[half][1]), fmaxf(partial[half][2], partial[half][3]));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
         const float new_max = fmaxf(row_max[half], tile_max * scale_log2);
         // A row with nothing visible yet keeps max -inf; subtract 0 instead so
         // that exp2(-inf - max) stays 0 rather than NaN.
-        max_used[half] = new_max == -INFINITY ? 0.f : new_max;
-        rescale[half] = ptx::exp2_approx(row_max[half] - max_used[half]);
+        const float max_used = new_max == -INFINITY ? 0.f : new_max;
+        rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
         row_max[half] = new_max;
+        float tile_sum = 0.f;
 #pragma unroll
-        for (int c = 0; c < kChains; ++c) partial[half][c] = 0.f;
-      }
+        for (int j = 0; j < kKeyRegs / 4; ++j) {
 #pragma unroll
-      for (int j = 0; j < kKeyRegs / 4; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int half = e / 2;
-          s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used[half]));
-          partial[half][j % kChains] += s[4 * j + e];
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used));
+            tile_sum += s[4 * j + e];
+          }
         }
-      }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float tile_sum = (partial[half][0] + partial[half][1]) + (partial[half][2] + partial[half][3]);
         row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
       }
     };
