@@ -198,9 +198,9 @@ def measure_row(args, base: Decoder, n: int, device, notes: Dict[str, str]) -> D
         model.attention = attention
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        profile_path = args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt" if args.profile else None
         try:
-            row["results"][label] = train(model, batches, device, profile_path, f"{label}, {row['config']}, N={n}, B={b}")
+            row["results"][label] = train(model, batches, device, args.profile_path,
+                                          f"{label}, {row['config']}, N={n}, B={b}")
         except Exception as error:  # noqa: BLE001 - a failing provider is one row of "—"
             row["results"][label] = None
             first_line = (str(error).strip().splitlines() or [""])[0][:300]
@@ -277,7 +277,7 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, help="tokens per step, B = tokens // N (default 16384; CPU 256)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--profile", action="store_true",
-                        help="after the timed steps, profile two more and write each provider's kernel table to --out")
+                        help="after the timed steps, profile two more; every provider's kernel table goes to one file in --out")
     args = parser.parse_args(argv)
     defaults = dict(GPU_DEFAULTS if args.device == "cuda" else CPU_DEFAULTS)
     if args.quick:
@@ -317,8 +317,9 @@ def main(argv=None) -> int:
     title = "Model training step: flashattn_ext against torch SDPA"
     args.out.mkdir(parents=True, exist_ok=True)
     md_path = args.out / f"model_{today()}_{device_slug(args, device)}.md"
-    if args.profile:
-        (args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt").write_text(f"# {title}: profiles\n")
+    args.profile_path = args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt" if args.profile else None
+    if args.profile_path is not None:
+        args.profile_path.write_text(f"# {title}: profiles\n")
     print(f"# {title}\n\n" + "\n".join(header) + "\n", flush=True)
     for line in table_head():
         print(line, flush=True)
