@@ -416,6 +416,11 @@ def device_name(device: torch.device) -> str:
     return f"CPU {platform.machine()} ({torch.get_num_threads()} threads)"
 
 
+def device_slug(device: torch.device, quick: bool) -> str:
+    """The device's name as a file-name part (results are named by date and this)."""
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if quick else "")
+
+
 def cudnn_version() -> str:
     version = torch.backends.cudnn.version()
     if not version:
@@ -517,9 +522,8 @@ def main(argv=None) -> int:
     report = new_report(args, setup, device, today)
     if not report.providers:
         sys.exit(f"none of --providers {' '.join(args.providers)} runs on {args.device}")
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if args.quick else "")
     args.out.mkdir(parents=True, exist_ok=True)
-    md_path = args.out / f"bench_{today}_{slug}.md"
+    md_path = args.out / f"bench_{today}_{device_slug(device, args.quick)}.md"
     print(f"# {report.title}\n\n" + "\n".join(report.header), flush=True)
 
     status = 0

@@ -27,7 +27,6 @@ import argparse
 import copy
 import datetime
 import gc
-import re
 import shlex
 import statistics
 import sys
@@ -42,7 +41,7 @@ from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (bench_attention also puts REPO on sys.path; its ext_attention raises the import error if the ext is missing)
-from bench_attention import REPO, cudnn_version, device_name, ext_attention, git_commit  # noqa: E402
+from bench_attention import REPO, cudnn_version, device_name, device_slug, ext_attention, git_commit  # noqa: E402
 
 PROVIDERS = {"SDPA": F.scaled_dot_product_attention, "flashattn_ext": ext_attention}
 WARMUP_STEPS, LOSS_STEPS = 3, 3
@@ -218,10 +217,6 @@ def today() -> str:
     return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
 
 
-def device_slug(args, device) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-") + ("-quick" if args.quick else "")
-
-
 def losses_agree(row: Dict, rtol: float) -> Optional[bool]:
     ours, theirs = row["results"]["flashattn_ext"], row["results"]["SDPA"]
     if ours is None or theirs is None:
@@ -316,8 +311,8 @@ def main(argv=None) -> int:
     ]
     title = "Model training step: flashattn_ext against torch SDPA"
     args.out.mkdir(parents=True, exist_ok=True)
-    md_path = args.out / f"model_{today()}_{device_slug(args, device)}.md"
-    args.profile_path = args.out / f"model_profile_{today()}_{device_slug(args, device)}.txt" if args.profile else None
+    md_path = args.out / f"model_{today()}_{device_slug(device, args.quick)}.md"
+    args.profile_path = args.out / f"model_profile_{today()}_{device_slug(device, args.quick)}.txt" if args.profile else None
     if args.profile_path is not None:
         args.profile_path.write_text(f"# {title}: profiles\n")
     print(f"# {title}\n\n" + "\n".join(header) + "\n", flush=True)

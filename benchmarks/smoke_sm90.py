@@ -2,7 +2,7 @@
 
 Forward and backward of a few shapes (causal and not, head dims 64 and 128, a ragged length, GQA)
 against SDPA's math backend in float32, printing the largest error of each.
-    timeout 120 python3 benchmarks/smoke_sm90.py
+    timeout -s KILL 120 python3 benchmarks/smoke_sm90.py   (SIGKILL: a process waiting on a hung kernel ignores SIGTERM)
 """
 import torch
 import torch.nn.functional as F
