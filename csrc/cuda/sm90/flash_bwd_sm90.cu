@@ -22,6 +22,7 @@
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
 #include <cmath>
+#include <limits>
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
@@ -35,6 +36,7 @@ namespace {
 struct BwdKernelParams {
   BwdParams call;
   CUtensorMap q_map, k_map, v_map, dout_map;
+  int order_chunks;  // causal: heaviest_first_position's chunks
 };
 
 template <int kStages>
@@ -74,10 +76,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
   const int64_t group = p.heads_q / p.heads_kv;
   const GridPosition position =
-      p.is_causal
-          ? heaviest_first_position(blockIdx.x, gridDim.x, n_blocks, p.heads_kv,
-                                    group * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)})
-          : grid_position(blockIdx.x, n_blocks, p.heads_kv);
+      p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
+                                            static_cast<int>(p.heads_kv * p.batch), kp.order_chunks)
+                  : grid_position(blockIdx.x, n_blocks, p.heads_kv);
   const int64_t n_block = position.block;  // causal: the first key blocks have the most queries
   const int64_t h_kv = position.head, b = position.batch;
   const int64_t col0 = n_block * kBlockN;
@@ -425,11 +426,15 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
       !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
     return false;
   }
+  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;
+  if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   compute_delta(params, type, stream);
   auto kernel = attention_backward_kernel<Elem, Cfg>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  const int64_t blocks = ceil_div(p.len_k, Cfg::kBlockN) * p.heads_kv * p.batch;
+  // Q and dO of every query head of the group, streamed.
+  const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
+  kp.order_chunks = heaviest_first_chunks(p.heads_kv * p.batch, n_blocks, q_bytes_per_head, multiprocessor_count());
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
   return true;

@@ -38,6 +38,15 @@ namespace {
 struct FwdKernelParams {
   FwdParams call;
   CUtensorMap q_map, k_map, v_map;
+  int tiles;         // (block of query rows, head, batch) tiles
+  int order_chunks;  // causal: heaviest_first_position's chunks
+};
+
+// Where a tile of the forward lies, and how many key tiles its rows see;
+// n_blocks < 0: no tile is left. The producer works it out (integer divisions)
+// and hands it to the consumers.
+struct FwdTile {
+  int row0, head, kv_head, batch, n_blocks;
 };
 
 // The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
@@ -47,7 +56,7 @@ struct FwdSharedState {
   uint64_t k_full[kStages], v_full[kStages];    // the copy engine filled the stage
   uint64_t k_empty[kStages], v_empty[kStages];  // every consumer thread is done reading it
   uint64_t tile_full[2], tile_empty[2];         // tile[slot] was written / read by every consumer thread
-  int tile[2];  // the producer runs at most one tile ahead: two slots
+  FwdTile tile[2];  // the producer runs at most one tile ahead: two slots
 };
 
 // Rescales (with the row's factor) and adds: the two rows of a thread are
@@ -58,24 +67,19 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&fa
   for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
 }
 
-// Where a tile of the forward lies, and how many key tiles its rows see.
-struct FwdTile {
-  int64_t row0, head, kv_head, batch;
-  int n_blocks;
-};
-
-template <typename Cfg, typename Elem>
-__device__ __forceinline__ FwdTile fwd_tile(const AttentionProblem& p, int64_t tile, int64_t tiles) {
-  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM);
+template <typename Cfg>
+__device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
+  const AttentionProblem& p = kp.call.problem;
+  const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
+  const int pairs = kp.tiles / m_blocks;
   const GridPosition position =
-      p.is_causal ? heaviest_first_position(tile, tiles, m_blocks, p.heads_q,
-                                            p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)})
-                  : grid_position(tile, m_blocks, p.heads_q);
+      p.is_causal ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
+                  : grid_position(tile, m_blocks, heads);
   FwdTile t;
-  t.row0 = (m_blocks - 1 - position.block) * Cfg::kBlockM;  // longest causal rows first
-  t.head = position.head;
-  t.kv_head = position.head / (p.heads_q / p.heads_kv);
-  t.batch = position.batch;
+  t.row0 = static_cast<int>((m_blocks - 1 - position.block) * Cfg::kBlockM);  // longest causal rows first
+  t.head = static_cast<int>(position.head);
+  t.kv_head = t.head / static_cast<int>(p.heads_q / p.heads_kv);
+  t.batch = static_cast<int>(position.batch);
   t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
   return t;
 }
@@ -88,7 +92,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
   const FwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
-  const int64_t tiles = ceil_div(p.len_q, kBlockM) * p.heads_q * p.batch;
 
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
@@ -130,23 +133,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::prefetch_tensor_map(&kp.q_map);
     ptx::prefetch_tensor_map(&kp.k_map);
     ptx::prefetch_tensor_map(&kp.v_map);
-    int64_t tile = blockIdx.x;
+    int tile = blockIdx.x;
     for (int round = 0, kv = 0, q_round = 0;; ++round) {
       const int slot = round % 2;
+      const FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
       ptx::mbarrier_wait(&shared->tile_empty[slot], ((round / 2) & 1) ^ 1);
-      shared->tile[slot] = static_cast<int>(min(tile, tiles));
+      shared->tile[slot] = t;
       ptx::mbarrier_arrive(&shared->tile_full[slot]);
-      if (tile >= tiles) return;
-      const int64_t next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
-      const FwdTile t = fwd_tile<Cfg, Elem>(p, tile, tiles);
-      const int head = static_cast<int>(t.head), kv_head = static_cast<int>(t.kv_head),
-                batch = static_cast<int>(t.batch);
+      if (t.n_blocks < 0) return;
+      const int next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
+      const int head = t.head, kv_head = t.kv_head, batch = t.batch;
       if (t.n_blocks > 0) {
         ptx::mbarrier_wait(&shared->q_empty, (q_round++ & 1) ^ 1);
         ptx::mbarrier_arrive_expect_tx(&shared->q_full, Cfg::kQBytes);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * kSwizzleCols,
-                           static_cast<int>(t.row0), head, batch);
+                           t.row0, head, batch);
         }
       }
       for (int n_block = 0; n_block < t.n_blocks; ++n_block, ++kv) {
@@ -233,13 +235,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   for (int round = 0, kv = 0, q_round = 0;; ++round) {
     const int slot = round % 2;
     ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
-    const int64_t tile = shared->tile[slot];
+    const FwdTile t = shared->tile[slot];
     ptx::mbarrier_arrive(&shared->tile_empty[slot]);
-    if (tile >= tiles) {
+    if (t.n_blocks < 0) {
       if (consumer == 0) wait_turn();
       break;
     }
-    const FwdTile t = fwd_tile<Cfg, Elem>(p, tile, tiles);
     const int64_t row0 = t.row0;
     const int n_blocks = t.n_blocks;
 
@@ -250,19 +251,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     };
     // Masks keys past the end and above the causal diagonal (to -inf): only the
     // tiles for which tile_needs_mask holds have any.
+    auto crosses_diagonal = [&](int n_block) {
+      return p.is_causal && int64_t(n_block) * kBlockN + kBlockN - 1 > row0 + offset;
+    };
     auto tile_needs_mask = [&](int n_block) {
-      const int64_t col0 = int64_t(n_block) * kBlockN;
-      return col0 + kBlockN > p.len_k || (p.is_causal && col0 + kBlockN - 1 > row0 + offset);
+      return int64_t(n_block) * kBlockN + kBlockN > p.len_k || crosses_diagonal(n_block);
     };
     // In 32-bit tile coordinates: key c of the tile is past the end when c >=
     // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
     // when c - r > diagonal.
     auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
       const int64_t col0 = int64_t(n_block) * kBlockN;
-      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
       const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
       const int diagonal =
-          crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+          crosses_diagonal(n_block) ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
 #pragma unroll
       for (int i = 0; i < kKeyRegs; ++i) {
         const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
@@ -405,12 +407,13 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   }
   auto kernel = attention_forward_kernel<Elem, Cfg>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  const int64_t tiles = ceil_div(p.len_q, Cfg::kBlockM) * p.heads_q * p.batch;
+  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t blocks = std::min<int64_t>(tiles, std::max(sms, 1));  // one block an SM (shared memory)
+  const int sms = multiprocessor_count();
+  kp.tiles = static_cast<int>(tiles);
+  const int64_t kv_bytes_per_head = p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)};  // K and V, streamed
+  kp.order_chunks = heaviest_first_chunks(p.heads_q * p.batch, m_blocks, kv_bytes_per_head, sms);
+  const int64_t blocks = std::min<int64_t>(tiles, sms);  // one block an SM (shared memory)
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   return true;
 }

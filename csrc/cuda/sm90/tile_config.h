@@ -50,7 +50,7 @@ struct FwdTileConfig {
   // bytes), plus slack to align the base. Three stages where they fit (not
   // with 176-key tiles at head dim 128).
   static constexpr int kStageBytes = 2 * kKVBytes + 4 * 8;  // K, V and their four mbarriers
-  static constexpr int kFixedBytes = kQBytes + 64 + 1024;    // Q, its 2 mbarriers, the tile slots' 4 and 2 ints, the slack
+  static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
