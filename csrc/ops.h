@@ -36,6 +36,32 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
                            const AttentionOptions& options, bool compute_grad_attn_mask, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
                            at::Tensor& grad_attn_mask);
 
+// The arguments of the decode_attention op.
+struct DecodeArguments {
+  const at::Tensor& q;
+  const at::Tensor& k_cache;
+  const at::Tensor& v_cache;
+  const at::Tensor& cache_seqlens;
+  const std::optional<at::Tensor>& block_table;
+  const std::optional<at::Tensor>& k_new;
+  const std::optional<at::Tensor>& v_new;
+  bool is_causal;
+  double scale;
+};
+
+// Checks the shapes, dtypes and devices of a decode_attention call (not the
+// values in cache_seqlens and block_table: see check_decode_values_on_host);
+// allocates out and lse; returns the kernel params. cache_seqlens and
+// block_table are read as int64: seqlens and table hold them so (converted
+// copies where they are int32).
+DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse, at::Tensor& seqlens,
+                            at::Tensor& table);
+
+// Checks that every sequence's cached and new keys fit its cache, and that the
+// block table names blocks of the cache where it is read, for params whose
+// cache_seqlens and block_table are in host memory.
+void check_decode_values_on_host(const DecodeParams& params);
+
 // Checks the arguments of the dropout_mask op.
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                                     int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end);

@@ -8,6 +8,7 @@ import torch  # noqa: F401  (loads libc10 and libtorch, which _C links against)
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.flashattn_ext)
 from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
 from .attention import attention_with_lse, scaled_dot_product_attention
+from .decode import decode_attention
 
-__all__ = ["scaled_dot_product_attention", "attention_with_lse"]
+__all__ = ["scaled_dot_product_attention", "attention_with_lse", "decode_attention"]
 __version__ = "0.1.0"

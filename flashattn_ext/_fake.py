@@ -31,6 +31,15 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, a
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
 
 
+@torch.library.register_fake("flashattn_ext::decode_attention")
+def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, is_causal,
+                           scale):
+    batch, heads, len_q, _ = query.shape
+    out = _empty_in_layout_of(query, (batch, heads, len_q, value_cache.shape[-1]))
+    lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
 @torch.library.register_fake("flashattn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
     return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)

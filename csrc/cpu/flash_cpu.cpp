@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -442,6 +443,91 @@ void attention_backward(const BwdParams& params) {
   if (p.heads_kv > 0) backward_dkdv<T>(params, lse, delta.data());
 }
 
+namespace {
+
+// Row j of head h of sequence b's cache (see DecodeParams).
+template <typename T>
+T* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b, int64_t h, int64_t j) {
+  int64_t outer = b, row = j;
+  if (params.block_table != nullptr) {
+    outer = params.block_table[b * params.block_table_stride + j / params.block_size];
+    row = j % params.block_size;
+  }
+  return static_cast<T*>(cache.data) + outer * cache.stride_batch + h * cache.stride_head + row * cache.stride_row;
+}
+
+// Writes key_new and value_new into the caches.
+template <typename T>
+void append_to_cache(const DecodeParams& params) {
+  const AttentionProblem& p = params.problem;
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.heads_kv, h = task % p.heads_kv;
+      for (int64_t i = 0; i < params.len_new; ++i) {
+        const int64_t j = params.cache_seqlens[b] + i;
+        for (const auto& [src, dst, dim] : {std::tuple{&params.k_new, &params.k_cache, p.head_dim},
+                                            std::tuple{&params.v_new, &params.v_cache, p.head_dim_v}}) {
+          const T* from = static_cast<const T*>(src->data) + b * src->stride_batch + h * src->stride_head +
+                          i * src->stride_row;
+          T* to = cache_row<T>(params, *dst, b, h, j);
+          for (int64_t c = 0; c < dim; ++c) to[c * dst->stride_col] = from[c * src->stride_col];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+void decode_attention(const DecodeParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  if (params.len_new > 0) append_to_cache<T>(params);
+  if (p.heads_kv == 0) return;  // then no query heads either
+  const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, dim_v = p.head_dim_v;
+  const A scale = static_cast<A>(p.scale);
+  auto* lse = static_cast<Lse<T>*>(params.lse);
+  // One task per query row, over every key it sees: the scores of a row (up to
+  // the capacity) in a buffer, then softmax and P V in two passes.
+  at::parallel_for(0, p.batch * p.heads_q * p.len_q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(dim), scores, acc(dim_v);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
+      const int64_t length = params.cache_seqlens[b] + params.len_new;
+      // Bottom-right causal: the last query sees every key, query i of len_q those up to length - len_q + i.
+      const int64_t key_end = p.is_causal ? std::clamp<int64_t>(length - p.len_q + i + 1, 0, length) : length;
+      const T* q_row = static_cast<const T*>(params.q.data) + b * params.q.stride_batch + h * params.q.stride_head +
+                       i * params.q.stride_row;
+      for (int64_t c = 0; c < dim; ++c) q[c] = static_cast<A>(q_row[c * params.q.stride_col]);
+      scores.resize(key_end);
+      A row_max = kNegInf<A>;
+      for (int64_t j = 0; j < key_end; ++j) {
+        const T* k = cache_row<T>(params, params.k_cache, b, h / group, j);
+        A dot = 0;
+        for (int64_t c = 0; c < dim; ++c) dot += q[c] * static_cast<A>(k[c * params.k_cache.stride_col]);
+        scores[j] = dot * scale;
+        row_max = std::max(row_max, scores[j]);
+      }
+      std::fill(acc.begin(), acc.end(), A(0));
+      A row_sum = 0;
+      for (int64_t j = 0; j < key_end; ++j) {
+        const A weight = std::exp(scores[j] - row_max);
+        row_sum += weight;
+        const T* v = cache_row<T>(params, params.v_cache, b, h / group, j);
+        for (int64_t c = 0; c < dim_v; ++c) acc[c] += weight * static_cast<A>(v[c * params.v_cache.stride_col]);
+      }
+      // A row that sees no key gets out = 0 and lse = -inf, as in the attention ops.
+      T* out_row = static_cast<T*>(params.out.data) + b * params.out.stride_batch + h * params.out.stride_head +
+                   i * params.out.stride_row;
+      for (int64_t c = 0; c < dim_v; ++c) {
+        out_row[c * params.out.stride_col] = static_cast<T>(key_end > 0 ? acc[c] / row_sum : A(0));
+      }
+      lse[task] = static_cast<Lse<T>>(key_end > 0 ? row_max + std::log(row_sum) : kNegInf<A>);
+    }
+  });
+}
+
 void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask) {
   const int64_t rows = shape.row_end - shape.row_begin;
   AttentionProblem p;
@@ -459,7 +545,8 @@ void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, b
 
 #define FLASHATTN_EXT_INSTANTIATE(T)                          \
   template void attention_forward<T>(const FwdParams&); \
-  template void attention_backward<T>(const BwdParams&);
+  template void attention_backward<T>(const BwdParams&); \
+  template void decode_attention<T>(const DecodeParams&);
 FLASHATTN_EXT_INSTANTIATE(double)
 FLASHATTN_EXT_INSTANTIATE(float)
 FLASHATTN_EXT_INSTANTIATE(c10::Half)

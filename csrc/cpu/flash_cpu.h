@@ -12,6 +12,11 @@ void attention_forward(const FwdParams& params);
 template <typename T>
 void attention_backward(const BwdParams& params);
 
+// One decoding step (see DecodeParams), key_new and value_new written into the
+// caches first; cache_seqlens and block_table in host memory, checked.
+template <typename T>
+void decode_attention(const DecodeParams& params);
+
 // Fills mask (contiguous (batch, heads, rows, len_k)) with the keep decisions of dropout.
 void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask);
 

@@ -60,12 +60,28 @@ at::Tensor dropout_mask_cpu(const at::Tensor& rng_state, double dropout_p, int64
   return mask;
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                        const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                                        const std::optional<at::Tensor>& block_table,
+                                                        const std::optional<at::Tensor>& k_new,
+                                                        const std::optional<at::Tensor>& v_new, bool is_causal,
+                                                        double scale) {
+  at::Tensor out, lse, seqlens, table;
+  const DecodeParams params = prepare_decode(
+      {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale}, out, lse, seqlens, table);
+  check_decode_values_on_host(params);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention_cpu",
+                                  [&] { cpu::decode_attention<scalar_t>(params); });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("attention_forward", &attention_forward_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
+  m.impl("decode_attention", &decode_attention_cpu);
 }
 
 }  // namespace flashattn_ext

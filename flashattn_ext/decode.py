@@ -1,0 +1,62 @@
+"""decode_attention: a decoding step of inference, a few query tokens per sequence against a key/value
+cache, contiguous or paged, optionally writing the new keys and values into it first."""
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+
+def decode_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    cache_seqlens: Tensor,
+    *,
+    block_table: Optional[Tensor] = None,
+    key_new: Optional[Tensor] = None,
+    value_new: Optional[Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
+
+    query (B, Hq, Sq, D) -> out (B, Hq, Sq, Dv). The caches hold, for each sequence b, its
+    cache_seqlens[b] keys and values (cache_seqlens: (B,), int32 or int64):
+    - contiguous: key_cache (B, H, capacity, D) and value_cache (B, H, capacity, Dv), any strides;
+    - paged (block_table given, (B, blocks per sequence), int32 or int64): key_cache
+      (num_blocks, block_size, H, D) and value_cache (num_blocks, block_size, H, Dv), vLLM's layout; key j
+      of sequence b is row j % block_size of block block_table[b, j // block_size].
+    H divides Hq (GQA/MQA: query head h reads cache head h // (Hq // H)). key_new (B, H, S_new, D) and
+    value_new (B, H, S_new, Dv), when given, are written into the caches in place at positions
+    cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (cache_seqlens itself is not changed), and the
+    queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
+    each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
+    new tokens in speculative decoding. With return_lse, also returns the log-sum-exp of each query's
+    scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
+    out = 0 and lse = -inf.
+
+    CPU only so far: the CUDA kernel (split over the cache, with a log-sum-exp merge) is to come.
+    """
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cache_seqlens": cache_seqlens,
+               "block_table": block_table, "key_new": key_new, "value_new": value_new}
+    for name, tensor in tensors.items():
+        if tensor is not None and not isinstance(tensor, Tensor):
+            raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors.values()):
+        raise RuntimeError(
+            "flashattn_ext: decode_attention is for inference and has no backward; call it under "
+            "torch.no_grad() or torch.inference_mode(), or on tensors that do not require grad"
+        )
+    if query.device.type != "cpu":
+        raise NotImplementedError(
+            f"flashattn_ext: decode_attention runs on the CPU only so far, got query on {query.device}"
+        )
+    if scale is None:
+        head_dim = query.shape[-1] if query.dim() > 0 else 0
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
+    out, lse = torch.ops.flashattn_ext.decode_attention(
+        query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale)
+    )
+    return (out, lse) if return_lse else out

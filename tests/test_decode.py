@@ -1,0 +1,171 @@
+"""decode_attention: a few query tokens per sequence against a key/value cache, contiguous or paged,
+with new keys and values appended in place, against a float64 reference that gathers each sequence's
+keys and runs the naive attention on them."""
+import math
+
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import naive_attention, relative_error
+
+# Largest error relative to the output's scale: the kernel accumulates 16-bit inputs in float32 and
+# float32 inputs in float64, so about the output's rounding.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def make_cache(batch, heads, capacity, dim, dim_v, dtype, block_size, gen):
+    """Random caches (never zeros), contiguous (block_size None) or paged with the blocks of each
+    sequence shuffled over a pool with spare blocks; returns (key_cache, value_cache, block_table)."""
+    if block_size is None:
+        shape_k, shape_v, table = (batch, heads, capacity, dim), (batch, heads, capacity, dim_v), None
+    else:
+        per_sequence = math.ceil(capacity / block_size)
+        num_blocks = batch * per_sequence + 3
+        table = torch.randperm(num_blocks, generator=gen)[: batch * per_sequence].view(batch, per_sequence)
+        table = table.to(torch.int32)
+        shape_k, shape_v = (num_blocks, block_size, heads, dim), (num_blocks, block_size, heads, dim_v)
+    key_cache = torch.randn(shape_k, generator=gen, dtype=torch.float64).to(dtype)
+    value_cache = torch.randn(shape_v, generator=gen, dtype=torch.float64).to(dtype)
+    return key_cache, value_cache, table
+
+
+def sequence_rows(cache, b, length, block_table):
+    """Sequence b's first `length` rows of a cache, as (heads, length, dim)."""
+    if block_table is None:
+        return cache[b, :, :length]
+    block_size = cache.shape[1]
+    positions = torch.arange(length)
+    rows = cache[block_table[b, positions // block_size].long(), positions % block_size]  # (length, heads, dim)
+    return rows.transpose(0, 1)
+
+
+def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale):
+    """(out, lse) in float64, one sequence at a time."""
+    outs, lses = [], []
+    for b, length in enumerate(lengths):
+        if length == 0:  # no key: out 0, lse -inf (naive_attention cannot reduce over no key)
+            heads, len_q = query.shape[1], query.shape[2]
+            outs.append(torch.zeros(1, heads, len_q, value_cache.shape[-1], dtype=torch.float64))
+            lses.append(torch.full((1, heads, len_q), -math.inf, dtype=torch.float64))
+            continue
+        k = sequence_rows(key_cache, b, length, block_table).double()[None]
+        v = sequence_rows(value_cache, b, length, block_table).double()[None]
+        out, lse = naive_attention(query[b : b + 1].double(), k, v, is_causal=is_causal, causal_lower_right=True,
+                                   scale=scale, enable_gqa=True)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size", [None, 1, 16], ids=["contiguous", "paged1", "paged16"])
+@pytest.mark.parametrize("len_q, is_causal", [(1, False), (3, False), (3, True)])
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (8, 2)])
+def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv):
+    gen = torch.Generator().manual_seed(0)
+    capacity, dim = 40, 32
+    key_cache, value_cache, table = make_cache(3, heads_kv, capacity, dim, dim, dtype, block_size, gen)
+    # A sequence with no key yet (its queries see none: out 0, lse -inf), one in the middle of a
+    # block, and a full one.
+    lengths = [0, 21, capacity]
+    query = torch.randn(3, heads_q, len_q, dim, generator=gen, dtype=torch.float64).to(dtype)
+    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths),
+                                              block_table=table, is_causal=is_causal, return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim))
+    assert out.dtype == dtype and out.shape == (3, heads_q, len_q, dim)
+    assert relative_error(out, want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+    assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
+def test_new_keys_are_written_into_the_cache_then_seen(block_size):
+    gen = torch.Generator().manual_seed(1)
+    dtype, capacity, dim, dim_v, len_new = torch.float32, 24, 16, 8, 2
+    key_cache, value_cache, table = make_cache(2, 2, capacity, dim, dim_v, dtype, block_size, gen)
+    lengths = [5, 22]  # the second's new keys end at the cache's end
+    key_new = torch.randn(2, 2, len_new, dim, generator=gen)
+    value_new = torch.randn(2, 2, len_new, dim_v, generator=gen)
+    query = torch.randn(2, 4, 2, dim, generator=gen)
+    want_key_cache, want_value_cache = key_cache.clone(), value_cache.clone()
+    for b, length in enumerate(lengths):
+        for i in range(len_new):
+            j = length + i
+            if block_size is None:
+                want_key_cache[b, :, j], want_value_cache[b, :, j] = key_new[b, :, i], value_new[b, :, i]
+            else:
+                block, row = table[b, j // block_size].long(), j % block_size
+                want_key_cache[block, row], want_value_cache[block, row] = key_new[b, :, i], value_new[b, :, i]
+
+    out = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths, dtype=torch.int32),
+                                         block_table=table, key_new=key_new, value_new=value_new, is_causal=True,
+                                         scale=0.3)
+    assert torch.equal(key_cache, want_key_cache) and torch.equal(value_cache, want_value_cache)
+    new_lengths = [length + len_new for length in lengths]
+    want_out, _ = reference(query, key_cache, value_cache, new_lengths, table, True, 0.3)
+    assert relative_error(out, want_out) <= TOLERANCE[dtype]
+
+
+def test_strided_views_and_sdpa_agree():
+    """A (B, capacity, H, D) cache seen as (B, H, capacity, D), a sequence-major query, against SDPA."""
+    gen = torch.Generator().manual_seed(2)
+    key_store = torch.randn(2, 30, 3, 16, generator=gen)
+    value_store = torch.randn(2, 30, 3, 16, generator=gen)
+    query = torch.randn(2, 1, 6, 16, generator=gen).transpose(1, 2)  # (B, Hq, 1, D) with Hq strided
+    out = flashattn_ext.decode_attention(query, key_store.transpose(1, 2), value_store.transpose(1, 2),
+                                         torch.tensor([30, 30]))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        query, key_store.transpose(1, 2), value_store.transpose(1, 2), enable_gqa=True)
+    torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("with_new", [False, True])
+def test_opcheck(with_new):
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache, table = make_cache(2, 2, 12, 8, 8, torch.float32, 4, gen)
+    query = torch.randn(2, 4, 2, 8, generator=gen)
+    new = (torch.randn(2, 2, 2, 8, generator=gen), torch.randn(2, 2, 2, 8, generator=gen)) if with_new else (None,) * 2
+    args = (query, key_cache, value_cache, torch.tensor([3, 9]), table, *new, True, 0.35)
+    torch.library.opcheck(torch.ops.flashattn_ext.decode_attention.default, args)
+
+
+def _decode_call(**changes):
+    gen = torch.Generator().manual_seed(4)
+    arguments = dict(query=torch.randn(2, 4, 1, 8, generator=gen), key_cache=torch.randn(2, 2, 10, 8, generator=gen),
+                     value_cache=torch.randn(2, 2, 10, 8, generator=gen), cache_seqlens=torch.tensor([3, 10]))
+    arguments.update(changes)
+    return lambda: flashattn_ext.decode_attention(**arguments)
+
+
+@pytest.mark.parametrize(
+    "call, exception, message",
+    [
+        (_decode_call(cache_seqlens=torch.tensor([3, 11])), ValueError, "sequence 1 has 11 cached keys, but its cache holds 10"),
+        (_decode_call(cache_seqlens=torch.tensor([-1, 2])), ValueError, "sequence 0 has -1 cached keys"),
+        (_decode_call(cache_seqlens=torch.tensor([3])), RuntimeError, "one length per sequence (2)"),
+        (_decode_call(cache_seqlens=torch.tensor([3.0, 4.0])), TypeError, "cache_seqlens must be int32 or int64"),
+        (_decode_call(key_cache=torch.randn(2, 3, 10, 8)), RuntimeError, "must agree in all but the last dim"),
+        (_decode_call(key_cache=torch.randn(2, 3, 10, 8), value_cache=torch.randn(2, 3, 10, 8)), RuntimeError,
+         "the 3 key/value heads of the cache must divide the 4 query heads"),
+        (_decode_call(key_cache=torch.randn(2, 2, 10, 4), value_cache=torch.randn(2, 2, 10, 4)), RuntimeError,
+         "key_cache head dim 4 does not match query head dim 8"),
+        (_decode_call(key_new=torch.randn(2, 2, 1, 8)), RuntimeError, "key_new and value_new must be given together"),
+        (_decode_call(key_new=torch.randn(2, 2, 1, 8), value_new=torch.randn(2, 2, 1, 8)), ValueError,
+         "sequence 1 has 10 cached keys and 1 new ones, but its cache holds 10"),
+        (_decode_call(block_table=torch.tensor([[0, 1], [2, 3]]), key_cache=torch.randn(3, 5, 2, 8),
+                      value_cache=torch.randn(3, 5, 2, 8)), ValueError,
+         "block_table[1, 1] is 3, not a block of the cache (3 blocks)"),
+        (_decode_call(key_cache=torch.randn(2, 2, 10, 8, dtype=torch.float64)), TypeError, "key_cache has dtype"),
+        (_decode_call(key_cache=torch.randn(2, 2, 1, 8).expand(2, 2, 10, 8), key_new=torch.randn(2, 2, 1, 8),
+                      value_new=torch.randn(2, 2, 1, 8), cache_seqlens=torch.tensor([3, 4])), RuntimeError,
+         "key_cache has elements that share memory"),
+        (_decode_call(query=torch.randn(2, 4, 1, 8, requires_grad=True)), RuntimeError, "has no backward"),
+    ],
+)
+def test_bad_arguments(call, exception, message):
+    with pytest.raises(exception, match=None) as info:
+        call()
+    assert message in str(info.value)
