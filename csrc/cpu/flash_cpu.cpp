@@ -18,8 +18,8 @@
 namespace flashattn_ext::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 64;  // query rows per task
-constexpr int64_t kBlockK = 64;  // keys per streamed tile
+constexpr int64_t kBlockQ = 128;  // query rows per task
+constexpr int64_t kBlockK = 128;  // keys per streamed tile
 
 // 16-bit types accumulate in float; float and double in double. (In float the
 // backward's P = exp(S - lse) carried |lse| units of rounding: float32
