@@ -1,6 +1,7 @@
 """Attention speed and memory: flashattn_ext against torch SDPA's backends, side by side.
 
-Every cell of the speed tables is forward / backward TFLOP/s, the median of 5 to 50
+Every cell of the speed tables is forward / backward TFLOP/s, the mean over rounds
+(2 by default, the providers' order reversed each round) of the median of 5 to 50
 timed calls after warm-up (CUDA events; wall clock on CPU), on random normal inputs
 of shape (B, H, N, D) that require grad. FLOPs follow the FlashAttention papers:
 forward 4*B*H*N*N*D, halved when causal; backward 2.5x the forward. The forward is
@@ -112,6 +113,7 @@ class Setup:
     seqlens: Tuple[int, ...]
     memory_seqlens: Tuple[int, ...]  # empty: no memory table
     budget_s: float  # time spent on the timed calls of one cell
+    rounds: int = 2  # rounds over the providers per cell (see measure_row)
 
 
 GPU = Setup(GPU_PROVIDERS, 16384, {64: 32, 128: 16}, (64, 128), (512, 1024, 2048, 4096, 8192, 16384),
@@ -235,15 +237,26 @@ def time_forward_backward(provider: Provider, q, k, v, causal: bool, device, bud
 
 
 def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal: bool, device) -> Row:
+    """One cell per provider: setup.rounds rounds over the providers, each in the opposite order of the
+    round before (the GPU's clock drifts over a cell's seconds: whoever ran last ran slower, up to 10% a
+    cell), with the budget split between them; a cell is the mean of its rounds' medians."""
     b, h = max(1, setup.tokens // n), setup.heads[d]
     q, k, v = make_inputs(b, h, n, d, DTYPES[dtype], device)
     flops = forward_flops(b, h, n, d, causal)
-    row = Row(dtype, d, n, b, h, causal, {})
-    for provider in report.providers:
-        if n > provider.max_n:
-            row.tflops[provider.label] = (None, None)
-            continue
-        fwd, bwd = time_forward_backward(provider, q, k, v, causal, device, setup.budget_s, report)
+    providers = [p for p in report.providers if n <= p.max_n]
+    seconds: Dict[str, List[Tuple[Optional[float], Optional[float]]]] = {p.label: [] for p in providers}
+    for round_index in range(setup.rounds):
+        for provider in providers if round_index % 2 == 0 else providers[::-1]:
+            seconds[provider.label].append(
+                time_forward_backward(provider, q, k, v, causal, device, setup.budget_s / setup.rounds, report))
+
+    def mean_or_none(values):
+        return None if any(value is None for value in values) else statistics.mean(values)
+
+    row = Row(dtype, d, n, b, h, causal, {p.label: (None, None) for p in report.providers})
+    for provider in providers:
+        fwd = mean_or_none([fwd for fwd, _ in seconds[provider.label]])
+        bwd = mean_or_none([bwd for _, bwd in seconds[provider.label]])
         row.tflops[provider.label] = (
             flops / fwd / 1e12 if fwd else None,
             2.5 * flops / bwd / 1e12 if bwd else None,
@@ -449,9 +462,10 @@ def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
         f"flashattn_ext at commit {git_commit()}.",
         f"Command: `{' '.join(shlex.quote(arg) for arg in ['python3', *sys.argv])}`",
         "",
-        f"Each cell is forward / backward TFLOP/s, the median of {MIN_REPS} to {MAX_REPS} timed calls "
-        f"({timing}) after {WARMUP_CALLS} warm-up calls, about {setup.budget_s} s of timed calls per cell, "
-        f"on random normal inputs; B = max(1, {setup.tokens} // N). "
+        f"Each cell is forward / backward TFLOP/s: the providers are timed in {setup.rounds} rounds, each in "
+        "the opposite order of the one before, and a cell is the mean of its rounds' medians of "
+        f"{MIN_REPS} to {MAX_REPS} timed calls ({timing}) after {WARMUP_CALLS} warm-up calls, "
+        f"about {setup.budget_s} s of timed calls per cell, on random normal inputs; B = max(1, {setup.tokens} // N). "
         "The forward is timed with autograd recording; the backward is "
         "`torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on one saved forward.",
         "FLOPs follow the FlashAttention papers: forward 4·B·H·N²·D, halved when causal; backward 2.5× the forward.",
@@ -492,6 +506,8 @@ def parse_args(argv=None):
     parser.add_argument("--providers", nargs="+", choices=sorted({p.key for p in GPU_PROVIDERS + CPU_PROVIDERS}),
                         help="default: all of the device's providers")
     parser.add_argument("--budget", type=float, help="seconds of timed calls per cell (default 0.15, CPU 0.05)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds over the providers per cell, alternating their order (default 2)")
     parser.add_argument("--time-limit", type=float, default=200,
                         help="seconds after which no new row starts (default 200); the memory table still runs")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
@@ -507,8 +523,10 @@ def resolve(args) -> Setup:
     args.dims = args.dims or quick.get("dims", list(setup.dims))
     args.seqlens = args.seqlens or quick.get("seqlens", list(setup.seqlens))
     args.causal = {"off": [False], "on": [True], "both": [False, True]}[args.causal]
+    if args.rounds < 1:
+        sys.exit("--rounds must be at least 1")
     return replace(setup, memory_seqlens=() if args.no_memory else setup.memory_seqlens,
-                   budget_s=args.budget or setup.budget_s)
+                   budget_s=args.budget or setup.budget_s, rounds=args.rounds)
 
 
 def main(argv=None) -> int:
