@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work: build for the GPU present, then run the
-# stages named as arguments (default: all), logging each under $OUT.
+# stages named as arguments (default: all), logging each under $OUT; the build
+# time and each test and sanitizer stage's result line also go to
+# $OUT/summary.txt, printed at the end.
 #   bash benchmarks/gpu_check.sh [smoke] [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model] [model-profile]
 # (smoke: a minute's run of the Hopper kernels, the script stops if it fails or hangs; hopper: their own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
 #  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
@@ -26,7 +28,9 @@ if ! TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}" MAX_JOBS=16 \
   tail -n 60 "$OUT/build.log"
   exit 1
 fi
-echo "built in $(( $(date +%s) - start )) s"
+echo "built in $(( $(date +%s) - start )) s" | tee "$OUT/summary.txt"
+# summary.txt: one line per stage (the device brings back only a few files, and filtered output loses lines).
+summarize() { echo "$1: $2" >>"$OUT/summary.txt"; }
 
 status=0
 for stage in $stages; do
@@ -34,15 +38,18 @@ for stage in $stages; do
   case "$stage" in
     test)
       python3 -m pytest -q -rs -m cuda -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -n 40
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      summarize test "$(grep -E '[0-9]+ (passed|failed)' "$OUT/tests.log" | tail -n 1)" ;;
     smoke)
       # A hang here would otherwise take the rest of the call: stop the script (SIGKILL: a process
       # waiting on a hung kernel does not end on SIGTERM).
       timeout -s KILL 120 python3 benchmarks/smoke_sm90.py 2>&1 | tee "$OUT/smoke.log" | tail -n 20
-      [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1 ;;
+      [ "${PIPESTATUS[0]}" -eq 0 ] || { summarize smoke "failed or hung"; exit 1; }
+      summarize smoke "finished" ;;
     hopper)
       timeout -s KILL 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
-      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      summarize hopper "$(grep -E '[0-9]+ (passed|failed)' "$OUT/hopper.log" | tail -n 1)" ;;
     bench-hopper)
       python3 benchmarks/bench_attention.py --quick --dims 64 128 --providers ext ext-sm80 cudnn flash --out "$OUT" 2>&1 \
         | tee "$OUT/bench.log" | tail -n 30 ;;
@@ -53,6 +60,7 @@ for stage in $stages; do
         compute-sanitizer --tool "$tool" --error-exitcode 1 python3 tests/sanitizer_workload.py \
           >"$OUT/sanitizer_$tool.log" 2>&1 || status=1
         tail -n 3 "$OUT/sanitizer_$tool.log"
+        summarize "$tool" "$(tail -n 1 "$OUT/sanitizer_$tool.log")"
       done ;;
     sass)
       # HGMMA: wgmma; UTMALDG: TMA tensor loads; UBLKRED: bulk reduce-add; HMMA: mma.sync (sm80 kernels).
@@ -81,4 +89,6 @@ for stage in $stages; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+echo "== summary"
+cat "$OUT/summary.txt"
 exit "$status"
