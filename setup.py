@@ -5,6 +5,7 @@ FLASHATTN_EXT_REQUIRE_CUDA=1 makes a missing CUDA toolchain an error (CI sets it
 import glob
 import os
 import subprocess
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -48,7 +49,12 @@ def sources(*patterns):
 build_cuda, why_not = cuda_build_status()
 if not build_cuda and os.environ.get("FLASHATTN_EXT_REQUIRE_CUDA") == "1":
     raise RuntimeError(f"flashattn_ext: FLASHATTN_EXT_REQUIRE_CUDA=1 but the CUDA sources cannot be built: {why_not}")
-cxx_flags = ["-O3"]
+# ATen's at::parallel_for is a header template: compiled without OpenMP, it ran
+# the CPU kernels' tasks one after another, on one core. Torch's own libgomp is
+# loaded already, so linking OpenMP adds no second runtime.
+openmp_flags = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
+cxx_flags = ["-O3"] + openmp_flags
+link_args = shared_libstdcxx_link_args() + openmp_flags
 common_sources = sources("csrc/*.cpp", "csrc/cpu/*.cpp")
 if build_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
@@ -62,7 +68,7 @@ if build_cuda:
         common_sources + sources("csrc/cuda/*.cpp", "csrc/cuda/*.cu", "csrc/cuda/sm80/*.cu", "csrc/cuda/sm90/*.cu"),
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={"cxx": cxx_flags + defines, "nvcc": ["-O3"] + defines},
-        extra_link_args=shared_libstdcxx_link_args(),
+        extra_link_args=link_args,
     )
 else:
     print(f"flashattn_ext: building for CPU only ({why_not}); CUDA tensors will raise an error")
@@ -71,7 +77,7 @@ else:
         common_sources,
         include_dirs=[os.path.abspath("csrc")],
         extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=shared_libstdcxx_link_args(),
+        extra_link_args=link_args,
     )
 
 setup(
