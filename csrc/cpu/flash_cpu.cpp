@@ -340,8 +340,11 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
 // row (Z: dropout's factor, 1 without dropout).
 // It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
 // types that rounding, amplified where dP - delta cancels, made gradients up to
-// 6x less accurate than torch's: so it is summed from P and dP, one more pass
-// over the keys.
+// 6x less accurate than torch's: there it is summed from P and dP, one more pass
+// over the keys. float32 and float64 outputs are precise enough to take it from.
+template <typename T>
+constexpr bool kDeltaFromOutput = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
 template <typename T, typename A = Acc<T>>
 void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
   const AttentionProblem& p = params.problem;
@@ -354,7 +357,8 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dq(kBlockQ * dim), dq_tile(kBlockQ * dim);
+        out(kDeltaFromOutput<T> ? kBlockQ * dim_v : 0), probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK),
+        dq(kBlockQ * dim), dq_tile(kBlockQ * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -381,16 +385,21 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
       };
 
       std::fill(delta, delta + rows, A(0));
-      for_each_key_tile([&](int64_t col0, int64_t cols) {
-        // With a zero delta, the tile's dS is P * Z * dP (Z: dropout's factor).
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask, dropout,
-                       row0, col0, probs.data(), dscores.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          A tile_sum = 0;
-          for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
-          delta[r] += tile_sum;
-        }
-      });
+      if constexpr (kDeltaFromOutput<T>) {
+        load_tile<T>(params.out, b, h, row0, rows, dim_v, out.data());
+        for (int64_t i = 0; i < rows * dim_v; ++i) delta[i / dim_v] += dout[i] * out[i];
+      } else {
+        for_each_key_tile([&](int64_t col0, int64_t cols) {
+          // With a zero delta, the tile's dS is P * Z * dP (Z: dropout's factor).
+          recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask,
+                         dropout, row0, col0, probs.data(), dscores.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            A tile_sum = 0;
+            for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
+            delta[r] += tile_sum;
+          }
+        });
+      }
 
       std::fill(dq.begin(), dq.end(), A(0));
       for_each_key_tile([&](int64_t col0, int64_t cols) {
