@@ -59,9 +59,9 @@ void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64
 
 // c (m x n) = op(a) op(b) for dense row-major tiles: op(a) is a (m x k), or a
 // stored k x m and transposed where transpose_a; op(b) likewise k x n. Through
-// at::mm, which calls the BLAS of torch's build (single-threaded inside the
-// tasks of at::parallel_for): the tile products were scalar loops before, and
-// 85% of the time.
+// at::mm, which calls the BLAS of torch's build, one thread in each task of
+// at::parallel_for (scalar loops before: the float32 forward at 1 x 4 x 512 x
+// 64 took 3x as long).
 template <typename A>
 void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* c) {
   const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value);
