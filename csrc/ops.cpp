@@ -231,7 +231,7 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   const at::Tensor& q = args.q;
   check_rank4(q, "query");
   check_floating(q, "query");
-  TORCH_CHECK_VALUE(!std::isnan(args.scale), "flashattn_ext: scale must not be NaN");
+  check_options({std::nullopt, 0.0, args.is_causal, /*causal_lower_right=*/true, args.scale});
   const bool paged = args.block_table.has_value();
   const char* cache_dims = paged ? "(num_blocks, block_size, heads, head_dim) with block_table"
                                  : "(batch, heads, capacity, head_dim) without block_table";

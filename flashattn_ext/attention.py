@@ -124,7 +124,7 @@ def attention_with_lse(
             ) from None
         attn_mask = attn_mask.reshape(flat_batch, heads_q, len_q, len_k)
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
+        scale = default_scale(head_dim)
 
     out, lse, _ = torch.ops.flashattn_ext.attention_forward(
         q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale)
@@ -133,6 +133,11 @@ def attention_with_lse(
     # SDPA's output has the broadcast rank of its inputs.
     lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
     return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
+
+
+def default_scale(head_dim: int) -> float:
+    """SDPA's default scale, 1 / sqrt(head_dim) (inf for head dim 0)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
 
 
 def _broadcast(what: str, *shapes) -> torch.Size:

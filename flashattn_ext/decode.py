@@ -1,10 +1,11 @@
 """decode_attention: a decoding step of inference, a few query tokens per sequence against a key/value
 cache, contiguous or paged, optionally writing the new keys and values into it first."""
-import math
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+
+from .attention import default_scale
 
 
 def decode_attention(
@@ -54,8 +55,7 @@ def decode_attention(
             f"flashattn_ext: decode_attention runs on the CPU only so far, got query on {query.device}"
         )
     if scale is None:
-        head_dim = query.shape[-1] if query.dim() > 0 else 0
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
+        scale = default_scale(query.shape[-1] if query.dim() > 0 else 0)
     out, lse = torch.ops.flashattn_ext.decode_attention(
         query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale)
     )

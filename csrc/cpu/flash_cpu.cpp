@@ -509,12 +509,11 @@ void decode_attention(const DecodeParams& params) {
     std::vector<A> q(dim), scores, acc(dim_v);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
-      const int64_t length = params.cache_seqlens[b] + params.len_new;
-      // Bottom-right causal: the last query sees every key, query i of len_q those up to length - len_q + i.
-      const int64_t key_end = p.is_causal ? std::clamp<int64_t>(length - p.len_q + i + 1, 0, length) : length;
-      const T* q_row = static_cast<const T*>(params.q.data) + b * params.q.stride_batch + h * params.q.stride_head +
-                       i * params.q.stride_row;
-      for (int64_t c = 0; c < dim; ++c) q[c] = static_cast<A>(q_row[c * params.q.stride_col]);
+      // The sequence's own keys, with the causal mask aligned bottom-right (p.causal_lower_right).
+      AttentionProblem sequence = p;
+      sequence.len_k = params.cache_seqlens[b] + params.len_new;
+      const int64_t key_end = Visibility(sequence).key_end(i);
+      load_tile<T>(params.q, b, h, i, 1, dim, q.data());
       scores.resize(key_end);
       A row_max = kNegInf<A>;
       for (int64_t j = 0; j < key_end; ++j) {
@@ -533,11 +532,8 @@ void decode_attention(const DecodeParams& params) {
         for (int64_t c = 0; c < dim_v; ++c) acc[c] += weight * static_cast<A>(v[c * params.v_cache.stride_col]);
       }
       // A row that sees no key gets out = 0 and lse = -inf, as in the attention ops.
-      T* out_row = static_cast<T*>(params.out.data) + b * params.out.stride_batch + h * params.out.stride_head +
-                   i * params.out.stride_row;
-      for (int64_t c = 0; c < dim_v; ++c) {
-        out_row[c * params.out.stride_col] = static_cast<T>(key_end > 0 ? acc[c] / row_sum : A(0));
-      }
+      for (A& value : acc) value = key_end > 0 ? value / row_sum : A(0);
+      store_tile<T>(params.out, b, h, i, 1, dim_v, acc.data());
       lse[task] = static_cast<Lse<T>>(key_end > 0 ? row_max + std::log(row_sum) : kNegInf<A>);
     }
   });
