@@ -38,7 +38,10 @@ def decode_attention(
     scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
     out = 0 and lse = -inf.
 
-    CPU only so far: the CUDA kernel (split over the cache, with a log-sum-exp merge) is to come.
+    On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
+    whose partial results merge through their log-sum-exps (flash-decoding); cache_seqlens and the
+    block table are not read back there to check them (that would wait for the GPU): lengths past
+    the capacity are clamped to it, block indices outside the cache into it. The CPU raises on them.
     """
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cache_seqlens": cache_seqlens,
                "block_table": block_table, "key_new": key_new, "value_new": value_new}
@@ -49,10 +52,6 @@ def decode_attention(
         raise RuntimeError(
             "flashattn_ext: decode_attention is for inference and has no backward; call it under "
             "torch.no_grad() or torch.inference_mode(), or on tensors that do not require grad"
-        )
-    if query.device.type != "cpu":
-        raise NotImplementedError(
-            f"flashattn_ext: decode_attention runs on the CPU only so far, got query on {query.device}"
         )
     if scale is None:
         scale = default_scale(query.shape[-1] if query.dim() > 0 else 0)

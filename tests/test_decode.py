@@ -7,11 +7,17 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import naive_attention, relative_error
+from helpers import DEVICES, cuda_test, naive_attention, relative_error
 
-# Largest error relative to the output's scale: the kernel accumulates 16-bit inputs in float32 and
-# float32 inputs in float64, so about the output's rounding.
+# Largest error relative to the output's scale: the kernels accumulate 16-bit inputs in float32 (and
+# the CPU's float32 inputs in float64), so about the output's rounding.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+CUDA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def skip_unless_covered(device, dtype):
+    if device == "cuda" and dtype not in CUDA_DTYPES:
+        pytest.skip("decode_attention on CUDA takes float16 and bfloat16")
 
 
 def make_cache(batch, heads, capacity, dim, dim_v, dtype, block_size, gen):
@@ -61,8 +67,10 @@ def reference(query, key_cache, value_cache, lengths, block_table, is_causal, sc
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [None, 1, 16], ids=["contiguous", "paged1", "paged16"])
 @pytest.mark.parametrize("len_q, is_causal", [(1, False), (3, False), (3, True)])
-@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (8, 2)])
-def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv):
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (8, 2), (12, 2)])  # (12, 2): 18 rows a key head
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv, device):
+    skip_unless_covered(device, dtype)
     gen = torch.Generator().manual_seed(0)
     capacity, dim = 40, 32
     key_cache, value_cache, table = make_cache(3, heads_kv, capacity, dim, dim, dtype, block_size, gen)
@@ -70,8 +78,10 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv)
     # block, and a full one.
     lengths = [0, 21, capacity]
     query = torch.randn(3, heads_q, len_q, dim, generator=gen, dtype=torch.float64).to(dtype)
-    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths),
-                                              block_table=table, is_causal=is_causal, return_lse=True)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
+                                              block_table=on(table), is_causal=is_causal, return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim))
     assert out.dtype == dtype and out.shape == (3, heads_q, len_q, dim)
     assert relative_error(out, want_out) <= TOLERANCE[dtype]
@@ -82,14 +92,16 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv)
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
-def test_new_keys_are_written_into_the_cache_then_seen(block_size):
+@pytest.mark.parametrize("device", DEVICES)
+def test_new_keys_are_written_into_the_cache_then_seen(block_size, device):
     gen = torch.Generator().manual_seed(1)
-    dtype, capacity, dim, dim_v, len_new = torch.float32, 24, 16, 8, 2
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    capacity, dim, dim_v, len_new = 24, 16, 8, 2
     key_cache, value_cache, table = make_cache(2, 2, capacity, dim, dim_v, dtype, block_size, gen)
     lengths = [5, 22]  # the second's new keys end at the cache's end
-    key_new = torch.randn(2, 2, len_new, dim, generator=gen)
-    value_new = torch.randn(2, 2, len_new, dim_v, generator=gen)
-    query = torch.randn(2, 4, 2, dim, generator=gen)
+    key_new = torch.randn(2, 2, len_new, dim, generator=gen).to(dtype)
+    value_new = torch.randn(2, 2, len_new, dim_v, generator=gen).to(dtype)
+    query = torch.randn(2, 4, 2, dim, generator=gen).to(dtype)
     want_key_cache, want_value_cache = key_cache.clone(), value_cache.clone()
     for b, length in enumerate(lengths):
         for i in range(len_new):
@@ -100,35 +112,53 @@ def test_new_keys_are_written_into_the_cache_then_seen(block_size):
                 block, row = table[b, j // block_size].long(), j % block_size
                 want_key_cache[block, row], want_value_cache[block, row] = key_new[b, :, i], value_new[b, :, i]
 
-    out = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths, dtype=torch.int32),
-                                         block_table=table, key_new=key_new, value_new=value_new, is_causal=True,
-                                         scale=0.3)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    caches = on(key_cache), on(value_cache)
+    out = flashattn_ext.decode_attention(on(query), *caches, on(torch.tensor(lengths, dtype=torch.int32)),
+                                         block_table=on(table), key_new=on(key_new), value_new=on(value_new),
+                                         is_causal=True, scale=0.3).cpu()
+    key_cache, value_cache = caches[0].cpu(), caches[1].cpu()
     assert torch.equal(key_cache, want_key_cache) and torch.equal(value_cache, want_value_cache)
     new_lengths = [length + len_new for length in lengths]
     want_out, _ = reference(query, key_cache, value_cache, new_lengths, table, True, 0.3)
     assert relative_error(out, want_out) <= TOLERANCE[dtype]
 
 
-def test_strided_views_and_sdpa_agree():
-    """A (B, capacity, H, D) cache seen as (B, H, capacity, D), a sequence-major query, against SDPA."""
+@pytest.mark.parametrize("layout", ["sequence_major", "column_strided", "odd_dims"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_views_and_sdpa_agree(layout, device):
+    """Caches in layouts other than (B, H, capacity, D) contiguous, and a sequence-major query, against
+    SDPA: a (B, capacity, H, D) cache seen as (B, H, capacity, D); a cache whose columns are strided (a
+    transposed (B, H, D, capacity) store); head dims 20 and 12, whose rows are no whole 16-byte pieces."""
     gen = torch.Generator().manual_seed(2)
-    key_store = torch.randn(2, 30, 3, 16, generator=gen)
-    value_store = torch.randn(2, 30, 3, 16, generator=gen)
-    query = torch.randn(2, 1, 6, 16, generator=gen).transpose(1, 2)  # (B, Hq, 1, D) with Hq strided
-    out = flashattn_ext.decode_attention(query, key_store.transpose(1, 2), value_store.transpose(1, 2),
-                                         torch.tensor([30, 30]))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dim, dim_v = (20, 12) if layout == "odd_dims" else (16, 16)
+    query = torch.randn(2, 1, 6, dim, generator=gen).transpose(1, 2)  # (B, Hq, 1, D) with Hq strided
+    if layout == "column_strided":
+        key_cache = torch.randn(2, 3, dim, 30, generator=gen).transpose(2, 3)
+        value_cache = torch.randn(2, 3, dim_v, 30, generator=gen).transpose(2, 3)
+    else:
+        key_cache = torch.randn(2, 30, 3, dim, generator=gen).transpose(1, 2)
+        value_cache = torch.randn(2, 30, 3, dim_v, generator=gen).transpose(1, 2)
+    query, key_cache, value_cache = (t.to(device=device, dtype=dtype) for t in (query, key_cache, value_cache))
+    out = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor([30, 17], device=device))
+    mask = (torch.arange(30) < torch.tensor([30, 17])[:, None]).to(device)[:, None, None, :]
     want = torch.nn.functional.scaled_dot_product_attention(
-        query, key_store.transpose(1, 2), value_store.transpose(1, 2), enable_gqa=True)
-    torch.testing.assert_close(out, want)
+        query.double(), key_cache.double(), value_cache.double(), attn_mask=mask, enable_gqa=True)
+    assert relative_error(out.double(), want) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("with_new", [False, True])
-def test_opcheck(with_new):
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(with_new, device):
     gen = torch.Generator().manual_seed(3)
-    key_cache, value_cache, table = make_cache(2, 2, 12, 8, 8, torch.float32, 4, gen)
-    query = torch.randn(2, 4, 2, 8, generator=gen)
-    new = (torch.randn(2, 2, 2, 8, generator=gen), torch.randn(2, 2, 2, 8, generator=gen)) if with_new else (None,) * 2
-    args = (query, key_cache, value_cache, torch.tensor([3, 9]), table, *new, True, 0.35)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    key_cache, value_cache, table = make_cache(2, 2, 12, 8, 8, dtype, 4, gen)
+    query = torch.randn(2, 4, 2, 8, generator=gen).to(dtype)
+    new = (torch.randn(2, 2, 2, 8, generator=gen).to(dtype), torch.randn(2, 2, 2, 8, generator=gen).to(dtype)) \
+        if with_new else (None,) * 2
+    args = tuple(t.to(device) if isinstance(t, torch.Tensor) else t
+                 for t in (query, key_cache, value_cache, torch.tensor([3, 9]), table, *new, True, 0.35))
     torch.library.opcheck(torch.ops.flashattn_ext.decode_attention.default, args)
 
 
@@ -169,3 +199,30 @@ def test_bad_arguments(call, exception, message):
     with pytest.raises(exception, match=None) as info:
         call()
     assert message in str(info.value)
+
+
+@cuda_test
+@pytest.mark.parametrize("block_size, dim, len_q", [(None, 128, 1), (16, 128, 1), (256, 128, 1), (None, 128, 5),
+                                                    (16, 64, 2), (None, 80, 1), (256, 256, 3)])
+def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
+    """GQA 32:8 against caches of a few thousand keys: several chunks a sequence, merged by their lse;
+    with len_q > 1, causal, and 4 * len_q query rows a key head (two blocks of rows at len_q = 5)."""
+    gen = torch.Generator().manual_seed(5)
+    dtype, capacity = torch.bfloat16, 4096
+    key_cache, value_cache, table = make_cache(2, 8, capacity, dim, dim, dtype, block_size, gen)
+    lengths = [4096, 1500]
+    query = torch.randn(2, 32, len_q, dim, generator=gen).to(dtype)
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
+                                              block_table=None if table is None else table.cuda(), return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4
+
+
+@cuda_test
+def test_cuda_takes_16_bit_types_only():
+    call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda(), key_cache=torch.randn(2, 2, 10, 8).cuda(),
+                        value_cache=torch.randn(2, 2, 10, 8).cuda(), cache_seqlens=torch.tensor([3, 10]).cuda())
+    with pytest.raises(TypeError, match="takes float16 or bfloat16"):
+        call()

@@ -29,6 +29,17 @@ enum class DqAccumLayout { kRows, kWgmmaTiles };
 // dq = dq_accum * scale, rounded to the element type.
 void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream);
 
+// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
+// decode_chunks is how many chunks of keys a call splits each sequence into;
+// decode_attention writes key_new and value_new into the caches, then out and
+// lse, through each chunk's partial results in out_partial (batch * heads_q *
+// len_q * chunks * head_dim_v floats) and lse_partial (batch * heads_q * len_q
+// * chunks). Lengths past the capacity and block indices outside the cache are
+// clamped (not checked: that would wait for the GPU).
+int decode_chunks(const DecodeParams& params, ElementType type);
+void decode_attention(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
+                      int chunks, cudaStream_t stream);
+
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.
 namespace sm80 {

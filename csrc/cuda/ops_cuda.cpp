@@ -177,12 +177,41 @@ at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, double dropout_p, int6
   return mask;
 }
 
+std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
+                                                         const at::Tensor& v_cache, const at::Tensor& cache_seqlens,
+                                                         const std::optional<at::Tensor>& block_table,
+                                                         const std::optional<at::Tensor>& k_new,
+                                                         const std::optional<at::Tensor>& v_new, bool is_causal,
+                                                         double scale) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                   "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
+  at::Tensor out, lse, seqlens, table;
+  const DecodeParams params = prepare_decode(
+      {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale}, out, lse, seqlens, table);
+  const AttentionProblem& p = params.problem;
+  TORCH_CHECK(p.head_dim <= cuda::kMaxHeadDim && p.head_dim_v <= cuda::kMaxHeadDim,
+              "flashattn_ext: decode_attention on CUDA takes head dims up to ", cuda::kMaxHeadDim, ", got ",
+              p.head_dim, " and ", p.head_dim_v);
+  TORCH_CHECK(p.len_k < (int64_t{1} << 31), "flashattn_ext: decode_attention on CUDA takes caches of fewer than 2^31 rows a sequence, got ",
+              p.len_k);
+  const int chunks = cuda::decode_chunks(params, element_type(q));
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  const at::Tensor out_partial = at::empty({rows * chunks * p.head_dim_v}, q.options().dtype(at::kFloat));
+  const at::Tensor lse_partial = at::empty({rows * chunks}, q.options().dtype(at::kFloat));
+  cuda::decode_attention(params, element_type(q), out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), chunks,
+                         at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
+  m.impl("decode_attention", &decode_attention_cuda);
 }
 
 }  // namespace flashattn_ext

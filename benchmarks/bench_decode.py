@@ -1,0 +1,96 @@
+"""Decoding speed (issue 12's bar): flashattn_ext.decode_attention against SDPA on the same call, and the
+rate it reads the cache at against a device-to-device copy's.
+
+One query token per sequence, bf16, GQA 32:8, head dim 128, B=64 (fewer where the cache would not fit),
+every sequence's cache full, contiguous and paged (blocks of 16 and 256 keys, shuffled). Times are the
+median of 20 calls (CUDA events) after 3 warm-up calls. SDPA gets the same keys as one contiguous
+(B, 8, L, 128) tensor and enable_gqa=True; its default dispatch picks the backend.
+
+    python3 benchmarks/bench_decode.py [--lengths 8192 32768 131072] [--out DIR]
+"""
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import flashattn_ext  # noqa: E402
+
+HEADS_Q, HEADS_KV, DIM = 32, 8, 128
+
+
+def median_ms(fn, calls=20, warmup=3):
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def copy_gbps(nbytes=2 << 30):
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source))
+    return 2 * nbytes / ms / 1e6  # read and written
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    free = torch.cuda.mem_get_info()[0]
+    copy = copy_gbps()
+    lines = [f"# Decoding: flashattn_ext.decode_attention against SDPA ({torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__})", "", f"Device-to-device copy: {copy:.0f} GB/s (read + written).", "",
+             "| L | B | cache | ours ms | ours GB/s | of copy | SDPA ms | SDPA / ours |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for length in args.lengths:
+        cache_bytes = 2 * HEADS_KV * length * DIM * 2  # K and V of one sequence
+        # Room for K, V, a paged copy of each and a temporary.
+        batch = min(args.batch, max(1, int(free * 0.25) // cache_bytes))
+        query = torch.randn(batch, HEADS_Q, 1, DIM, device="cuda", dtype=torch.bfloat16)
+        keys = torch.randn(batch, HEADS_KV, length, DIM, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+        for block in (None, 16, 256):
+            if block is None:
+                caches, table = (keys, values), None
+            else:
+                per_sequence = length // block
+                order = torch.randperm(batch * per_sequence, device="cuda")
+                table = order.view(batch, per_sequence).to(torch.int32)
+                # Block order[i] holds the i-th block of the sequences laid end to end.
+                caches = tuple(torch.empty(batch * per_sequence, block, HEADS_KV, DIM, device="cuda",
+                                           dtype=torch.bfloat16).index_copy_(
+                    0, order, t.view(batch, HEADS_KV, per_sequence, block, DIM).permute(0, 2, 3, 1, 4)
+                    .reshape(batch * per_sequence, block, HEADS_KV, DIM)) for t in (keys, values))
+            ours = flashattn_ext.decode_attention(query, *caches, lengths, block_table=table)
+            want = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+            assert (ours.float() - want.float()).abs().max().item() < 3e-2, "decode_attention disagrees with SDPA"
+            ms = median_ms(lambda: flashattn_ext.decode_attention(query, *caches, lengths, block_table=table))
+            gbps = batch * cache_bytes / ms / 1e6
+            line = (f"| {length} | {batch} | {'contiguous' if block is None else f'paged {block}'} | {ms:.3f} | "
+                    f"{gbps:.0f} | {gbps / copy:.2f} | {sdpa_ms:.3f} | {sdpa_ms / ms:.2f} |")
+            print(line, flush=True)
+            lines.append(line)
+            del caches
+        del keys, values
+        torch.cuda.empty_cache()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_decode.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

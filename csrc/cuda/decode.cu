@@ -1,0 +1,448 @@
+// Decoding on CUDA (flash-decoding): each sequence's keys are split into
+// chunks; one block per (chunk, key/value head and block of query rows, batch)
+// computes the softmax-weighted values of its query rows (the GQA group's heads
+// times the query tokens, packed, so that a key is read once for all of them)
+// over its chunk, as a partial output and log-sum-exp in float; a second kernel
+// merges the chunks. Reading the cache is the whole cost: the key and value
+// tiles stream through a cp.async ring deep enough to keep the memory busy,
+// and the little arithmetic runs on the tensor cores (mma.sync, any GPU from
+// Ampere on).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+
+namespace flashattn_ext::cuda {
+namespace {
+
+constexpr int kDecodeRows = 16;  // query rows of a block: one mma tile
+constexpr int kMergeWarps = 4;   // the merge kernel: one warp a query row
+// Chunks hold at least this many keys of the capacity: fewer would spend more
+// on the pipeline's start and the partial results than on the keys.
+constexpr int kMinKeysPerChunk = 256;
+
+// Keys that sequence b's queries see, clamped to the capacity so that no read
+// leaves the cache (the CPU op raises on such lengths; the CUDA op does not
+// read them back, which would wait for the GPU).
+__device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, int64_t b) {
+  const int64_t length = params.cache_seqlens[b] + params.len_new;
+  return min(max(length, int64_t{0}), params.problem.len_k);
+}
+
+// Row j of head h of sequence b's cache (see DecodeParams); a block index
+// outside the cache is clamped into it, for the same reason.
+template <typename Elem>
+__device__ __forceinline__ Elem* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b,
+                                           int64_t h, int64_t j) {
+  int64_t outer = b, row = j;
+  if (params.block_table != nullptr) {
+    const int64_t block = params.block_table[b * params.block_table_stride + j / params.block_size];
+    outer = min(max(block, int64_t{0}), params.num_blocks - 1);
+    row = j % params.block_size;
+  }
+  return static_cast<Elem*>(cache.data) + outer * cache.stride_batch + h * cache.stride_head + row * cache.stride_row;
+}
+
+// Writes key_new and value_new into the caches, one thread per element of a
+// key row and of a value row; rows past the capacity are not written.
+template <typename Elem>
+__global__ void append_kernel(const DecodeParams params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t cols = p.head_dim + p.head_dim_v;
+  const int64_t index = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (index >= p.batch * p.heads_kv * params.len_new * cols) return;
+  const int64_t col = index % cols, i = index / cols % params.len_new;
+  const int64_t h = index / (cols * params.len_new) % p.heads_kv, b = index / (cols * params.len_new * p.heads_kv);
+  const int64_t j = params.cache_seqlens[b] + i;
+  if (j < 0 || j >= p.len_k) return;
+  const bool key = col < p.head_dim;
+  const TensorView4d& src = key ? params.k_new : params.v_new;
+  const TensorView4d& dst = key ? params.k_cache : params.v_cache;
+  const int64_t c = key ? col : col - p.head_dim;
+  const Elem* from = static_cast<const Elem*>(src.data) + b * src.stride_batch + h * src.stride_head + i * src.stride_row;
+  cache_row<Elem>(params, dst, b, h, j)[c * dst.stride_col] = from[c * src.stride_col];
+}
+
+// Query row r of a block: (query head, query token) of the key/value head's
+// group, rows in (head, token) order.
+struct QueryRow {
+  int64_t head, token;
+};
+
+template <int kHeadDim_>
+struct DecodeConfig {
+  static constexpr int kHeadDim = kHeadDim_;  // of keys and values, zero-padded
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * kWarpSize;
+  static constexpr int kRows = kDecodeRows;
+  static constexpr int kKeysPerWarp = 16;        // each warp takes its own 16 keys of a tile
+  static constexpr int kBlockN = kWarps * kKeysPerWarp;  // keys per streamed tile
+  static constexpr int kStages = 3;  // tiles in the cp.async ring: two loading while one is used
+  static constexpr int kStride = smem_stride<kHeadDim>();
+  static constexpr int kSmemElems = (kRows + 2 * kStages * kBlockN) * kStride;
+  // Tile loads: threads per row (16-byte pieces, a power of two) and rows per pass of the block.
+  static constexpr int kPieces = kHeadDim / 8;
+  static constexpr int kPieceSlots = kPieces <= 8 ? 8 : kPieces <= 16 ? 16 : 32;
+  static constexpr int kRowsPerPass = kThreads / kPieceSlots;
+  static constexpr int kPasses = kBlockN / kRowsPerPass;
+};
+
+// Where this thread's rows of one key tile lie in the caches: the outer index
+// (sequence, or the block of a paged cache) and the row in it; -1 past the chunk.
+template <int kPasses>
+struct TileRows {
+  int64_t outer[kPasses];
+  int row[kPasses];
+};
+
+// The partial results of one (chunk, key/value head and block of query rows,
+// sequence). Each warp runs the online softmax of the block's 16 query rows
+// over its 16 keys of every tile of the chunk, with the tensor cores (mma.sync
+// m16n8k16, as the sm80 forward); the tiles stream through a cp.async ring;
+// the four warps' results merge in shared memory at the end.
+// out_partial (batch, heads_q, len_q, chunks, head_dim_v) and lse_partial
+// (batch, heads_q, len_q, chunks), float; a chunk that a row sees no key of
+// gets lse -inf.
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const DecodeParams params, float* out_partial,
+                                                                      float* lse_partial, int keys_per_chunk,
+                                                                      int chunks) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kRows = Cfg::kRows, kBlockN = Cfg::kBlockN, kStride = Cfg::kStride,
+                kStages = Cfg::kStages, kPasses = Cfg::kPasses;
+  constexpr int kDimTiles = kHeadDim / 8;
+  constexpr int kElemBytes = sizeof(Elem);
+  constexpr uint32_t kTileBytes = kBlockN * kStride * kElemBytes;
+  extern __shared__ __align__(16) unsigned char smem[];
+  Elem* s_q = reinterpret_cast<Elem*>(smem);
+  Elem* s_k = s_q + kRows * kStride;
+  Elem* s_v = s_k + kStages * kBlockN * kStride;
+
+  const AttentionProblem& p = params.problem;
+  const int64_t group = p.heads_q / p.heads_kv, rows_per_head = group * p.len_q;
+  const int64_t row_blocks = ceil_div(rows_per_head, kRows);
+  const int64_t chunk = blockIdx.x % chunks;
+  const int64_t h_kv = blockIdx.x / chunks % (p.heads_kv * row_blocks) / row_blocks;
+  const int64_t row0 = blockIdx.x / chunks % row_blocks * kRows;
+  const int64_t b = blockIdx.x / (chunks * p.heads_kv * row_blocks);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int rows = static_cast<int>(min(int64_t{kRows}, rows_per_head - row0));
+  auto row_of = [&](int r) {
+    const int64_t index = row0 + r;
+    return QueryRow{h_kv * group + index / p.len_q, index % p.len_q};
+  };
+
+  const int64_t length = sequence_length(params, b);
+  const int64_t key_begin = min(length, chunk * keys_per_chunk);
+  const int64_t key_end = min(length, key_begin + keys_per_chunk);
+  const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kBlockN));
+
+  // The query rows, zero-padded to kHeadDim columns and kRows rows (their
+  // layout in memory is arbitrary, and they are few: plain loads).
+  for (int i = threadIdx.x; i < kRows * kHeadDim; i += Cfg::kThreads) {
+    const int r = i / kHeadDim, c = i % kHeadDim;
+    Elem x = ptx::from_float<Elem>(0.f);
+    if (r < rows && c < p.head_dim) {
+      const QueryRow row = row_of(r);
+      x = static_cast<const Elem*>(params.q.data)[b * params.q.stride_batch + row.head * params.q.stride_head +
+                                                  row.token * params.q.stride_row + c * params.q.stride_col];
+    }
+    s_q[r * kStride + c] = x;
+  }
+
+  // Tile loads: each thread copies one 16-byte piece of every kRowsPerPass-th
+  // row. Rows past the chunk and columns past the head dim read as zeros (a
+  // value row of garbage would turn 0 * x into NaN). Caches whose rows are not
+  // contiguous 16-byte aligned pieces are read element by element.
+  const int piece_row = threadIdx.x / Cfg::kPieceSlots, piece_col = threadIdx.x % Cfg::kPieceSlots * 8;
+  const TensorView4d& kc = params.k_cache;
+  const TensorView4d& vc = params.v_cache;
+  const Elem* k_head = static_cast<const Elem*>(kc.data) + h_kv * kc.stride_head;
+  const Elem* v_head = static_cast<const Elem*>(vc.data) + h_kv * vc.stride_head;
+  auto aligned = [](const TensorView4d& t, int64_t dim) {
+    return t.stride_col == 1 && dim % 8 == 0 && t.stride_row % 8 == 0 && t.stride_head % 8 == 0 &&
+           t.stride_batch % 8 == 0 && reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+  };
+  const bool vector_loads = aligned(kc, p.head_dim) && aligned(vc, p.head_dim_v);
+
+  // Finds the rows of tile t: for a paged cache, the block table's entries
+  // (loaded a tile ahead of their use, so that the lookups wait on nothing).
+  auto locate = [&](int t, TileRows<kPasses>& where) {
+#pragma unroll
+    for (int it = 0; it < kPasses; ++it) {
+      const int64_t j = key_begin + int64_t(t) * kBlockN + piece_row + it * Cfg::kRowsPerPass;
+      where.outer[it] = b;
+      where.row[it] = j < key_end ? static_cast<int>(j) : -1;
+      if (params.block_table != nullptr && j < key_end) {  // 32-bit division: the glue checks len_k < 2^31
+        const int key = static_cast<int>(j), block_size = static_cast<int>(params.block_size);
+        const int64_t block = params.block_table[b * params.block_table_stride + key / block_size];
+        where.outer[it] = min(max(block, int64_t{0}), params.num_blocks - 1);
+        where.row[it] = key % block_size;
+      }
+    }
+  };
+  auto load_row_piece = [&](Elem* dst, const Elem* head, const TensorView4d& cache, int64_t dim,
+                            const TileRows<kPasses>& where, int it) {
+    const bool valid = where.row[it] >= 0 && piece_col < dim;
+    const Elem* src = head + where.outer[it] * cache.stride_batch + int64_t(where.row[it]) * cache.stride_row;
+    if (vector_loads) {
+      ptx::cp_async_16(dst, valid ? src + piece_col : head, valid);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int c = piece_col + e;
+        dst[e] = valid && c < dim ? src[c * cache.stride_col] : ptx::from_float<Elem>(0.f);
+      }
+    }
+  };
+  auto load_tile = [&](int t, const TileRows<kPasses>& where) {
+    if (piece_col >= kHeadDim) return;  // a slot past the row (head dim 96)
+    const int stage = t % kStages;
+    Elem* k_dst = s_k + (stage * kBlockN + piece_row) * kStride + piece_col;
+    Elem* v_dst = s_v + (stage * kBlockN + piece_row) * kStride + piece_col;
+#pragma unroll
+    for (int it = 0; it < kPasses; ++it) {
+      load_row_piece(k_dst + it * Cfg::kRowsPerPass * kStride, k_head, kc, p.head_dim, where, it);
+      load_row_piece(v_dst + it * Cfg::kRowsPerPass * kStride, v_head, vc, p.head_dim_v, where, it);
+    }
+  };
+
+  TileRows<kPasses> ahead;
+#pragma unroll
+  for (int t = 0; t < kStages - 1; ++t) {
+    if (t < tiles) {
+      locate(t, ahead);
+      load_tile(t, ahead);
+    }
+    ptx::cp_async_commit();
+  }
+  if (kStages - 1 < tiles) locate(kStages - 1, ahead);
+
+  // This lane's two rows (lane / 4 and lane / 4 + 8 of the block) see keys
+  // below row_end: bottom-right causal, token t of len_q sees the keys below
+  // length - len_q + t + 1; rows past the block's see none.
+  int64_t row_end[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + half * 8;
+    const int64_t token = row_of(r).token;
+    row_end[half] = r >= rows ? 0 : p.is_causal ? min(length, max(int64_t{0}, length - p.len_q + token + 1)) : length;
+    row_end[half] = min(row_end[half], key_end);
+  }
+
+  const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t warp_keys = warp * Cfg::kKeysPerWarp * kStride * kElemBytes;
+  const uint32_t k_frag = ptx::smem_addr(s_k) + warp_keys + b_lane_offset<kStride>(lane) * kElemBytes;
+  const uint32_t v_frag = ptx::smem_addr(s_v) + warp_keys + a_lane_offset<kStride>(lane) * kElemBytes;
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  float acc[1][kDimTiles][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  for (int t = 0; t < tiles; ++t) {
+    ptx::cp_async_wait<kStages - 2>();  // tile t has landed
+    __syncthreads();                    // for every thread, and all are done with tile t - 1's stage
+    if (t + kStages - 1 < tiles) {
+      load_tile(t + kStages - 1, ahead);
+      if (t + kStages < tiles) locate(t + kStages, ahead);
+    }
+    ptx::cp_async_commit();
+
+    // S = Q K^T over this warp's 16 keys, in log2 units; keys a row does not see are -inf.
+    const uint32_t stage_offset = (t % kStages) * kTileBytes;
+    float s[1][2][4] = {};
+    mma_rows_by_rows<Elem, 1, 2, kHeadDim, kStride>(s, q_frag, k_frag + stage_offset);
+    const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
+        s[0][nt][e] = j < row_end[e / 2] ? s[0][nt][e] * scale_log2 : -INFINITY;
+      }
+    }
+    // Online softmax; each row lives in the 4 lanes of a quad.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float tile_max = fmaxf(fmaxf(s[0][0][2 * half], s[0][0][2 * half + 1]),
+                             fmaxf(s[0][1][2 * half], s[0][1][2 * half + 1]));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+      const float new_max = fmaxf(row_max[half], tile_max);
+      // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+      // that exp2(-inf - max) stays 0 rather than NaN.
+      const float max_used = new_max == -INFINITY ? 0.f : new_max;
+      const float rescale = ptx::exp2_approx(row_max[half] - max_used);
+      row_max[half] = new_max;
+      float tile_sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          s[0][nt][e] = ptx::exp2_approx(s[0][nt][e] - max_used);
+          tile_sum += s[0][nt][e];
+        }
+      }
+      row_sum[half] = row_sum[half] * rescale + tile_sum;  // this lane's partial sum
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        acc[0][dt][2 * half] *= rescale;
+        acc[0][dt][2 * half + 1] *= rescale;
+      }
+    }
+    // O += P V over the warp's 16 keys.
+    mma_regs_by_rows<Elem, 1, Cfg::kKeysPerWarp, kHeadDim, kStride>(acc, s, v_frag + stage_offset);
+  }
+
+  // The warps' results meet in shared memory (the ring is free once every
+  // copy has landed); then each thread writes columns of the block's rows.
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  float* s_max = reinterpret_cast<float*>(smem);  // [kWarps][kRows]
+  float* s_sum = s_max + Cfg::kWarps * kRows;     // [kWarps][kRows]
+  float* s_acc = s_sum + Cfg::kWarps * kRows;     // [kWarps][kRows][kHeadDim]
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = lane / 4 + half * 8;
+    float sum = row_sum[half];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    if (lane % 4 == 0) {
+      s_max[warp * kRows + r] = row_max[half];
+      s_sum[warp * kRows + r] = sum;
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      const int c = dt * 8 + (lane % 4) * 2;
+      float* dst = s_acc + (warp * kRows + r) * kHeadDim + c;
+      dst[0] = acc[0][dt][2 * half];
+      dst[1] = acc[0][dt][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  const int dim_v = static_cast<int>(p.head_dim_v);
+  for (int i = threadIdx.x; i < rows * dim_v; i += Cfg::kThreads) {
+    const int r = i / dim_v, c = i % dim_v;
+    float max_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarps; ++w) max_all = fmaxf(max_all, s_max[w * kRows + r]);
+    float sum = 0.f, value = 0.f;
+#pragma unroll
+    for (int w = 0; w < Cfg::kWarps; ++w) {
+      const float m = s_max[w * kRows + r];
+      const float factor = m == -INFINITY ? 0.f : exp2f(m - max_all);
+      sum += s_sum[w * kRows + r] * factor;
+      value += s_acc[(w * kRows + r) * kHeadDim + c] * factor;
+    }
+    const QueryRow row = row_of(r);
+    const int64_t slot = ((b * p.heads_q + row.head) * p.len_q + row.token) * chunks + chunk;
+    out_partial[slot * dim_v + c] = sum > 0.f ? value / sum : 0.f;
+    // In natural-log units, as the op's lse.
+    if (c == 0) lse_partial[slot] = sum > 0.f ? (max_all + log2f(sum)) * float(M_LN2) : -INFINITY;
+  }
+}
+
+// out and lse of each query row from its chunks' partial results: one warp a row.
+template <typename Elem>
+__global__ void merge_chunks_kernel(const DecodeParams params, const float* out_partial, const float* lse_partial,
+                                    int chunks) {
+  const AttentionProblem& p = params.problem;
+  const int64_t row = blockIdx.x * int64_t{kMergeWarps} + threadIdx.x / kWarpSize;  // (batch, head, token)
+  const int lane = threadIdx.x % kWarpSize;
+  if (row >= p.batch * p.heads_q * p.len_q) return;
+  const int64_t token = row % p.len_q, h = row / p.len_q % p.heads_q, b = row / (p.len_q * p.heads_q);
+  const float* lse = lse_partial + row * chunks;
+  float lse_max = -INFINITY;
+  for (int s = 0; s < chunks; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  float sum = 0.f;
+  for (int s = 0; s < chunks; ++s) sum += lse[s] == -INFINITY ? 0.f : expf(lse[s] - lse_max);
+  Elem* out = static_cast<Elem*>(params.out.data) + b * params.out.stride_batch + h * params.out.stride_head +
+              token * params.out.stride_row;
+  for (int c = lane; c < p.head_dim_v; c += kWarpSize) {
+    float value = 0.f;
+    for (int s = 0; s < chunks; ++s) {
+      if (lse[s] != -INFINITY) value += expf(lse[s] - lse_max) * out_partial[(row * chunks + s) * p.head_dim_v + c];
+    }
+    out[c * params.out.stride_col] = ptx::from_float<Elem>(sum > 0.f ? value / sum : 0.f);
+  }
+  if (lane == 0) static_cast<float*>(params.lse)[row] = sum > 0.f ? lse_max + logf(sum) : -INFINITY;
+}
+
+// Blocks of decode_chunks_kernel that fit on one SM (its shared memory decides).
+template <typename Elem, typename Cfg>
+int blocks_per_multiprocessor() {
+  const auto kernel = decode_chunks_kernel<Elem, Cfg>;
+  const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  int blocks = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, smem_bytes);
+  return std::max(blocks, 1);
+}
+
+int64_t row_blocks(const AttentionProblem& p) {
+  return ceil_div(p.heads_q / p.heads_kv * p.len_q, kDecodeRows);
+}
+
+// Calls fn with the DecodeConfig that serves the call's head dims.
+template <typename Fn>
+void dispatch_decode_config(const AttentionProblem& p, Fn&& fn) {
+  dispatch_head_dim(std::max(p.head_dim, p.head_dim_v), [&](auto head_dim) { fn(DecodeConfig<decltype(head_dim)::value>{}); });
+}
+
+}  // namespace
+
+int decode_chunks(const DecodeParams& params, ElementType type) {
+  const AttentionProblem& p = params.problem;
+  if (p.heads_kv == 0 || p.batch == 0 || p.len_q == 0) return 1;
+  int per_sm = 1;
+  dispatch_element_type(type, [&](auto elem) {
+    dispatch_decode_config(p, [&](auto cfg) { per_sm = blocks_per_multiprocessor<decltype(elem), decltype(cfg)>(); });
+  });
+  // All blocks do the same work (up to the sequences' lengths), so the last
+  // wave's share of the machine decides: take the fewest chunks whose waves
+  // fill it within 5% of the best count's (up to kMinKeysPerChunk keys a chunk).
+  const int64_t slots = int64_t{multiprocessor_count()} * per_sm;
+  const int64_t units = p.batch * p.heads_kv * row_blocks(p);
+  const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, 4 * ceil_div(8 * slots, units));
+  auto fill = [&](int64_t chunks) {
+    const int64_t blocks = units * chunks;
+    return double(blocks) / double(ceil_div(blocks, slots) * slots);
+  };
+  double best = 0.;
+  for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, fill(chunks));
+  for (int64_t chunks = 1; chunks <= most; ++chunks) {
+    if (fill(chunks) >= 0.95 * best) return static_cast<int>(chunks);
+  }
+  return 1;
+}
+
+void decode_attention(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial, int chunks,
+                      cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    const int64_t new_elements = p.batch * p.heads_kv * params.len_new * (p.head_dim + p.head_dim_v);
+    if (new_elements > 0) {
+      append_kernel<Elem><<<static_cast<unsigned>(ceil_div(new_elements, 256)), 256, 0, stream>>>(params);
+    }
+    const int64_t rows = p.batch * p.heads_q * p.len_q;
+    if (rows == 0) return;
+    dispatch_decode_config(p, [&](auto cfg) {
+      using Cfg = decltype(cfg);
+      // Chunks of whole tiles.
+      const int64_t keys_per_chunk = ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN;
+      const auto kernel = decode_chunks_kernel<Elem, Cfg>;
+      const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+      const int64_t blocks = chunks * p.heads_kv * row_blocks(p) * p.batch;
+      kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(
+          params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), chunks);
+    });
+    merge_chunks_kernel<Elem><<<static_cast<unsigned>(ceil_div(rows, kMergeWarps)), kMergeWarps * kWarpSize, 0,
+                                stream>>>(params, out_partial, lse_partial, chunks);
+  });
+}
+
+}  // namespace flashattn_ext::cuda
