@@ -93,9 +93,10 @@ struct DecodeConfig {
 
 // Where this thread's rows of one key tile lie in the caches: the outer index
 // (sequence, or the block of a paged cache) and the row in it; -1 past the chunk.
+// 32-bit (the glue checks the sizes): two sets are live at a time.
 template <int kPasses>
 struct TileRows {
-  int64_t outer[kPasses];
+  int outer[kPasses];
   int row[kPasses];
 };
 
@@ -122,36 +123,26 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   Elem* s_v = s_k + kStages * kBlockN * kStride;
 
   const AttentionProblem& p = params.problem;
-  const int64_t group = p.heads_q / p.heads_kv, rows_per_head = group * p.len_q;
-  const int64_t row_blocks = ceil_div(rows_per_head, kRows);
-  const int64_t chunk = blockIdx.x % chunks;
-  const int64_t h_kv = blockIdx.x / chunks % (p.heads_kv * row_blocks) / row_blocks;
-  const int64_t row0 = blockIdx.x / chunks % row_blocks * kRows;
-  const int64_t b = blockIdx.x / (chunks * p.heads_kv * row_blocks);
+  // 32-bit index arithmetic: the grid and the rows of a key/value head fit it
+  // (64-bit divisions are long instruction sequences).
+  const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
+  const int rows_per_head = group * len_q;
+  const int row_blocks = static_cast<int>(ceil_div(rows_per_head, kRows));
+  const int chunk = static_cast<int>(blockIdx.x % chunks), unit = static_cast<int>(blockIdx.x / chunks);
+  const int row0 = unit % row_blocks * kRows;
+  const int64_t h_kv = unit / row_blocks % p.heads_kv;
+  const int64_t b = unit / row_blocks / p.heads_kv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int rows = static_cast<int>(min(int64_t{kRows}, rows_per_head - row0));
+  const int rows = min(kRows, rows_per_head - row0);
   auto row_of = [&](int r) {
-    const int64_t index = row0 + r;
-    return QueryRow{h_kv * group + index / p.len_q, index % p.len_q};
+    const int index = row0 + r;
+    return QueryRow{h_kv * group + index / len_q, index % len_q};
   };
 
   const int64_t length = sequence_length(params, b);
-  const int64_t key_begin = min(length, chunk * keys_per_chunk);
+  const int64_t key_begin = min(length, int64_t{chunk} * keys_per_chunk);
   const int64_t key_end = min(length, key_begin + keys_per_chunk);
   const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kBlockN));
-
-  // The query rows, zero-padded to kHeadDim columns and kRows rows (their
-  // layout in memory is arbitrary, and they are few: plain loads).
-  for (int i = threadIdx.x; i < kRows * kHeadDim; i += Cfg::kThreads) {
-    const int r = i / kHeadDim, c = i % kHeadDim;
-    Elem x = ptx::from_float<Elem>(0.f);
-    if (r < rows && c < p.head_dim) {
-      const QueryRow row = row_of(r);
-      x = static_cast<const Elem*>(params.q.data)[b * params.q.stride_batch + row.head * params.q.stride_head +
-                                                  row.token * params.q.stride_row + c * params.q.stride_col];
-    }
-    s_q[r * kStride + c] = x;
-  }
 
   // Tile loads: each thread copies one 16-byte piece of every kRowsPerPass-th
   // row. Rows past the chunk and columns past the head dim read as zeros (a
@@ -169,17 +160,17 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   const bool vector_loads = aligned(kc, p.head_dim) && aligned(vc, p.head_dim_v);
 
   // Finds the rows of tile t: for a paged cache, the block table's entries
-  // (loaded a tile ahead of their use, so that the lookups wait on nothing).
+  // (looked up ahead of the tile's loads, so that those wait on nothing).
   auto locate = [&](int t, TileRows<kPasses>& where) {
 #pragma unroll
     for (int it = 0; it < kPasses; ++it) {
       const int64_t j = key_begin + int64_t(t) * kBlockN + piece_row + it * Cfg::kRowsPerPass;
-      where.outer[it] = b;
+      where.outer[it] = static_cast<int>(b);
       where.row[it] = j < key_end ? static_cast<int>(j) : -1;
       if (params.block_table != nullptr && j < key_end) {  // 32-bit division: the glue checks len_k < 2^31
         const int key = static_cast<int>(j), block_size = static_cast<int>(params.block_size);
         const int64_t block = params.block_table[b * params.block_table_stride + key / block_size];
-        where.outer[it] = min(max(block, int64_t{0}), params.num_blocks - 1);
+        where.outer[it] = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
         where.row[it] = key % block_size;
       }
     }
@@ -187,9 +178,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   auto load_row_piece = [&](Elem* dst, const Elem* head, const TensorView4d& cache, int64_t dim,
                             const TileRows<kPasses>& where, int it) {
     const bool valid = where.row[it] >= 0 && piece_col < dim;
-    const Elem* src = head + where.outer[it] * cache.stride_batch + int64_t(where.row[it]) * cache.stride_row;
+    const Elem* src = head + int64_t(where.outer[it]) * cache.stride_batch + int64_t(where.row[it]) * cache.stride_row;
     if (vector_loads) {
-      ptx::cp_async_16(dst, valid ? src + piece_col : head, valid);
+      ptx::cp_async_16_l2_prefetch_256(dst, valid ? src + piece_col : head, valid);
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -220,6 +211,26 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     ptx::cp_async_commit();
   }
   if (kStages - 1 < tiles) locate(kStages - 1, ahead);
+  // The lookups of a paged cache run one tile further ahead (they get a whole
+  // tile's time to land), but not at head dim 256: its tiles take twice the
+  // time, and a third set of indices would spill.
+  constexpr bool kTwoAhead = kPasses <= 8;
+  TileRows<kPasses> after;
+  if (kTwoAhead && kStages < tiles) locate(kStages, after);
+
+  // The query rows, zero-padded to kHeadDim columns and kRows rows (their
+  // layout in memory is arbitrary, and they are few: plain loads, issued
+  // after the first tiles' copies so that their latency hides under those).
+  for (int i = threadIdx.x; i < kRows * kHeadDim; i += Cfg::kThreads) {
+    const int r = i / kHeadDim, c = i % kHeadDim;
+    Elem x = ptx::from_float<Elem>(0.f);
+    if (r < rows && c < p.head_dim) {
+      const QueryRow row = row_of(r);
+      x = static_cast<const Elem*>(params.q.data)[b * params.q.stride_batch + row.head * params.q.stride_head +
+                                                  row.token * params.q.stride_row + c * params.q.stride_col];
+    }
+    s_q[r * kStride + c] = x;
+  }
 
   // This lane's two rows (lane / 4 and lane / 4 + 8 of the block) see keys
   // below row_end: bottom-right causal, token t of len_q sees the keys below
@@ -246,7 +257,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     __syncthreads();                    // for every thread, and all are done with tile t - 1's stage
     if (t + kStages - 1 < tiles) {
       load_tile(t + kStages - 1, ahead);
-      if (t + kStages < tiles) locate(t + kStages, ahead);
+      if constexpr (kTwoAhead) {
+        ahead = after;
+        if (t + kStages + 1 < tiles) locate(t + kStages + 1, after);
+      } else if (t + kStages < tiles) {
+        locate(t + kStages, ahead);
+      }
     }
     ptx::cp_async_commit();
 
@@ -370,15 +386,20 @@ __global__ void merge_chunks_kernel(const DecodeParams params, const float* out_
   if (lane == 0) static_cast<float*>(params.lse)[row] = sum > 0.f ? lse_max + logf(sum) : -INFINITY;
 }
 
-// Blocks of decode_chunks_kernel that fit on one SM (its shared memory decides).
+// Blocks of decode_chunks_kernel that fit on one SM (its shared memory
+// decides), asked once: the same on every GPU of a kind, and a wrong count
+// would only cost speed.
 template <typename Elem, typename Cfg>
 int blocks_per_multiprocessor() {
-  const auto kernel = decode_chunks_kernel<Elem, Cfg>;
-  const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  int blocks = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, Cfg::kThreads, smem_bytes);
-  return std::max(blocks, 1);
+  static const int blocks = [] {
+    const auto kernel = decode_chunks_kernel<Elem, Cfg>;
+    const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    int count = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&count, kernel, Cfg::kThreads, smem_bytes);
+    return std::max(count, 1);
+  }();
+  return blocks;
 }
 
 int64_t row_blocks(const AttentionProblem& p) {
@@ -388,7 +409,8 @@ int64_t row_blocks(const AttentionProblem& p) {
 // Calls fn with the DecodeConfig that serves the call's head dims.
 template <typename Fn>
 void dispatch_decode_config(const AttentionProblem& p, Fn&& fn) {
-  dispatch_head_dim(std::max(p.head_dim, p.head_dim_v), [&](auto head_dim) { fn(DecodeConfig<decltype(head_dim)::value>{}); });
+  dispatch_head_dim(std::max(p.head_dim, p.head_dim_v),
+                    [&](auto head_dim) { fn(DecodeConfig<decltype(head_dim)::value>{}); });
 }
 
 }  // namespace
@@ -402,7 +424,7 @@ int decode_chunks(const DecodeParams& params, ElementType type) {
   });
   // All blocks do the same work (up to the sequences' lengths), so the last
   // wave's share of the machine decides: take the fewest chunks whose waves
-  // fill it within 5% of the best count's (up to kMinKeysPerChunk keys a chunk).
+  // fill it within 5% of the best count's (each chunk at least kMinKeysPerChunk keys).
   const int64_t slots = int64_t{multiprocessor_count()} * per_sm;
   const int64_t units = p.batch * p.heads_kv * row_blocks(p);
   const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, 4 * ceil_div(8 * slots, units));

@@ -193,8 +193,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   TORCH_CHECK(p.head_dim <= cuda::kMaxHeadDim && p.head_dim_v <= cuda::kMaxHeadDim,
               "flashattn_ext: decode_attention on CUDA takes head dims up to ", cuda::kMaxHeadDim, ", got ",
               p.head_dim, " and ", p.head_dim_v);
-  TORCH_CHECK(p.len_k < (int64_t{1} << 31), "flashattn_ext: decode_attention on CUDA takes caches of fewer than 2^31 rows a sequence, got ",
-              p.len_k);
+  // The kernel indexes sequences, cache blocks and rows in 32 bits.
+  constexpr int64_t kLimit = int64_t{1} << 31;
+  TORCH_CHECK(p.len_k < kLimit && p.batch < kLimit && params.num_blocks < kLimit,
+              "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
+              "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const int chunks = cuda::decode_chunks(params, element_type(q));
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   const at::Tensor out_partial = at::empty({rows * chunks * p.head_dim_v}, q.options().dtype(at::kFloat));

@@ -22,6 +22,14 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
                "r"(src_bytes));
 }
 
+// cp.async.cg.shared.global.L2::256B: as cp_async_16, with a hint to the L2 to
+// fetch the 256 bytes around the piece (streams read once: +1-3% bandwidth in decoding).
+__device__ __forceinline__ void cp_async_16_l2_prefetch_256(void* smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem_dst)), "l"(gmem_src),
+               "r"(src_bytes));
+}
+
 // cp.async.commit_group: close the group of cp.async issued so far.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
