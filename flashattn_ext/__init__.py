@@ -9,6 +9,7 @@ from . import _C  # noqa: F401  (loads the library, which registers torch.ops.fl
 from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
 from .attention import attention_with_lse, scaled_dot_product_attention
 from .decode import decode_attention
+from .transformers_backend import register_with_transformers
 
-__all__ = ["scaled_dot_product_attention", "attention_with_lse", "decode_attention"]
+__all__ = ["scaled_dot_product_attention", "attention_with_lse", "decode_attention", "register_with_transformers"]
 __version__ = "0.1.0"

@@ -1,0 +1,85 @@
+"""flashattn_ext as an attention backend of Hugging Face transformers (an optional dependency).
+
+>>> import flashattn_ext
+>>> flashattn_ext.register_with_transformers()
+>>> model = AutoModelForCausalLM.from_config(config, attn_implementation="fa_ext")
+
+The name has no "flash" in it: transformers takes any attn_implementation containing "flash" for a
+flash-attn kernel of its own and tries to import one by that name (transformers 5).
+
+The backend takes the calls that transformers' "sdpa" backend takes, with the same masks (padding,
+causal and sliding-window masks reach it as the boolean masks transformers builds for SDPA, or as
+is_causal when none is needed), and runs them through flashattn_ext.scaled_dot_product_attention:
+GQA without repeating the key/value heads, dropout, an explicit scale. What SDPA cannot express
+either (logit softcapping, attention sinks, T5's position bias) raises NotImplementedError.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from .attention import scaled_dot_product_attention
+
+NAME = "fa_ext"
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> Tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, L, E), key and value (B, Hkv, S, E);
+    returns the output as (B, L, Hq, Ev) and no attention weights."""
+    for name in ("softcap", "s_aux", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"flashattn_ext: the transformers backend does not support `{name}` yet; "
+                f'use attn_implementation="eager" for this model'
+            )
+    # As transformers' sdpa backend: causal through the flag only when no mask is given and more
+    # than one query token is new (a single new token sees the whole cache).
+    q_length, kv_length = query.shape[2], key.shape[2]
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = q_length > 1 and attention_mask is None and is_causal
+    if is_causal and kv_length > q_length:
+        # Prefill into an empty static cache: the keys past the new tokens are unused slots
+        # (is_causal aligns the diagonal top-left, as SDPA does).
+        key, value = key[:, :, :q_length], value[:, :, :q_length]
+    out = scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        is_causal=is_causal,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_with_transformers(name: str = NAME) -> str:
+    """Registers flashattn_ext with transformers' AttentionInterface (and the SDPA-style mask builder
+    with its AttentionMaskInterface) under `name`, so that attn_implementation=name selects it.
+    Returns the name. Raises ImportError if transformers is not installed."""
+    if "flash" in name:
+        raise ValueError(
+            f"flashattn_ext: cannot register as {name!r}: transformers takes any attn_implementation "
+            "containing 'flash' for one of its flash-attn kernels; choose a name without it"
+        )
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as error:
+        raise ImportError(
+            "flashattn_ext: register_with_transformers needs transformers with AttentionInterface and "
+            "AttentionMaskInterface (pip install transformers)"
+        ) from error
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

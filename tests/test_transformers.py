@@ -1,0 +1,89 @@
+"""flashattn_ext as a transformers attention backend: small random-init models (no download) run with
+attn_implementation="fa_ext" give SDPA's losses, logits, gradients and generated tokens. Skipped
+where transformers is not installed."""
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import DEVICES, relative_error
+
+transformers = pytest.importorskip("transformers")
+try:
+    NAME = flashattn_ext.register_with_transformers()
+except ImportError as error:  # a transformers without AttentionInterface / AttentionMaskInterface
+    pytest.skip(str(error), allow_module_level=True)
+# Largest error relative to the largest magnitude: float32 runs come out within 1e-6; bfloat16 rounds
+# every layer's activations, and two implementations' roundings drift apart over the layers.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+def small_config(family):
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":  # a window shorter than the sequence: the masks carry it
+        return transformers.MistralConfig(sliding_window=8, **common)
+    raise ValueError(family)
+
+
+def twin_models(family, device, dtype):
+    """The same random weights under SDPA and under flashattn_ext."""
+    torch.manual_seed(0)
+    # A config each: a model keeps its config, and from_config sets the implementation on it.
+    sdpa = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation="sdpa", dtype=dtype)
+    ours = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=NAME, dtype=dtype)
+    assert (sdpa.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", NAME)
+    ours.load_state_dict(sdpa.state_dict())
+    return sdpa.to(device), ours.to(device)
+
+
+def device_dtype_params():
+    for device in DEVICES:
+        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
+        yield pytest.param(name, torch.float32 if name == "cpu" else torch.bfloat16, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right_padded"])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_training_step_matches_sdpa(family, padded, device, dtype):
+    sdpa, ours = twin_models(family, device, dtype)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 96, (2, 24), generator=gen).to(device)
+    mask = torch.ones(2, 24, dtype=torch.long, device=device)
+    if padded:
+        mask[1, 17:] = 0  # a padded batch: the mask reaches attention as a tensor
+    results = []
+    for model in (sdpa, ours):
+        out = model(ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        grads = {name: p.grad for name, p in model.named_parameters()}
+        results.append((out.loss.detach(), out.logits.detach(), grads))
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = results
+    assert relative_error(loss_b, loss_a) <= TOLERANCE[dtype]
+    visible = mask.bool()  # logits of padded positions are not compared (SDPA's are arbitrary there)
+    assert relative_error(logits_b[visible], logits_a[visible]) <= TOLERANCE[dtype]
+    for name, grad in grads_a.items():
+        assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_generation_matches_sdpa(family):
+    """Prefill and one-token steps against a growing cache, greedy: the same tokens."""
+    sdpa, ours = twin_models(family, "cpu", torch.float32)
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **settings), sdpa.generate(ids, **settings))
+
+
+def test_softcap_is_refused_by_name():
+    module = torch.nn.Module()
+    q = k = v = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="`softcap`"):
+        flashattn_ext.transformers_backend.attention_forward(module, q, k, v, None, softcap=30.0)
+
+
+def test_names_with_flash_are_refused():
+    with pytest.raises(ValueError, match="containing 'flash'"):
+        flashattn_ext.register_with_transformers("flashattn_ext")
