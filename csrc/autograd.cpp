@@ -17,11 +17,37 @@ using torch::autograd::variable_list;
 using at::Tensor;
 
 using ForwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                     const std::optional<Tensor>&, double, bool, bool, double);
+                                                     const std::optional<Tensor>&, double, bool, bool, double, int64_t,
+                                                     int64_t, double);
 using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                               const Tensor&, const Tensor&, const Tensor&,
                                                               const Tensor&, const std::optional<Tensor>&, double,
-                                                              bool, bool, double, bool);
+                                                              bool, bool, double, bool, int64_t, int64_t, double);
+
+// The options after the tensors, kept in an autograd context's saved_data.
+struct SavedOptions {
+  double dropout_p;
+  bool is_causal, causal_lower_right;
+  double scale;
+  int64_t window_left, window_right;
+  double softcap;
+
+  void save(AutogradContext* ctx) const {
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["causal_lower_right"] = causal_lower_right;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+  }
+  static SavedOptions load(AutogradContext* ctx) {
+    return {ctx->saved_data["dropout_p"].toDouble(),   ctx->saved_data["is_causal"].toBool(),
+            ctx->saved_data["causal_lower_right"].toBool(), ctx->saved_data["scale"].toDouble(),
+            ctx->saved_data["window_left"].toInt(),    ctx->saved_data["window_right"].toInt(),
+            ctx->saved_data["softcap"].toDouble()};
+  }
+};
 
 c10::TypedOperatorHandle<ForwardOp> forward_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -41,14 +67,13 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
-                               bool causal_lower_right, double scale) {
+                               bool causal_lower_right, double scale, int64_t window_left, int64_t window_right,
+                               double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, rng_state] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale);
+    auto [out, lse, rng_state] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+                                                   window_left, window_right, softcap);
     ctx->save_for_backward({q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor())});
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["causal_lower_right"] = causal_lower_right;
-    ctx->saved_data["scale"] = scale;
+    SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     ctx->mark_non_differentiable({lse, rng_state});
     return {out, lse, rng_state};
   }
@@ -65,21 +90,25 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
         saved[6].defined() ? std::optional<Tensor>(saved[6]) : std::nullopt;
     const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
 
-    auto [dq, dk, dv, dmask] = backward_op().call(
-        grads[0], q, k, v, out, lse, rng_state, attn_mask, ctx->saved_data["dropout_p"].toDouble(),
-        ctx->saved_data["is_causal"].toBool(), ctx->saved_data["causal_lower_right"].toBool(),
-        ctx->saved_data["scale"].toDouble(), grad_attn_mask_needed);
+    const SavedOptions o = SavedOptions::load(ctx);
+    auto [dq, dk, dv, dmask] =
+        backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
+                           o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left, o.window_right, o.softcap);
     // One gradient per forward argument; undefined for the non-tensor ones.
-    return {dq, dk, dv, grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                                               const std::optional<Tensor>& attn_mask,
                                                               double dropout_p, bool is_causal,
-                                                              bool causal_lower_right, double scale) {
-  const variable_list outputs =
-      FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale);
+                                                              bool causal_lower_right, double scale,
+                                                              int64_t window_left, int64_t window_right,
+                                                              double softcap) {
+  const variable_list outputs = FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal,
+                                                              causal_lower_right, scale, window_left, window_right,
+                                                              softcap);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
@@ -92,21 +121,20 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
   static variable_list forward(AutogradContext* ctx, const Tensor& dout, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& rng_state,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
-                               bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
+                               bool causal_lower_right, double scale, bool compute_grad_attn_mask,
+                               int64_t window_left, int64_t window_right, double softcap) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dq, dk, dv, dmask] = backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
-                                                  causal_lower_right, scale, compute_grad_attn_mask);
+    auto [dq, dk, dv, dmask] =
+        backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right,
+                           scale, compute_grad_attn_mask, window_left, window_right, softcap);
     ctx->save_for_backward({dout, q, k, v, rng_state, attn_mask.value_or(Tensor())});
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["causal_lower_right"] = causal_lower_right;
-    ctx->saved_data["scale"] = scale;
+    SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     return {dq, dk, dv, dmask};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
+    const SavedOptions o = SavedOptions::load(ctx);
     const bool has_mask = saved[5].defined();
     const bool float_mask = has_mask && saved[5].scalar_type() != at::kBool;
     // Triple backward differentiates this one in turn, when the engine runs with create_graph.
@@ -118,10 +146,15 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     if (has_mask) attn_mask = float_mask ? saved[5].detach().requires_grad_() : saved[5];
     if (float_mask) leaves.push_back(*attn_mask);
 
-    const Tensor out = attention_for_double_backward(leaves[1], leaves[2], leaves[3], attn_mask, saved[4], dropout_p,
-                                                     ctx->saved_data["is_causal"].toBool(),
-                                                     ctx->saved_data["causal_lower_right"].toBool(),
-                                                     ctx->saved_data["scale"].toDouble());
+    AttentionProblem p;  // the options; attention_for_double_backward takes the sizes from the tensors
+    p.scale = o.scale;
+    p.is_causal = o.is_causal;
+    p.causal_lower_right = o.causal_lower_right;
+    p.window_left = o.window_left;
+    p.window_right = o.window_right;
+    p.softcap = o.softcap;
+    const Tensor out =
+        attention_for_double_backward(leaves[1], leaves[2], leaves[3], attn_mask, saved[4], o.dropout_p, p);
     // The first gradients as functions of the leaves, then their vector-Jacobian
     // product with the incoming gradients (of dq, dk, dv[, dmask]).
     const variable_list inputs(leaves.begin() + 1, leaves.end());
@@ -143,17 +176,19 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     }
     // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options.
     return {second[0], second[1], second[2], second[3], Tensor(), Tensor(), Tensor(),
-            float_mask ? second[4] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+            float_mask ? second[4] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor()};
   }
 };
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& rng_state, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
-    bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
-  const variable_list grads = FlashAttentionBackwardFunction::apply(dout, q, k, v, out, lse, rng_state, attn_mask,
-                                                                    dropout_p, is_causal, causal_lower_right, scale,
-                                                                    compute_grad_attn_mask);
+    bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left, int64_t window_right,
+    double softcap) {
+  const variable_list grads = FlashAttentionBackwardFunction::apply(
+      dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+      compute_grad_attn_mask, window_left, window_right, softcap);
   return {grads[0], grads[1], grads[2], grads[3]};
 }
 

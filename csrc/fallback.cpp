@@ -36,10 +36,17 @@ at::Tensor ungrouped(const at::Tensor& t, const AttentionProblem& p, int64_t row
   return t.reshape({p.batch, p.heads_q, rows, t.size(3)});
 }
 
-// The scaled, masked scores of query rows [r0, r0 + rows): (batch, heads_q, rows, len_k).
+// The scaled, softcapped, masked scores of query rows [r0, r0 + rows):
+// (batch, heads_q, rows, len_k). With softcap and softcap_grad given, also
+// d(capped)/d(scaled) = 1 - tanh^2 into it, for the backward.
 at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const std::optional<at::Tensor>& attn_mask,
-                        const AttentionProblem& p, int64_t r0, int64_t rows) {
+                        const AttentionProblem& p, int64_t r0, int64_t rows, at::Tensor* softcap_grad = nullptr) {
   at::Tensor s = ungrouped(at::matmul(q_rows, k_acc.transpose(-2, -1)).mul_(p.scale), p, rows);
+  if (p.softcap > 0.0) {
+    const at::Tensor t = at::tanh(s / p.softcap);  // out of place: double backward differentiates through it
+    if (softcap_grad != nullptr) *softcap_grad = 1 - t * t;
+    s = t * p.softcap;
+  }
   if (attn_mask.has_value()) {
     const at::Tensor mask = attn_mask->narrow(2, r0, rows);
     if (mask.scalar_type() == at::kBool) {
@@ -48,11 +55,14 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
       s.add_(mask);
     }
   }
-  if (p.is_causal) {  // query i sees key j iff j <= i + offset
+  // Causal: query i sees key j iff j <= i + offset; the window bounds j on both sides around i + offset.
+  const int64_t right = p.is_causal ? 0 : p.window_right;
+  if (right >= 0 || p.window_left >= 0) {
     const int64_t offset = p.causal_lower_right ? p.len_k - p.len_q : 0;
     const at::Tensor query = at::arange(r0, r0 + rows, s.options().dtype(at::kLong)).unsqueeze(1);
     const at::Tensor key = at::arange(p.len_k, s.options().dtype(at::kLong)).unsqueeze(0);
-    s.masked_fill_(key > query + offset, -kInf);
+    if (right >= 0) s.masked_fill_(key > query + offset + right, -kInf);
+    if (p.window_left >= 0) s.masked_fill_(key < query + offset - p.window_left, -kInf);
   }
   return s;
 }
@@ -123,7 +133,8 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
   for (int64_t r0 = 0; r0 < p.len_q; r0 += chunk) {
     const int64_t rows = std::min(chunk, p.len_q - r0);
     const at::Tensor q_rows = grouped_rows(q, p, r0, rows, acc);
-    const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows));
+    at::Tensor softcap_grad;
+    const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows, &softcap_grad));
     const at::Tensor dout_rows = grouped_rows(dout, p, r0, rows, acc);
     const at::Tensor delta = (ungrouped(dout_rows, p, rows) * out.narrow(2, r0, rows).to(acc)).sum(-1, true);
     // With dropout, the output used P * Z: dV = (P * Z)^T dO and dP = Z * dO V^T.
@@ -132,8 +143,9 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
     dv_acc.add_(at::matmul(grouped(prob_used, p).transpose(-2, -1), dout_rows));
     at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
     if (factor.defined()) dprob.mul_(factor);
-    const at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled scores
+    at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled (and capped) scores
     if (grad_attn_mask.numel() > 0) grad_attn_mask.narrow(2, r0, rows).copy_(dscores);
+    if (softcap_grad.defined()) dscores.mul_(softcap_grad);  // through the cap, to the scaled scores
     const at::Tensor dscores_grouped = grouped(dscores, p);
     dq.narrow(2, r0, rows).copy_(ungrouped(at::matmul(dscores_grouped, k_acc).mul_(p.scale), p, rows));
     dk_acc.add_(at::matmul(dscores_grouped.transpose(-2, -1), q_rows).mul_(p.scale));
@@ -144,8 +156,8 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
 
 at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                         const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state,
-                                        double dropout_p, bool is_causal, bool causal_lower_right, double scale) {
-  AttentionProblem p;
+                                        double dropout_p, const AttentionProblem& options) {
+  AttentionProblem p = options;
   p.batch = q.size(0);
   p.heads_q = q.size(1);
   p.heads_kv = k.size(1);
@@ -153,9 +165,6 @@ at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& 
   p.len_k = k.size(2);
   p.head_dim = q.size(3);
   p.head_dim_v = v.size(3);
-  p.scale = scale;
-  p.is_causal = is_causal;
-  p.causal_lower_right = causal_lower_right;
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor s = chunk_scores(grouped_rows(q, p, 0, p.len_q, acc), k.to(acc), attn_mask, p, 0, p.len_q);
   return output_rows(s, v.to(acc), rng_state, dropout_p, p, 0, p.len_q).to(q.scalar_type());

@@ -33,6 +33,14 @@ struct AttentionProblem {
   // Causal alignment: top-left (SDPA's is_causal) lets query i see keys j <= i;
   // bottom-right lets it see keys j <= i + (len_k - len_q).
   bool causal_lower_right = false;
+  // Sliding window: query i sees keys j with i + d - window_left <= j <= i + d +
+  // window_right, d the diagonal's offset as for causal (0, or len_k - len_q
+  // with causal_lower_right); -1 leaves that side unbounded.
+  int64_t window_left = -1;
+  int64_t window_right = -1;
+  // Logit softcapping: the scaled scores s become softcap * tanh(s / softcap)
+  // before attn_mask is added; 0 turns it off.
+  double softcap = 0.0;
 };
 
 // How attn_mask enters the scores: kBool hides the pairs where it is false;

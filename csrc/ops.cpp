@@ -25,12 +25,14 @@ namespace flashattn_ext {
 TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
-      "bool is_causal, bool causal_lower_right, float scale) -> (Tensor out, Tensor lse, Tensor rng_state)",
+      "bool is_causal, bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, "
+      "float softcap=0.0) -> (Tensor out, Tensor lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
-      "bool compute_grad_attn_mask) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+      "bool compute_grad_attn_mask, int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor grad_query, "
+      "Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");
@@ -71,6 +73,11 @@ void check_options(const AttentionOptions& options) {
   TORCH_CHECK_VALUE(options.dropout_p >= 0.0 && options.dropout_p <= 1.0,
                     "flashattn_ext: dropout_p must be in [0, 1], got ", options.dropout_p);
   TORCH_CHECK_VALUE(!std::isnan(options.scale), "flashattn_ext: scale must not be NaN");
+  TORCH_CHECK_VALUE(options.window_left >= -1 && options.window_right >= -1,
+                    "flashattn_ext: window bounds must be >= 0, or -1 for none, got (", options.window_left, ", ",
+                    options.window_right, ")");
+  TORCH_CHECK_VALUE(options.softcap >= 0.0 && std::isfinite(options.softcap),
+                    "flashattn_ext: softcap must be finite and >= 0 (0: off), got ", options.softcap);
 }
 
 AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -117,6 +124,9 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
   p.scale = options.scale;
   p.is_causal = options.is_causal;
   p.causal_lower_right = options.causal_lower_right;
+  p.window_left = options.window_left;
+  p.window_right = options.window_right;
+  p.softcap = options.softcap;
   return p;
 }
 

@@ -18,6 +18,9 @@ struct AttentionOptions {
   bool is_causal;
   bool causal_lower_right;
   double scale;
+  int64_t window_left = -1;  // see AttentionProblem
+  int64_t window_right = -1;
+  double softcap = 0.0;
 };
 
 // The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.

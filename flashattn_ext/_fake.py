@@ -16,7 +16,8 @@ def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
 
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
-def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale):
+def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
+                            window_left=-1, window_right=-1, softcap=0.0):
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
@@ -26,7 +27,8 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
 
 @torch.library.register_fake("flashattn_ext::attention_backward")
 def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal,
-                             causal_lower_right, scale, compute_grad_attn_mask):
+                             causal_lower_right, scale, compute_grad_attn_mask, window_left=-1, window_right=-1,
+                             softcap=0.0):
     grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
 

@@ -45,6 +45,8 @@ def attention_with_lse(
     scale: Optional[float] = None,
     enable_gqa: bool = False,
     causal_lower_right: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Like scaled_dot_product_attention, but also returns the log-sum-exp of
     each query row's scaled scores, shape (N, ..., Hq, L): float32, or float64
@@ -53,6 +55,15 @@ def attention_with_lse(
 
     causal_lower_right=True aligns the causal mask bottom-right (query i sees
     keys j <= i + S - L) instead of top-left; it only matters with is_causal.
+
+    window=(left, right): sliding-window attention, query i sees the keys j with
+    i + d - left <= j <= i + d + right, d the causal diagonal's offset (0, or
+    S - L with causal_lower_right); None on a side leaves it open. With
+    is_causal, right is 0 whatever is given (Mistral's window of W tokens is
+    window=(W - 1, 0) with is_causal=True).
+
+    softcap=c: logit softcapping (Gemma 2), the scaled scores s become
+    c * tanh(s / c) before attn_mask is added; the gradients go through it.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -125,14 +136,35 @@ def attention_with_lse(
         attn_mask = attn_mask.reshape(flat_batch, heads_q, len_q, len_k)
     if scale is None:
         scale = default_scale(head_dim)
+    window_left, window_right = _window_bounds(window)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"flashattn_ext: softcap must be a finite number > 0 (or None), got {softcap!r}")
 
     out, lse, _ = torch.ops.flashattn_ext.attention_forward(
-        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale)
+        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale),
+        window_left, window_right, float(softcap or 0.0),
     )
 
     # SDPA's output has the broadcast rank of its inputs.
     lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
     return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
+
+
+def _window_bounds(window) -> Tuple[int, int]:
+    """window=(left, right) as the ops take it: -1 for an open side."""
+    if window is None:
+        return -1, -1
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise ValueError(f"flashattn_ext: window must be a pair (left, right), got {window!r}")
+    bounds = []
+    for side, bound in zip(("left", "right"), window):
+        if bound is None:
+            bounds.append(-1)
+        elif isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
+            bounds.append(bound)
+        else:
+            raise ValueError(f"flashattn_ext: window's {side} bound must be an int >= 0 or None, got {bound!r}")
+    return bounds[0], bounds[1]
 
 
 def default_scale(head_dim: int) -> float:

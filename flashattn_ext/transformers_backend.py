@@ -9,15 +9,15 @@ flash-attn kernel of its own and tries to import one by that name (transformers 
 
 The backend takes the calls that transformers' "sdpa" backend takes, with the same masks (padding,
 causal and sliding-window masks reach it as the boolean masks transformers builds for SDPA, or as
-is_causal when none is needed), and runs them through flashattn_ext.scaled_dot_product_attention:
-GQA without repeating the key/value heads, dropout, an explicit scale. What SDPA cannot express
-either (logit softcapping, attention sinks, T5's position bias) raises NotImplementedError.
+is_causal when none is needed), and runs them through flashattn_ext.attention_with_lse: GQA
+without repeating the key/value heads, dropout, an explicit scale, and logit softcapping (Gemma 2),
+which SDPA lacks. Attention sinks and T5's position bias raise NotImplementedError.
 """
 from typing import Optional, Tuple
 
 import torch
 
-from .attention import scaled_dot_product_attention
+from .attention import attention_with_lse
 
 NAME = "fa_ext"
 
@@ -35,7 +35,7 @@ def attention_forward(
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, Hq, L, E), key and value (B, Hkv, S, E);
     returns the output as (B, L, Hq, Ev) and no attention weights."""
-    for name in ("softcap", "s_aux", "position_bias"):
+    for name in ("s_aux", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"flashattn_ext: the transformers backend does not support `{name}` yet; "
@@ -50,7 +50,7 @@ def attention_forward(
         # Prefill into an empty static cache: the keys past the new tokens are unused slots
         # (is_causal aligns the diagonal top-left, as SDPA does).
         key, value = key[:, :, :q_length], value[:, :, :q_length]
-    out = scaled_dot_product_attention(
+    out, _ = attention_with_lse(
         query,
         key,
         value,
@@ -59,6 +59,7 @@ def attention_forward(
         is_causal=is_causal,
         scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],
+        softcap=kwargs.get("softcap"),
     )
     return out.transpose(1, 2).contiguous(), None
 

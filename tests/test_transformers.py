@@ -24,16 +24,20 @@ def small_config(family):
         return transformers.LlamaConfig(**common)
     if family == "mistral":  # a window shorter than the sequence: the masks carry it
         return transformers.MistralConfig(sliding_window=8, **common)
+    if family == "gemma2":  # logit softcapping (scores of a few units: a cap of 2 bends them) and a window
+        return transformers.Gemma2Config(sliding_window=8, attn_logit_softcapping=2.0, head_dim=16, **common)
     raise ValueError(family)
 
 
 def twin_models(family, device, dtype):
-    """The same random weights under SDPA and under flashattn_ext."""
+    """The same random weights under transformers' own attention (SDPA; eager for Gemma 2's
+    softcapping, which SDPA lacks) and under flashattn_ext."""
     torch.manual_seed(0)
+    theirs = "eager" if family == "gemma2" else "sdpa"
     # A config each: a model keeps its config, and from_config sets the implementation on it.
-    sdpa = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation="sdpa", dtype=dtype)
+    sdpa = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=theirs, dtype=dtype)
     ours = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=NAME, dtype=dtype)
-    assert (sdpa.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", NAME)
+    assert (sdpa.config._attn_implementation, ours.config._attn_implementation) == (theirs, NAME)
     ours.load_state_dict(sdpa.state_dict())
     return sdpa.to(device), ours.to(device)
 
@@ -46,7 +50,7 @@ def device_dtype_params():
 
 @pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right_padded"])
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_training_step_matches_sdpa(family, padded, device, dtype):
     sdpa, ours = twin_models(family, device, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -68,7 +72,7 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
         assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
 def test_generation_matches_sdpa(family):
     """Prefill and one-token steps against a growing cache, greedy: the same tokens."""
     sdpa, ours = twin_models(family, "cpu", torch.float32)
@@ -77,11 +81,11 @@ def test_generation_matches_sdpa(family):
     assert torch.equal(ours.generate(ids, **settings), sdpa.generate(ids, **settings))
 
 
-def test_softcap_is_refused_by_name():
+def test_attention_sinks_are_refused_by_name():
     module = torch.nn.Module()
     q = k = v = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="`softcap`"):
-        flashattn_ext.transformers_backend.attention_forward(module, q, k, v, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="`s_aux`"):
+        flashattn_ext.transformers_backend.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2))
 
 
 def test_names_with_flash_are_refused():

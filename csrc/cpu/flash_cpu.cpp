@@ -73,40 +73,70 @@ void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int
   at::mm_out(out, matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
 }
 
-// x = exp(x) for n dense values, through ATen's exp, which runs the vector
-// code of the CPU it finds (2-3x std::exp's speed on this one; at 128 x 128
-// tiles its per-call cost is small).
+// n dense values as a tensor, for ATen's elementwise functions, which run the
+// vector code of the CPU they find (exp: 2-3x std::exp's speed on this one; at
+// 128 x 128 tiles the per-call cost is small).
+template <typename A>
+at::Tensor tile_tensor(A* x, int64_t n) {
+  return at::from_blob(x, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
+}
+
 template <typename A>
 void exp_inplace(A* x, int64_t n) {
-  at::Tensor t = at::from_blob(x, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
+  at::Tensor t = tile_tensor(x, n);
   at::exp_(t);
 }
 
-// Which keys each query may see. Without causality every key is visible;
-// with it, query i sees keys j <= i + offset (offset 0: top-left alignment,
-// len_k - len_q: bottom-right).
+// Logit softcapping of n scaled scores: s = softcap * tanh(s / softcap); with
+// grad, also d(capped)/d(scaled) = 1 - tanh^2 there, for the backward.
+template <typename A>
+void apply_softcap(A* scores, int64_t n, A softcap, A* grad) {
+  for (int64_t i = 0; i < n; ++i) scores[i] /= softcap;
+  at::Tensor t = tile_tensor(scores, n);
+  at::tanh_(t);
+  for (int64_t i = 0; i < n; ++i) {
+    if (grad != nullptr) grad[i] = A(1) - scores[i] * scores[i];
+    scores[i] *= softcap;
+  }
+}
+
+// Which keys each query may see: query i sees keys j with
+// i + offset - left <= j <= i + offset + right (offset 0: top-left alignment,
+// len_k - len_q: bottom-right), a bound of -1 leaving its side open. Causal
+// attention is right = 0; a sliding window sets either or both.
 struct Visibility {
-  bool causal;
-  int64_t offset;
+  int64_t offset, left, right;
   int64_t len_q, len_k;
 
   explicit Visibility(const AttentionProblem& p)
-      : causal(p.is_causal),
-        offset(p.causal_lower_right ? p.len_k - p.len_q : 0),
+      : offset(p.causal_lower_right ? p.len_k - p.len_q : 0),
+        left(p.window_left),
+        right(p.is_causal ? 0 : p.window_right),
         len_q(p.len_q),
         len_k(p.len_k) {}
 
-  bool visible(int64_t i, int64_t j) const { return !causal || j <= i + offset; }
-  // One past the last key that any of the queries [.., last_row] sees.
+  bool visible(int64_t i, int64_t j) const {
+    return (right < 0 || j <= i + offset + right) && (left < 0 || j >= i + offset - left);
+  }
+  // The keys that some query of [first_row, last_row] sees lie in [key_begin, key_end).
+  int64_t key_begin(int64_t first_row) const {
+    return left < 0 ? 0 : std::clamp<int64_t>(first_row + offset - left, 0, len_k);
+  }
   int64_t key_end(int64_t last_row) const {
-    return causal ? std::clamp<int64_t>(last_row + offset + 1, 0, len_k) : len_k;
+    return right < 0 ? len_k : std::clamp<int64_t>(last_row + offset + right + 1, 0, len_k);
   }
-  // The first query that sees key j.
-  int64_t query_begin(int64_t j) const {
-    return causal ? std::clamp<int64_t>(j - offset, 0, len_q) : 0;
+  // The queries that see some key of [first_col, last_col] lie in [query_begin, query_end).
+  int64_t query_begin(int64_t first_col) const {
+    return right < 0 ? 0 : std::clamp<int64_t>(first_col - offset - right, 0, len_q);
   }
-  // Whether some pair in the tile is masked, so the tile needs the element test.
-  bool tile_is_partial(int64_t row0, int64_t col_last) const { return causal && col_last > row0 + offset; }
+  int64_t query_end(int64_t last_col) const {
+    return left < 0 ? len_q : std::clamp<int64_t>(last_col - offset + left + 1, 0, len_q);
+  }
+  // Whether some pair of the tile is hidden, so the tile needs the element test.
+  bool tile_is_partial(int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
+    return (right >= 0 && col0 + cols - 1 > row0 + offset + right) ||
+           (left >= 0 && col0 < row0 + rows - 1 + offset - left);
+  }
 };
 
 // The attn_mask of one (batch, head): applied to the scaled score of query i and key j.
@@ -166,21 +196,22 @@ struct HeadDropout {
   }
 };
 
-// scores[r][c] = scale * <q_r, k_c> with the mask applied, or -inf where query
+// scores[r][c] = scale * <q_r, k_c>, softcapped (softcap > 0; its derivative
+// into softcap_grad where given), with the mask applied, or -inf where query
 // row0 + r may not see key col0 + c.
 template <typename T, typename A>
-void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t dim, A scale,
-                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* scores) {
+void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
+                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* scores,
+                    A* softcap_grad = nullptr) {
   tile_matmul(q, false, k, true, rows, cols, dim, scores);
-  const bool partial = vis.tile_is_partial(row0, col0 + cols - 1);
-  if (!partial && mask.kind == MaskKind::kNone) {  // the common tile: one loop the compiler vectorizes
-    for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
-    return;
-  }
+  for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
+  if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
+  const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
+  if (!partial && mask.kind == MaskKind::kNone) return;  // the common tile
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       A& score = scores[r * cols + c];
-      score = partial && !vis.visible(row0 + r, col0 + c) ? kNegInf<A> : mask.apply(score * scale, row0 + r, col0 + c);
+      score = partial && !vis.visible(row0 + r, col0 + c) ? kNegInf<A> : mask.apply(score, row0 + r, col0 + c);
     }
   }
 }
@@ -195,7 +226,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
   const Visibility vis(p);
-  const A scale = static_cast<A>(p.scale);
+  const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), scores(kBlockQ * kBlockK),
@@ -216,11 +247,11 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       std::fill(row_sum.begin(), row_sum.end(), A(0));
 
       const int64_t key_end = vis.key_end(row0 + rows - 1);
-      for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+      for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
         if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k.data(), rows, cols, dim, scale, vis, mask, row0, col0, scores.data());
+        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, vis, mask, row0, col0, scores.data());
 
         // Online softmax: fold this tile into the running max, sum and output.
         // The scores less the new row max, then one exp over the whole tile.
@@ -273,13 +304,16 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // For one (query tile, key tile) pair: recomputes P = exp(S - lse) into probs
 // and dS = P * (Z * dO V^T - delta) into dscores, where Z is dropout's factor
 // (1 without dropout); with dropped set, also P * Z there, the probabilities
-// that the output used. Rows with lse = -inf see no key.
+// that the output used. Rows with lse = -inf see no key. With softcapping, dS
+// is the gradient of the capped scores; softcap_grad receives the cap's
+// derivative, for the caller to carry dS through it (see raw_score_gradient).
 template <typename T, typename A>
 void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* lse, const A* delta,
                     int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
                     const HeadMask<T, A>& mask, const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* probs,
-                    A* dscores, A* dropped = nullptr) {
-  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), vis, mask, row0, col0, probs);
+                    A* dscores, A* softcap_grad, A* dropped = nullptr) {
+  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap), vis, mask, row0,
+                 col0, probs, softcap_grad);
   tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscores);  // dP = dO V^T, then dS in place
   // P = exp(S - lse), one exp over the tile; a row that sees no key (lse -inf)
   // gets -inf, so P = 0 there.
@@ -303,6 +337,17 @@ void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* 
   }
 }
 
+// dS *= scale, and with softcapping the cap's derivative: the gradient of the
+// scaled scores, which dQ and dK are made from.
+template <typename A>
+void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, bool softcapped) {
+  if (softcapped) {
+    for (int64_t i = 0; i < n; ++i) dscores[i] *= scale * softcap_grad[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) dscores[i] *= scale;
+  }
+}
+
 // dK and dV: one task per (batch, key/value head, block of keys), looping over
 // every query head of its group and every query block that sees those keys.
 template <typename T, typename A = Acc<T>>
@@ -316,7 +361,8 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
 
   at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dropped(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK), dk(kBlockK * dim),
+        probs(kBlockQ * kBlockK), dropped(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK),
+        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dk(kBlockK * dim),
         dv(kBlockK * dim_v), dk_tile(kBlockK * dim), dv_tile(kBlockK * dim_v);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t k_block = task % k_blocks;
@@ -331,20 +377,22 @@ void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all
       std::fill(dv.begin(), dv.end(), A(0));
 
       const int64_t first_row = vis.query_begin(col0) / kBlockQ * kBlockQ;
+      const int64_t row_end = vis.query_end(col0 + cols - 1);
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
         const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
         const HeadDropout<A> dropout(params.dropout, p, b, h);
         const A* lse_head = lse_all + (b * p.heads_q + h) * p.len_q;
         const A* delta_head = delta_all + (b * p.heads_q + h) * p.len_q;
-        for (int64_t row0 = first_row; row0 < p.len_q; row0 += kBlockQ) {
+        for (int64_t row0 = first_row; row0 < row_end; row0 += kBlockQ) {
           const int64_t rows = std::min(kBlockQ, p.len_q - row0);
           load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
           load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
           recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
-                         cols, p, vis, mask, dropout, row0, col0, probs.data(), dscores.data(), dropped.data());
+                         cols, p, vis, mask, dropout, row0, col0, probs.data(), dscores.data(), softcap_grad.data(),
+                         dropped.data());
           // Sum this tile pair's share apart, then add it: blockwise summation
           // keeps the rounding error of long float32 sums down.
-          for (int64_t i = 0; i < rows * cols; ++i) dscores[i] *= scale;
+          raw_score_gradient(dscores.data(), softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
           tile_matmul(dropped.data(), true, dout.data(), false, cols, dim_v, rows, dv_tile.data());  // (P Z)^T dO
           tile_matmul(dscores.data(), true, q.data(), false, cols, dim, rows, dk_tile.data());       // dS^T Q
           for (int64_t i = 0; i < cols * dim; ++i) dk[i] += dk_tile[i];
@@ -382,6 +430,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
         out(kDeltaFromOutput<T> ? kBlockQ * dim_v : 0), probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK),
+        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0),
         dq(kBlockQ * dim), dq_tile(kBlockQ * dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
@@ -400,7 +449,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
       const int64_t key_end = vis.key_end(row0 + rows - 1);
       // Calls tile(col0, cols) for each block of keys these rows see, k and v loaded.
       auto for_each_key_tile = [&](auto&& tile) {
-        for (int64_t col0 = 0; col0 < key_end; col0 += kBlockK) {
+        for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
           const int64_t cols = std::min(kBlockK, key_end - col0);
           load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
           load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
@@ -416,7 +465,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
         for_each_key_tile([&](int64_t col0, int64_t cols) {
           // With a zero delta, the tile's dS is P * Z * dP (Z: dropout's factor).
           recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask,
-                         dropout, row0, col0, probs.data(), dscores.data());
+                         dropout, row0, col0, probs.data(), dscores.data(), softcap_grad.data());
           for (int64_t r = 0; r < rows; ++r) {
             A tile_sum = 0;
             for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
@@ -428,7 +477,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
       std::fill(dq.begin(), dq.end(), A(0));
       for_each_key_tile([&](int64_t col0, int64_t cols) {
         recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, dropout, row0,
-                       col0, probs.data(), dscores.data());
+                       col0, probs.data(), dscores.data(), softcap_grad.data());
         // An additive mask enters the scores as is: its gradient is dS. This pass
         // visits every (query, key) pair once; pairs it skips keep their zero.
         if (params.dmask.data != nullptr) {
@@ -440,7 +489,7 @@ void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
             }
           }
         }
-        for (int64_t i = 0; i < rows * cols; ++i) dscores[i] *= scale;
+        raw_score_gradient(dscores.data(), softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
         tile_matmul(dscores.data(), false, k.data(), false, rows, dim, cols, dq_tile.data());  // dS K
         for (int64_t i = 0; i < rows * dim; ++i) dq[i] += dq_tile[i];
       });

@@ -28,9 +28,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::T
                                                                      const at::Tensor& v,
                                                                      const std::optional<at::Tensor>& attn_mask,
                                                                      double dropout_p, bool is_causal,
-                                                                     bool causal_lower_right, double scale) {
+                                                                     bool causal_lower_right, double scale,
+                                                                     int64_t window_left, int64_t window_right,
+                                                                     double softcap) {
   at::Tensor out, lse;
-  FwdParams params = prepare_forward(q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale}, out, lse);
+  FwdParams params = prepare_forward(
+      q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}, out,
+      lse);
   const at::Tensor rng_state = draw_rng_state(dropout_p);
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward_cpu",
@@ -41,11 +45,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::T
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
+    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
+    int64_t window_right, double softcap) {
   at::Tensor dq, dk, dv, dmask;
-  const BwdParams params =
-      prepare_backward(dout, q, k, v, out, lse, rng_state, {attn_mask, dropout_p, is_causal, causal_lower_right, scale},
-                       compute_grad_attn_mask, dq, dk, dv, dmask);
+  const BwdParams params = prepare_backward(
+      dout, q, k, v, out, lse, rng_state,
+      {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap},
+      compute_grad_attn_mask, dq, dk, dv, dmask);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu",
                                   [&] { cpu::attention_backward<scalar_t>(params); });
   return {dq, dk, dv, dmask};

@@ -34,6 +34,9 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
+  if (p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.0) {
+    return std::string("the CUDA kernels take no sliding window or softcap yet");
+  }
   return std::nullopt;
 }
 
@@ -105,11 +108,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
                                                                       const at::Tensor& v,
                                                                       const std::optional<at::Tensor>& attn_mask,
                                                                       double dropout_p, bool is_causal,
-                                                                      bool causal_lower_right, double scale) {
+                                                                      bool causal_lower_right, double scale,
+                                                                      int64_t window_left, int64_t window_right,
+                                                                      double softcap) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor out, lse;
-  const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
+  const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
+                                 window_left, window_right, softcap};
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
   FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
@@ -133,10 +139,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask) {
+    bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
+    int64_t window_right, double softcap) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, dmask;
-  const AttentionOptions options{attn_mask, dropout_p, is_causal, causal_lower_right, scale};
+  const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
+                                 window_left, window_right, softcap};
   const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
