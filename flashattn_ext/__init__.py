@@ -10,6 +10,8 @@ from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opc
 from .attention import attention_with_lse, scaled_dot_product_attention
 from .decode import decode_attention
 from .transformers_backend import register_with_transformers
+from .varlen import varlen_attention
 
-__all__ = ["scaled_dot_product_attention", "attention_with_lse", "decode_attention", "register_with_transformers"]
+__all__ = ["scaled_dot_product_attention", "attention_with_lse", "varlen_attention", "decode_attention",
+           "register_with_transformers"]
 __version__ = "0.1.0"

@@ -1,0 +1,107 @@
+"""varlen_attention: attention over a packed batch of sequences of different lengths (flash-attn's
+varlen layout), with no work spent on padding.
+
+First step: each sequence runs as its own attention_with_lse call on views into the packed tensors
+(no copies of q, k, v; the outputs are concatenated). Every option of the dense call is there,
+and autograd works through it; the kernels do not see the batch as one launch yet, so many short
+sequences pay one call each.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .attention import attention_with_lse
+
+
+def varlen_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    causal_lower_right: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Attention of each sequence's queries over its own keys, on packed tensors.
+
+    query (total_q, Hq, E), key (total_k, Hkv, E), value (total_k, Hkv, Ev): sequence b holds rows
+    cu_seqlens_q[b] to cu_seqlens_q[b + 1] of query and cu_seqlens_k[b] to cu_seqlens_k[b + 1] of
+    key and value. cu_seqlens_*: 1-d int32 or int64, starting at 0, non-decreasing, ending at the
+    total; max_seqlen_*: at least the longest sequence. Hkv must divide Hq (GQA without copies).
+    The options mean what they mean for attention_with_lse (is_causal top-left unless
+    causal_lower_right; window; softcap; dropout). Returns out (total_q, Hq, Ev) and, with
+    return_lse, the log-sum-exp (Hq, total_q) in float32 (float64 for float64 inputs), as
+    flash-attn's varlen call does.
+    """
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor) or tensor.dim() != 3:
+            shape = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"flashattn_ext: {name} must be a 3-d (total_tokens, heads, head_dim) tensor, got {shape}")
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"flashattn_ext: key {tuple(key.shape)} and value {tuple(value.shape)} must agree in tokens and heads"
+        )
+    heads_q, heads_kv = query.shape[1], key.shape[1]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"flashattn_ext: the {heads_kv} key/value heads must divide the {heads_q} query heads")
+    starts_q = _sequence_bounds("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
+    starts_k = _sequence_bounds("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
+    if len(starts_q) != len(starts_k):
+        raise ValueError(
+            f"flashattn_ext: cu_seqlens_q holds {len(starts_q) - 1} sequences but cu_seqlens_k {len(starts_k) - 1}"
+        )
+
+    # (tokens, heads, dim) slices seen as (1, heads, tokens, dim): views, no copies.
+    def heads_first(t, begin, end):
+        return t[begin:end].transpose(0, 1).unsqueeze(0)
+
+    outs, lses = [], []
+    for b in range(len(starts_q) - 1):
+        out, lse = attention_with_lse(
+            heads_first(query, starts_q[b], starts_q[b + 1]),
+            heads_first(key, starts_k[b], starts_k[b + 1]),
+            heads_first(value, starts_k[b], starts_k[b + 1]),
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=heads_q != heads_kv,
+            causal_lower_right=causal_lower_right,
+            window=window,
+            softcap=softcap,
+        )
+        outs.append(out[0].transpose(0, 1))  # (tokens, heads, Ev)
+        lses.append(lse[0])  # (heads, tokens)
+    if outs:
+        out, lse = torch.cat(outs), torch.cat(lses, dim=1)
+    else:  # no sequences: empty results of the right shapes and types
+        out = query.new_empty((0, heads_q, value.shape[2]))
+        lse = query.new_empty((heads_q, 0), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return (out, lse) if return_lse else out
+
+
+def _sequence_bounds(name: str, cu_seqlens: Tensor, total: int, max_seqlen: int) -> list:
+    """cu_seqlens checked and read to the host (a wait for the device where it lives there)."""
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"flashattn_ext: {name} must be a non-empty 1-d tensor")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"flashattn_ext: {name} must be int32 or int64, got {cu_seqlens.dtype}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(f"flashattn_ext: {name} must start at 0 and end at the {total} packed tokens, got "
+                         f"{bounds[0]} ... {bounds[-1]}")
+    lengths = [end - begin for begin, end in zip(bounds, bounds[1:])]
+    if any(length < 0 for length in lengths):
+        raise ValueError(f"flashattn_ext: {name} must not decrease, got {bounds}")
+    longest = max(lengths, default=0)
+    if not isinstance(max_seqlen, int) or longest > max_seqlen:
+        raise ValueError(f"flashattn_ext: the max_seqlen given with {name} ({max_seqlen!r}) is below its longest "
+                         f"sequence ({longest})")
+    return bounds
