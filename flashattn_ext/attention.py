@@ -30,9 +30,41 @@ def scaled_dot_product_attention(
     -> (N, ..., Hq, L, Ev). is_causal aligns the mask top-left, as torch does.
     attn_mask: bool (True takes part) or float (added to the scores), broadcasting
     to (N, ..., Hq, L, S), or one of torch's CausalBias objects.
+
+    Nested (jagged) tensors of shape (N, H, j, E), as SDPA takes them, run
+    through varlen_attention (no attn_mask, as in SDPA).
     """
+    if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
+        return _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     out, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return out
+
+
+def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Tensor:
+    """SDPA on jagged nested tensors (N, H, j, E): their packed values and offsets go to
+    varlen_attention, and the output comes back as a nested tensor of the same layout."""
+    from .varlen import varlen_attention  # varlen builds on attention_with_lse
+
+    packed = []
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not (t.is_nested and t.layout == torch.jagged and t.dim() == 4 and t._ragged_idx == 2):
+            raise ValueError(
+                f"flashattn_ext: with nested tensors, {name} must be a jagged nested tensor of shape "
+                f"(N, H, j, E) (a (N, j, H, E) one transposed), as SDPA takes them"
+            )
+        sequence_major = t.transpose(1, 2)  # (N, j, H, E): values() is (total, H, E)
+        packed.append((sequence_major.values(), sequence_major.offsets()))
+    if attn_mask is not None:
+        raise ValueError("flashattn_ext: nested tensors take no attn_mask (as in SDPA)")
+    (q, offsets_q), (k, offsets_k), (v, _) = packed
+    if not enable_gqa and q.shape[1] != k.shape[1]:
+        raise RuntimeError(
+            f"flashattn_ext: query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True for GQA"
+        )
+    longest = [int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0 for offsets in (offsets_q, offsets_k)]
+    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest[0], longest[1], dropout_p=dropout_p,
+                           is_causal=is_causal, scale=scale)
+    return torch.nested.nested_tensor_from_jagged(out, offsets_q).transpose(1, 2)
 
 
 def attention_with_lse(

@@ -92,3 +92,43 @@ def test_bad_arguments(fn, exception, message):
     with pytest.raises(exception) as info:
         fn()
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nested_tensors_in_scaled_dot_product_attention(is_causal, device, dtype):
+    """Jagged nested tensors (N, H, j, E), as SDPA takes them (here with GQA, which SDPA's own nested
+    path lacks): values and gradients against each sequence's naive attention in float64."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = [7, 1, 130]
+    parts = {name: [torch.randn(n, heads, 16, generator=gen, dtype=torch.float64) for n in lengths]
+             for name, heads in (("q", 4), ("k", 2), ("v", 2))}
+    douts = [torch.randn(n, 4, 16, generator=gen, dtype=torch.float64) for n in lengths]
+
+    leaves = [torch.nested.nested_tensor([p.to(device=device, dtype=dtype) for p in parts[name]], layout=torch.jagged,
+                                         requires_grad=True) for name in ("q", "k", "v")]
+    out = flashattn_ext.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), is_causal=is_causal,
+                                                     scale=0.3, enable_gqa=True)
+    assert out.is_nested and out.shape[:2] == (3, 4)
+    # The incoming gradient shares the output's offsets (so its ragged dim is the output's).
+    grad = torch.nested.nested_tensor_from_jagged(torch.cat(douts).to(device=device, dtype=dtype),
+                                                  out.transpose(1, 2).offsets())
+    grads = torch.autograd.grad(out, leaves, grad.transpose(1, 2))
+
+    tolerance = 1e-12 if dtype == torch.float64 else 20 * ERROR_FLOOR[dtype]
+    for b in range(len(lengths)):
+        ref = [parts[name][b].transpose(0, 1)[None].clone().requires_grad_() for name in ("q", "k", "v")]
+        want, _ = naive_attention(*ref, is_causal=is_causal, scale=0.3, enable_gqa=True)
+        want_grads = torch.autograd.grad(want, ref, douts[b].transpose(0, 1)[None])
+        got_b = [out.unbind()[b]] + [g.unbind()[b].transpose(0, 1) for g in grads]
+        want_b = [want[0]] + [w[0] for w in want_grads]
+        # A one-token sequence's dq and dk are exactly 0: measured against the output's scale there.
+        scale = want.abs().max().item()
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got_b, want_b):
+            assert relative_error(g.detach().cpu(), w, zero_scale=scale) <= tolerance, f"sequence {b}: {name}"
+
+
+def test_nested_tensors_refuse_a_mask():
+    q = torch.nested.nested_tensor([torch.randn(3, 2, 8), torch.randn(5, 2, 8)], layout=torch.jagged).transpose(1, 2)
+    with pytest.raises(ValueError, match="nested tensors take no attn_mask"):
+        flashattn_ext.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(1, dtype=torch.bool))
