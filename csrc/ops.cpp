@@ -41,8 +41,8 @@ TORCH_LIBRARY(flashattn_ext, m) {
   // are written into the caches first (see DecodeParams).
   m.def(
       "decode_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cache_seqlens, "
-      "Tensor? block_table, Tensor? key_new, Tensor? value_new, bool is_causal, float scale) -> (Tensor out, "
-      "Tensor lse)");
+      "Tensor? block_table, Tensor? key_new, Tensor? value_new, bool is_causal, float scale, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
 }
 
 namespace {
@@ -241,7 +241,8 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   const at::Tensor& q = args.q;
   check_rank4(q, "query");
   check_floating(q, "query");
-  check_options({std::nullopt, 0.0, args.is_causal, /*causal_lower_right=*/true, args.scale});
+  check_options({std::nullopt, 0.0, args.is_causal, /*causal_lower_right=*/true, args.scale, args.window_left,
+                 args.window_right, args.softcap});
   const bool paged = args.block_table.has_value();
   const char* cache_dims = paged ? "(num_blocks, block_size, heads, head_dim) with block_table"
                                  : "(batch, heads, capacity, head_dim) without block_table";
@@ -327,6 +328,9 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   p.scale = args.scale;
   p.is_causal = args.is_causal;
   p.causal_lower_right = true;
+  p.window_left = args.window_left;
+  p.window_right = args.window_right;
+  p.softcap = args.softcap;
 
   out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));

@@ -50,6 +50,9 @@ struct DecodeArguments {
   const std::optional<at::Tensor>& v_new;
   bool is_causal;
   double scale;
+  int64_t window_left = -1;  // see AttentionProblem
+  int64_t window_right = -1;
+  double softcap = 0.0;
 };
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the

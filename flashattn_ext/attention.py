@@ -168,13 +168,11 @@ def attention_with_lse(
         attn_mask = attn_mask.reshape(flat_batch, heads_q, len_q, len_k)
     if scale is None:
         scale = default_scale(head_dim)
-    window_left, window_right = _window_bounds(window)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"flashattn_ext: softcap must be a finite number > 0 (or None), got {softcap!r}")
+    window_left, window_right = window_bounds(window)
 
     out, lse, _ = torch.ops.flashattn_ext.attention_forward(
         q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale),
-        window_left, window_right, float(softcap or 0.0),
+        window_left, window_right, softcap_value(softcap),
     )
 
     # SDPA's output has the broadcast rank of its inputs.
@@ -182,7 +180,7 @@ def attention_with_lse(
     return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
 
 
-def _window_bounds(window) -> Tuple[int, int]:
+def window_bounds(window) -> Tuple[int, int]:
     """window=(left, right) as the ops take it: -1 for an open side."""
     if window is None:
         return -1, -1
@@ -197,6 +195,16 @@ def _window_bounds(window) -> Tuple[int, int]:
         else:
             raise ValueError(f"flashattn_ext: window's {side} bound must be an int >= 0 or None, got {bound!r}")
     return bounds[0], bounds[1]
+
+
+def softcap_value(softcap: Optional[float]) -> float:
+    """softcap as the ops take it: 0.0 for none."""
+    if softcap is None:
+        return 0.0
+    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
+            and softcap > 0):
+        raise ValueError(f"flashattn_ext: softcap must be a finite number > 0 (or None), got {softcap!r}")
+    return float(softcap)
 
 
 def default_scale(head_dim: int) -> float:

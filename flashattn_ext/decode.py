@@ -5,7 +5,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .attention import default_scale
+from .attention import default_scale, softcap_value, window_bounds
 
 
 def decode_attention(
@@ -19,6 +19,8 @@ def decode_attention(
     value_new: Optional[Tensor] = None,
     is_causal: bool = False,
     scale: Optional[float] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
@@ -34,8 +36,9 @@ def decode_attention(
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (cache_seqlens itself is not changed), and the
     queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
-    new tokens in speculative decoding. With return_lse, also returns the log-sum-exp of each query's
-    scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
+    new tokens in speculative decoding. window and softcap mean what they mean for attention_with_lse,
+    the window set around that bottom-right diagonal (CPU only so far). With return_lse, also returns
+    the log-sum-exp of each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
     out = 0 and lse = -inf.
 
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
@@ -55,7 +58,9 @@ def decode_attention(
         )
     if scale is None:
         scale = default_scale(query.shape[-1] if query.dim() > 0 else 0)
+    window_left, window_right = window_bounds(window)
     out, lse = torch.ops.flashattn_ext.decode_attention(
-        query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale)
+        query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale),
+        window_left, window_right, softcap_value(softcap),
     )
     return (out, lse) if return_lse else out

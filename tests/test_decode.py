@@ -46,8 +46,8 @@ def sequence_rows(cache, b, length, block_table):
     return rows.transpose(0, 1)
 
 
-def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale):
-    """(out, lse) in float64, one sequence at a time."""
+def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale, **options):
+    """(out, lse) in float64, one sequence at a time; options: naive_attention's window and softcap."""
     outs, lses = [], []
     for b, length in enumerate(lengths):
         if length == 0:  # no key: out 0, lse -inf (naive_attention cannot reduce over no key)
@@ -58,7 +58,7 @@ def reference(query, key_cache, value_cache, lengths, block_table, is_causal, sc
         k = sequence_rows(key_cache, b, length, block_table).double()[None]
         v = sequence_rows(value_cache, b, length, block_table).double()[None]
         out, lse = naive_attention(query[b : b + 1].double(), k, v, is_causal=is_causal, causal_lower_right=True,
-                                   scale=scale, enable_gqa=True)
+                                   scale=scale, enable_gqa=True, **options)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -89,6 +89,41 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv,
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
     assert torch.all(out[0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(window=(5, 0), is_causal=True), dict(window=(6, 2)), dict(softcap=1.5), dict(softcap=1.5, window=(3, None))],
+    ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window"],
+)
+def test_window_and_softcap_on_cpu(options, block_size, dtype):
+    """Windows around the bottom-right diagonal and softcapping; rows whose window holds no key get 0."""
+    gen = torch.Generator().manual_seed(6)
+    capacity, dim = 40, 32
+    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
+    lengths = [0, 21, capacity]
+    query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
+    options = dict(options)
+    is_causal = options.pop("is_causal", False)
+    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths), block_table=table,
+                                              is_causal=is_causal, return_lse=True, **options)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
+                                   **options)
+    assert relative_error(out, want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+
+
+@cuda_test
+def test_cuda_refuses_window_and_softcap_for_now():
+    call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda().half(), key_cache=torch.randn(2, 2, 10, 8).cuda().half(),
+                        value_cache=torch.randn(2, 2, 10, 8).cuda().half(), cache_seqlens=torch.tensor([3, 10]).cuda(),
+                        softcap=2.0)
+    with pytest.raises(NotImplementedError, match="takes no window or softcap yet"):
+        call()
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])

@@ -574,7 +574,7 @@ void decode_attention(const DecodeParams& params) {
   if (params.len_new > 0) append_to_cache<T>(params);
   if (p.heads_kv == 0) return;  // then no query heads either
   const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, dim_v = p.head_dim_v;
-  const A scale = static_cast<A>(p.scale);
+  const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
   auto* lse = static_cast<Lse<T>*>(params.lse);
   // One task per query row, over every key it sees: the scores of a row (up to
   // the capacity) in a buffer, then softmax and P V in two passes.
@@ -582,32 +582,37 @@ void decode_attention(const DecodeParams& params) {
     std::vector<A> q(dim), scores, acc(dim_v);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
-      // The sequence's own keys, with the causal mask aligned bottom-right (p.causal_lower_right).
+      // The sequence's own keys, with the causal mask and the window aligned
+      // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
       AttentionProblem sequence = p;
       sequence.len_k = params.cache_seqlens[b] + params.len_new;
-      const int64_t key_end = Visibility(sequence).key_end(i);
+      const Visibility vis(sequence);
+      const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());
-      scores.resize(key_end);
+      scores.resize(key_end - key_begin);
       A row_max = kNegInf<A>;
-      for (int64_t j = 0; j < key_end; ++j) {
+      for (int64_t j = key_begin; j < key_end; ++j) {
         const T* k = cache_row<T>(params, params.k_cache, b, h / group, j);
         A dot = 0;
         for (int64_t c = 0; c < dim; ++c) dot += q[c] * static_cast<A>(k[c * params.k_cache.stride_col]);
-        scores[j] = dot * scale;
-        row_max = std::max(row_max, scores[j]);
+        A& score = scores[j - key_begin];
+        score = dot * scale;
+        if (softcap > A(0)) score = softcap * std::tanh(score / softcap);
+        row_max = std::max(row_max, score);
       }
       std::fill(acc.begin(), acc.end(), A(0));
       A row_sum = 0;
-      for (int64_t j = 0; j < key_end; ++j) {
-        const A weight = std::exp(scores[j] - row_max);
+      for (int64_t j = key_begin; j < key_end; ++j) {
+        const A weight = std::exp(scores[j - key_begin] - row_max);
         row_sum += weight;
         const T* v = cache_row<T>(params, params.v_cache, b, h / group, j);
         for (int64_t c = 0; c < dim_v; ++c) acc[c] += weight * static_cast<A>(v[c * params.v_cache.stride_col]);
       }
       // A row that sees no key gets out = 0 and lse = -inf, as in the attention ops.
-      for (A& value : acc) value = key_end > 0 ? value / row_sum : A(0);
+      const bool seen = key_end > key_begin;
+      for (A& value : acc) value = seen ? value / row_sum : A(0);
       store_tile<T>(params.out, b, h, i, 1, dim_v, acc.data());
-      lse[task] = static_cast<Lse<T>>(key_end > 0 ? row_max + std::log(row_sum) : kNegInf<A>);
+      lse[task] = static_cast<Lse<T>>(seen ? row_max + std::log(row_sum) : kNegInf<A>);
     }
   });
 }
