@@ -56,13 +56,18 @@ def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
         packed.append((sequence_major.values(), sequence_major.offsets()))
     if attn_mask is not None:
         raise ValueError("flashattn_ext: nested tensors take no attn_mask (as in SDPA)")
-    (q, offsets_q), (k, offsets_k), (v, _) = packed
+    (q, offsets_q), (k, offsets_k), (v, offsets_v) = packed
+    if offsets_v is not offsets_k and not torch.equal(offsets_v, offsets_k):
+        raise ValueError("flashattn_ext: with nested tensors, key and value must have the same sequence lengths")
     if not enable_gqa and q.shape[1] != k.shape[1]:
         raise RuntimeError(
             f"flashattn_ext: query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True for GQA"
         )
-    longest = [int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0 for offsets in (offsets_q, offsets_k)]
-    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest[0], longest[1], dropout_p=dropout_p,
+
+    def longest(offsets):
+        return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
+
+    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest(offsets_q), longest(offsets_k), dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale)
     return torch.nested.nested_tensor_from_jagged(out, offsets_q).transpose(1, 2)
 
