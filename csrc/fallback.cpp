@@ -4,6 +4,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 namespace flashattn_ext {
@@ -107,6 +109,11 @@ at::ScalarType accumulation_type(const at::Tensor& q) {
 
 }  // namespace
 
+bool fallback_requested() {
+  const char* kernels = std::getenv("FLASHATTN_EXT_KERNELS");
+  return kernels != nullptr && std::strcmp(kernels, "aten") == 0;
+}
+
 void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
                       const AttentionProblem& p, at::Tensor& out, at::Tensor& lse) {
@@ -122,8 +129,7 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-                       const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
+                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
                        at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask) {
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
@@ -136,13 +142,17 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
     at::Tensor softcap_grad;
     const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows, &softcap_grad));
     const at::Tensor dout_rows = grouped_rows(dout, p, r0, rows, acc);
-    const at::Tensor delta = (ungrouped(dout_rows, p, rows) * out.narrow(2, r0, rows).to(acc)).sum(-1, true);
     // With dropout, the output used P * Z: dV = (P * Z)^T dO and dP = Z * dO V^T.
     const at::Tensor factor = dropout_p > 0.0 ? dropout_factor(rng_state, dropout_p, p, r0, rows, acc) : at::Tensor();
     const at::Tensor prob_used = factor.defined() ? prob * factor : prob;
     dv_acc.add_(at::matmul(grouped(prob_used, p).transpose(-2, -1), dout_rows));
     at::Tensor dprob = ungrouped(at::matmul(dout_rows, v_acc.transpose(-2, -1)), p, rows);
     if (factor.defined()) dprob.mul_(factor);
+    // delta = rowsum(P * dP), which is rowsum(dO * O) but summed from the same
+    // P and dP as dS: not from the output rounded to the input type (16-bit
+    // gradients came out far less accurate that way), and a row that sees one
+    // key gets dS = 0 exactly, as in SDPA.
+    const at::Tensor delta = (prob * dprob).sum(-1, true);
     at::Tensor dscores = prob * (dprob - delta);  // gradient of the masked, scaled (and capped) scores
     if (grad_attn_mask.numel() > 0) grad_attn_mask.narrow(2, r0, rows).copy_(dscores);
     if (softcap_grad.defined()) dscores.mul_(softcap_grad);  // through the cap, to the scaled scores

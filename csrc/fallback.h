@@ -18,6 +18,11 @@ namespace flashattn_ext {
 
 constexpr int64_t kFallbackChunkBytes = int64_t(128) << 20;
 
+// Whether FLASHATTN_EXT_KERNELS=aten asks every device to run this fallback
+// instead of its kernels (read at each call: for tests and comparisons; the
+// CPU tests check the fallback this way).
+bool fallback_requested();
+
 // Fills out and lse, as allocated by prepare_forward. q, k, v, attn_mask:
 // (batch, heads, rows, dim) as the ops receive them; rng_state: dropout's
 // {seed, offset} as the forward op returns it (read only if dropout_p > 0).
@@ -26,10 +31,9 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const AttentionProblem& p, at::Tensor& out, at::Tensor& lse);
 
 // Fills dq, dk, dv and, where it is not empty, grad_attn_mask, as allocated by
-// prepare_backward.
+// prepare_backward (it recomputes the probabilities: no out or lse needed).
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& attn_mask,
-                       const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
+                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
                        at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask);
 
 // The output of attention over all query rows at once, from the same ATen

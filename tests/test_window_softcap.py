@@ -2,7 +2,7 @@
 log-sum-exps and gradients against the naive attention in float64, within twice the naive
 attention's own error in the inputs' dtype (plus a floor). Lengths above the CPU kernels' 128-row
 tiles, so that whole tiles outside the window are skipped; on CUDA the calls take the ATen fallback
-for now."""
+for now, which the CPU runs too under FLASHATTN_EXT_KERNELS=aten."""
 import math
 
 import pytest
@@ -65,6 +65,14 @@ def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None,
             assert error <= budget, f"{name}: {error:.3g} > {budget:.3g}"
 
 
+@pytest.fixture(params=["kernels", "aten"])
+def implementation(request, monkeypatch):
+    """The device's kernels, or the ATen fallback (read at each call)."""
+    if request.param == "aten":
+        monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "aten")
+    return request.param
+
+
 @pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
 @pytest.mark.parametrize("len_q, len_k", [(300, 300), (150, 420), (420, 150)])
 @pytest.mark.parametrize(
@@ -79,12 +87,12 @@ def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None,
     ],
     ids=["causal_window", "two_sided", "right_only", "left_only", "softcap", "softcap_causal_window"],
 )
-def test_matches_float64(options, len_q, len_k, device, dtype):
+def test_matches_float64(options, len_q, len_k, device, dtype, implementation):
     check(device, dtype, len_q, len_k, options)
 
 
 @pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
-def test_softcap_with_float_mask_and_its_gradient(device, dtype):
+def test_softcap_with_float_mask_and_its_gradient(device, dtype, implementation):
     """The mask adds to the capped scores; its gradient is that of the capped scores."""
     mask = torch.randn(1, 4, 140, 170, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     check(device, dtype, 140, 170, dict(softcap=1.5, window=(60, 20)), mask=mask)

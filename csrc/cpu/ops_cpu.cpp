@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "cpu/flash_cpu.h"
+#include "fallback.h"
 #include "ops.h"
 
 namespace flashattn_ext {
@@ -36,6 +37,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::T
       q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}, out,
       lse);
   const at::Tensor rng_state = draw_rng_state(dropout_p);
+  if (fallback_requested()) {
+    fallback_forward(q, k, v, attn_mask, rng_state, dropout_p, params.problem, out, lse);
+    return {out, lse, rng_state};
+  }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward_cpu",
                                   [&] { cpu::attention_forward<scalar_t>(params); });
@@ -52,6 +57,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
       dout, q, k, v, out, lse, rng_state,
       {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap},
       compute_grad_attn_mask, dq, dk, dv, dmask);
+  if (fallback_requested()) {
+    fallback_backward(dout, q, k, v, attn_mask, rng_state, dropout_p, params.problem, dq, dk, dv, dmask);
+    return {dq, dk, dv, dmask};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu",
                                   [&] { cpu::attention_backward<scalar_t>(params); });
   return {dq, dk, dv, dmask};

@@ -23,6 +23,7 @@ namespace {
 
 // Why the hand-written kernels cannot take a call, or nothing when they can.
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
+  if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
     return c10::str("the CUDA kernels take float16 and bfloat16, not ", q.scalar_type());
   }
@@ -151,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                                       compute_grad_attn_mask, dq, dk, dv, dmask);
   if (const auto gap = kernel_gap(q, params.problem)) {
     warn_fallback(*gap);
-    fallback_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, attn_mask, rng_state, dropout_p,
+    fallback_backward(dout_rows, q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p,
                       params.problem, dq, dk, dv, dmask);
     return {dq, dk, dv, dmask};
   }
