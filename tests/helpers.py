@@ -12,6 +12,17 @@ DEVICES = [
 ]
 
 
+def device_dtype_params(dtypes):
+    """pytest params (device, dtype) for each device of DEVICES and each of dtypes[device], with the
+    device's marks, ids like "cpu-float32"."""
+    params = []
+    for device in DEVICES:
+        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
+        for dtype in dtypes[name]:
+            params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype).split('.')[-1]}"))
+    return params
+
+
 def cuda_test(fn):
     """Marks a GPU-only test: the cuda marker, and a skip with a reason where there is no GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)(fn))

@@ -4,24 +4,20 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, naive_attention, relative_error
+from helpers import ERROR_FLOOR, device_dtype_params, naive_attention, relative_error
 
 LENGTHS_Q = [5, 0, 140, 33]
 LENGTHS_K = [9, 4, 140, 0]  # a sequence with no key: out 0, lse -inf
 
 
-def device_dtype_params():
-    for device in DEVICES:
-        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
-        for dtype in ((torch.float64, torch.float32) if name == "cpu" else (torch.bfloat16,)):
-            yield pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype).split('.')[-1]}")
+DEVICE_DTYPES = device_dtype_params({"cpu": (torch.float64, torch.float32), "cuda": (torch.bfloat16,)})
 
 
 def cumulative(lengths, device):
     return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
 
-@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize(
     "options",
     [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True), dict(window=(20, 3), softcap=3.0)],
@@ -94,7 +90,7 @@ def test_bad_arguments(fn, exception, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_nested_tensors_in_scaled_dot_product_attention(is_causal, device, dtype):
     """Jagged nested tensors (N, H, j, E), as SDPA takes them (here with GQA, which SDPA's own nested

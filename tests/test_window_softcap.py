@@ -10,16 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, naive_attention, relative_error
+from helpers import DEVICES, ERROR_FLOOR, device_dtype_params, naive_attention, relative_error
 
-DTYPES = {"cpu": (torch.float64, torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16)}
-
-
-def device_dtype_params():
-    for device in DEVICES:
-        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
-        for dtype in DTYPES[name]:
-            yield pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype).split('.')[-1]}")
+DEVICE_DTYPES = device_dtype_params({"cpu": (torch.float64, torch.float32, torch.bfloat16),
+                                     "cuda": (torch.float32, torch.bfloat16)})
 
 
 def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None, seed=0):
@@ -73,7 +67,7 @@ def implementation(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize("len_q, len_k", [(300, 300), (150, 420), (420, 150)])
 @pytest.mark.parametrize(
     "options",
@@ -91,7 +85,7 @@ def test_matches_float64(options, len_q, len_k, device, dtype, implementation):
     check(device, dtype, len_q, len_k, options)
 
 
-@pytest.mark.parametrize("device, dtype", list(device_dtype_params()))
+@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 def test_softcap_with_float_mask_and_its_gradient(device, dtype, implementation):
     """The mask adds to the capped scores; its gradient is that of the capped scores."""
     mask = torch.randn(1, 4, 140, 170, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
