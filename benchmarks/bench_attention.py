@@ -164,11 +164,11 @@ def median_seconds(fn: Callable, device: torch.device, budget_s: float) -> float
         estimate = time.perf_counter() - start
     reps = min(MAX_REPS, max(MIN_REPS, round(budget_s / max(estimate, 1e-9))))
     if device.type == "cuda":
-        return _median_cuda_events(fn, reps)
+        return median_cuda_events(fn, reps)
     return _median_wall_clock(fn, reps)
 
 
-def _median_cuda_events(fn: Callable, reps: int) -> float:
+def median_cuda_events(fn: Callable, reps: int) -> float:
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     for start, end in events:
         start.record()

@@ -9,16 +9,14 @@ median of 20 calls (CUDA events) after 3 warm-up calls. SDPA gets the same keys 
     python3 benchmarks/bench_decode.py [--lengths 8192 32768 131072] [--out DIR]
 """
 import argparse
-import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-import flashattn_ext  # noqa: E402
+# bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
+from bench_attention import median_cuda_events
+import flashattn_ext
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
 
@@ -26,13 +24,7 @@ HEADS_Q, HEADS_KV, DIM = 32, 8, 128
 def median_ms(fn, calls=20, warmup=3):
     for _ in range(warmup):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return median_cuda_events(fn, calls) * 1e3
 
 
 def copy_gbps(nbytes=2 << 30):

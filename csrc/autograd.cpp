@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "fallback.h"
+#include "ops.h"
 
 namespace flashattn_ext {
 namespace {
@@ -146,15 +147,9 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     if (has_mask) attn_mask = float_mask ? saved[5].detach().requires_grad_() : saved[5];
     if (float_mask) leaves.push_back(*attn_mask);
 
-    AttentionProblem p;  // the options; attention_for_double_backward takes the sizes from the tensors
-    p.scale = o.scale;
-    p.is_causal = o.is_causal;
-    p.causal_lower_right = o.causal_lower_right;
-    p.window_left = o.window_left;
-    p.window_right = o.window_right;
-    p.softcap = o.softcap;
-    const Tensor out =
-        attention_for_double_backward(leaves[1], leaves[2], leaves[3], attn_mask, saved[4], o.dropout_p, p);
+    const AttentionOptions options{attn_mask, o.dropout_p,   o.is_causal,    o.causal_lower_right,
+                                   o.scale,   o.window_left, o.window_right, o.softcap};
+    const Tensor out = attention_for_double_backward(leaves[1], leaves[2], leaves[3], saved[4], options);
     // The first gradients as functions of the leaves, then their vector-Jacobian
     // product with the incoming gradients (of dq, dk, dv[, dmask]).
     const variable_list inputs(leaves.begin() + 1, leaves.end());

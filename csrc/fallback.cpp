@@ -165,19 +165,12 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
 }
 
 at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state,
-                                        double dropout_p, const AttentionProblem& options) {
-  AttentionProblem p = options;
-  p.batch = q.size(0);
-  p.heads_q = q.size(1);
-  p.heads_kv = k.size(1);
-  p.len_q = q.size(2);
-  p.len_k = k.size(2);
-  p.head_dim = q.size(3);
-  p.head_dim_v = v.size(3);
+                                        const at::Tensor& rng_state, const AttentionOptions& options) {
+  const AttentionProblem p = attention_problem(q, k, v, options);
   const at::ScalarType acc = accumulation_type(q);
-  const at::Tensor s = chunk_scores(grouped_rows(q, p, 0, p.len_q, acc), k.to(acc), attn_mask, p, 0, p.len_q);
-  return output_rows(s, v.to(acc), rng_state, dropout_p, p, 0, p.len_q).to(q.scalar_type());
+  const at::Tensor s =
+      chunk_scores(grouped_rows(q, p, 0, p.len_q, acc), k.to(acc), options.attn_mask, p, 0, p.len_q);
+  return output_rows(s, v.to(acc), rng_state, options.dropout_p, p, 0, p.len_q).to(q.scalar_type());
 }
 
 }  // namespace flashattn_ext

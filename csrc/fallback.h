@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "flash_params.h"
+#include "ops.h"
 
 namespace flashattn_ext {
 
@@ -39,9 +40,7 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
 // The output of attention over all query rows at once, from the same ATen
 // operations with autograd tracking them (the whole score matrix in memory, as
 // in SDPA's math backend): what double backward differentiates. Any device.
-// options: the scale, causal, window and softcap fields (the sizes come from the tensors).
 at::Tensor attention_for_double_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state,
-                                        double dropout_p, const AttentionProblem& options);
+                                        const at::Tensor& rng_state, const AttentionOptions& options);
 
 }  // namespace flashattn_ext

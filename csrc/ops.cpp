@@ -113,21 +113,7 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
                 mask.sizes());
   }
 
-  AttentionProblem p;
-  p.batch = q.size(0);
-  p.heads_q = q.size(1);
-  p.heads_kv = k.size(1);
-  p.len_q = q.size(2);
-  p.len_k = k.size(2);
-  p.head_dim = q.size(3);
-  p.head_dim_v = v.size(3);
-  p.scale = options.scale;
-  p.is_causal = options.is_causal;
-  p.causal_lower_right = options.causal_lower_right;
-  p.window_left = options.window_left;
-  p.window_right = options.window_right;
-  p.softcap = options.softcap;
-  return p;
+  return attention_problem(q, k, v, options);
 }
 
 void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected_shape, at::ScalarType dtype,
@@ -174,6 +160,25 @@ at::Tensor empty_in_layout_of(const at::Tensor& q, std::array<int64_t, 4> sizes)
 }
 
 }  // namespace
+
+AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const AttentionOptions& options) {
+  AttentionProblem p;
+  p.batch = q.size(0);
+  p.heads_q = q.size(1);
+  p.heads_kv = k.size(1);
+  p.len_q = q.size(2);
+  p.len_k = k.size(2);
+  p.head_dim = q.size(3);
+  p.head_dim_v = v.size(3);
+  p.scale = options.scale;
+  p.is_causal = options.is_causal;
+  p.causal_lower_right = options.causal_lower_right;
+  p.window_left = options.window_left;
+  p.window_right = options.window_right;
+  p.softcap = options.softcap;
+  return p;
+}
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;

@@ -23,6 +23,11 @@ struct AttentionOptions {
   double softcap = 0.0;
 };
 
+// The sizes of 4-d (batch, heads, seq_len, head_dim) q, k, v (not checked:
+// see prepare_forward) and the options' flags, as the kernels take them.
+AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const AttentionOptions& options);
+
 // The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);
 
