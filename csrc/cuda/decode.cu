@@ -33,18 +33,29 @@ __device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, i
   return min(max(length, int64_t{0}), params.problem.len_k);
 }
 
-// Row j of head h of sequence b's cache (see DecodeParams); a block index
-// outside the cache is clamped into it, for the same reason.
+// Where key j of sequence b lies in the caches (see DecodeParams): the outer
+// index (the sequence, or the block of a paged cache) and the row in it. A
+// block index outside the cache is clamped into it, for the same reason.
+// 32-bit division: the glue checks that j < 2^31.
+struct CachePosition {
+  int64_t outer;
+  int row;
+};
+
+__device__ __forceinline__ CachePosition cache_position(const DecodeParams& params, int64_t b, int j) {
+  if (params.block_table == nullptr) return {b, j};
+  const int block_size = static_cast<int>(params.block_size);
+  const int64_t block = params.block_table[b * params.block_table_stride + j / block_size];
+  return {min(max(block, int64_t{0}), params.num_blocks - 1), j % block_size};
+}
+
+// Row j of head h of sequence b's cache.
 template <typename Elem>
 __device__ __forceinline__ Elem* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b,
                                            int64_t h, int64_t j) {
-  int64_t outer = b, row = j;
-  if (params.block_table != nullptr) {
-    const int64_t block = params.block_table[b * params.block_table_stride + j / params.block_size];
-    outer = min(max(block, int64_t{0}), params.num_blocks - 1);
-    row = j % params.block_size;
-  }
-  return static_cast<Elem*>(cache.data) + outer * cache.stride_batch + h * cache.stride_head + row * cache.stride_row;
+  const CachePosition at = cache_position(params, b, static_cast<int>(j));
+  return static_cast<Elem*>(cache.data) + at.outer * cache.stride_batch + h * cache.stride_head +
+         int64_t(at.row) * cache.stride_row;
 }
 
 // Writes key_new and value_new into the caches, one thread per element of a
@@ -166,12 +177,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     for (int it = 0; it < kPasses; ++it) {
       const int64_t j = key_begin + int64_t(t) * kBlockN + piece_row + it * Cfg::kRowsPerPass;
       where.outer[it] = static_cast<int>(b);
-      where.row[it] = j < key_end ? static_cast<int>(j) : -1;
-      if (params.block_table != nullptr && j < key_end) {  // 32-bit division: the glue checks len_k < 2^31
-        const int key = static_cast<int>(j), block_size = static_cast<int>(params.block_size);
-        const int64_t block = params.block_table[b * params.block_table_stride + key / block_size];
-        where.outer[it] = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
-        where.row[it] = key % block_size;
+      where.row[it] = -1;
+      if (j < key_end) {
+        const CachePosition at = cache_position(params, b, static_cast<int>(j));
+        where.outer[it] = static_cast<int>(at.outer);
+        where.row[it] = at.row;
       }
     }
   };
