@@ -23,10 +23,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flashattn_ext
 
 # (batch, heads_q, heads_kv, len, head_dim, causal): the bench's D=128 and D=64 causal cells, the
-# model benchmark's GQA shapes, and one non-causal cell.
+# model benchmark's GQA shapes, and non-causal cells.
 SHAPES = [(8, 16, 16, 2048, 128, True), (4, 16, 16, 4096, 128, True), (1, 16, 16, 16384, 128, True),
           (2, 16, 4, 8192, 128, True), (8, 16, 4, 2048, 128, True), (4, 32, 32, 4096, 64, True),
-          (1, 32, 32, 16384, 64, True), (4, 16, 16, 4096, 128, False)]
+          (1, 32, 32, 16384, 64, True), (4, 16, 16, 4096, 128, False), (8, 16, 16, 2048, 128, False),
+          (1, 16, 16, 16384, 128, False), (4, 32, 32, 4096, 64, False)]
 
 
 def parse_variant(text: str) -> Tuple[str, Dict[str, str]]:
@@ -45,7 +46,7 @@ def burst_ms(fn, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def compare(shape, variants: Dict[str, Dict[str, str]], rounds: int, calls: int) -> str:
+def compare(shape, variants: Dict[str, Dict[str, str]], rounds: int, calls: int, backward: bool) -> str:
     b, hq, hkv, n, d, causal = shape
     torch.manual_seed(0)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -72,20 +73,21 @@ def compare(shape, variants: Dict[str, Dict[str, str]], rounds: int, calls: int)
             with torch.no_grad():
                 forward = burst_ms(fn, calls)
             out = fn()
-            backward = burst_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), calls)
+            backward_ms = (burst_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), calls)
+                           if backward else float("nan"))
             if round_ == 0:
                 outputs[name] = out.detach().float()
             else:
                 times[name][0].append(forward)
-                times[name][1].append(backward)
+                times[name][1].append(backward_ms)
     for var in switches:
         os.environ.pop(var, None)
     flops = 4 * b * hq * n * n * d / (2 if causal else 1)
     cells = [str(shape)]
     for name in runs:
-        forward, backward = (statistics.median(t) for t in times[name])
+        forward_ms, backward_ms = (statistics.median(t) for t in times[name])
         error = (outputs[name] - outputs["cudnn"]).abs().max().item()
-        cells.append(f"{name} {flops / forward / 1e9:.0f}/{2.5 * flops / backward / 1e9:.0f} (err {error:.2g})")
+        cells.append(f"{name} {flops / forward_ms / 1e9:.0f}/{2.5 * flops / backward_ms / 1e9:.0f} (err {error:.2g})")
     return " | ".join(cells)
 
 
@@ -94,11 +96,12 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], help="NAME or NAME:VAR=VALUE[,VAR=VALUE...]")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5, help="calls per burst")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward only (backward: nan)")
     args = parser.parse_args()
     variants = dict([("ours", {})] + [parse_variant(text) for text in args.variant])
     print("forward/backward TFLOP/s, bf16; shape = (B, Hq, Hkv, N, D, causal)", flush=True)
     for shape in SHAPES:
-        print(compare(shape, variants, args.rounds, args.calls), flush=True)
+        print(compare(shape, variants, args.rounds, args.calls, not args.forward_only), flush=True)
 
 
 if __name__ == "__main__":

@@ -91,15 +91,17 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv,
     assert torch.all(out[0] == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
 @pytest.mark.parametrize(
     "options",
     [dict(window=(5, 0), is_causal=True), dict(window=(6, 2)), dict(softcap=1.5), dict(softcap=1.5, window=(3, None))],
     ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window"],
 )
-def test_window_and_softcap_on_cpu(options, block_size, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_and_softcap(options, block_size, dtype, device):
     """Windows around the bottom-right diagonal and softcapping; rows whose window holds no key get 0."""
+    skip_unless_covered(device, dtype)
     gen = torch.Generator().manual_seed(6)
     capacity, dim = 40, 32
     key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
@@ -107,23 +109,45 @@ def test_window_and_softcap_on_cpu(options, block_size, dtype):
     query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
     options = dict(options)
     is_causal = options.pop("is_causal", False)
-    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths), block_table=table,
-                                              is_causal=is_causal, return_lse=True, **options)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
+                                              block_table=on(table), is_causal=is_causal, return_lse=True, **options)
+    out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
                                    **options)
     assert relative_error(out, want_out) <= TOLERANCE[dtype]
     seen = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+    assert torch.all(out[~seen] == 0)
 
 
 @cuda_test
-def test_cuda_refuses_window_and_softcap_for_now():
-    call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda().half(), key_cache=torch.randn(2, 2, 10, 8).cuda().half(),
-                        value_cache=torch.randn(2, 2, 10, 8).cuda().half(), cache_seqlens=torch.tensor([3, 10]).cuda(),
-                        softcap=2.0)
-    with pytest.raises(NotImplementedError, match="takes no window or softcap yet"):
-        call()
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize(
+    "options",
+    [dict(window=(700, 0), is_causal=True), dict(window=(300, 40)), dict(softcap=2.0),
+     dict(softcap=2.0, window=(1000, None))],
+    ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window"],
+)
+def test_window_and_softcap_across_chunks_on_cuda(options, block_size):
+    """The same against caches of a few thousand keys: the window covers some of a sequence's chunks
+    and part of others (the chunks before it do no work)."""
+    gen = torch.Generator().manual_seed(7)
+    dtype, capacity, dim = torch.bfloat16, 4096, 128
+    key_cache, value_cache, table = make_cache(2, 8, capacity, dim, dim, dtype, block_size, gen)
+    lengths = [4096, 1500]
+    query = torch.randn(2, 32, 3, dim, generator=gen).to(dtype)
+    options = dict(options)
+    is_causal = options.pop("is_causal", False)
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=is_causal,
+                                              block_table=None if table is None else table.cuda(), return_lse=True,
+                                              **options)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
+                                   **options)
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])

@@ -150,9 +150,22 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     return QueryRow{h_kv * group + index / len_q, index % len_q};
   };
 
+  // Token t sees keys [keys_from(t), keys_to(t)) of the sequence's: bottom-right
+  // aligned (token t's diagonal is key length - len_q + t), bounded by the
+  // causal mask and the sliding window (AttentionProblem).
   const int64_t length = sequence_length(params, b);
-  const int64_t key_begin = min(length, int64_t{chunk} * keys_per_chunk);
-  const int64_t key_end = min(length, key_begin + keys_per_chunk);
+  const int64_t diagonal = length - p.len_q;
+  const int64_t window_left = p.window_left, window_right = p.is_causal ? 0 : p.window_right;
+  auto keys_from = [&](int64_t t) {
+    return window_left < 0 ? 0 : min(max(diagonal + t - window_left, int64_t{0}), length);
+  };
+  auto keys_to = [&](int64_t t) {
+    return window_right < 0 ? length : min(max(diagonal + t + window_right + 1, int64_t{0}), length);
+  };
+  // The chunk's keys that some token sees: chunks outside the window have none.
+  const int64_t chunk_begin = int64_t{chunk} * keys_per_chunk;
+  const int64_t key_begin = min(max(chunk_begin, keys_from(0)), length);
+  const int64_t key_end = max(key_begin, min(chunk_begin + keys_per_chunk, keys_to(p.len_q - 1)));
   const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kBlockN));
 
   // Tile loads: each thread copies one 16-byte piece of every kRowsPerPass-th
@@ -243,22 +256,25 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   }
 
   // This lane's two rows (lane / 4 and lane / 4 + 8 of the block) see keys
-  // below row_end: bottom-right causal, token t of len_q sees the keys below
-  // length - len_q + t + 1; rows past the block's see none.
-  int64_t row_end[2];
+  // [row_begin, row_end); rows past the block's see none.
+  int64_t row_begin[2], row_end[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = lane / 4 + half * 8;
     const int64_t token = row_of(r).token;
-    row_end[half] = r >= rows ? 0 : p.is_causal ? min(length, max(int64_t{0}, length - p.len_q + token + 1)) : length;
-    row_end[half] = min(row_end[half], key_end);
+    row_begin[half] = r >= rows ? 0 : keys_from(token);
+    row_end[half] = r >= rows ? 0 : min(keys_to(token), key_end);
   }
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t warp_keys = warp * Cfg::kKeysPerWarp * kStride * kElemBytes;
   const uint32_t k_frag = ptx::smem_addr(s_k) + warp_keys + b_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t v_frag = ptx::smem_addr(s_v) + warp_keys + a_lane_offset<kStride>(lane) * kElemBytes;
+  // Scores in log2 units: scale * x, or with softcapping softcap * tanh(scale * x / softcap).
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const bool softcapped = p.softcap > 0.0;
+  const float scale_over_cap = static_cast<float>(p.scale / p.softcap);
+  const float cap_log2 = static_cast<float>(p.softcap * M_LOG2E);
   float acc[1][kDimTiles][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
@@ -286,7 +302,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
-        s[0][nt][e] = j < row_end[e / 2] ? s[0][nt][e] * scale_log2 : -INFINITY;
+        const float score = softcapped ? cap_log2 * tanhf(s[0][nt][e] * scale_over_cap) : s[0][nt][e] * scale_log2;
+        s[0][nt][e] = j >= row_begin[e / 2] && j < row_end[e / 2] ? score : -INFINITY;
       }
     }
     // Online softmax; each row lives in the 4 lanes of a quad.

@@ -196,8 +196,6 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   const c10::cuda::CUDAGuard device_guard(q.device());
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
-  TORCH_CHECK_NOT_IMPLEMENTED(window_left < 0 && window_right < 0 && softcap == 0.0,
-                              "flashattn_ext: decode_attention on CUDA takes no window or softcap yet (the CPU does)");
   at::Tensor out, lse, seqlens, table;
   const DecodeParams params = prepare_decode(
       {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
