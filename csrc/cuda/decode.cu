@@ -297,13 +297,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     float s[1][2][4] = {};
     mma_rows_by_rows<Elem, 1, 2, kHeadDim, kStride>(s, q_frag, k_frag + stage_offset);
     const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
+    if (softcapped) {  // one branch a tile, not one per score
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[0][i / 4][i % 4] = cap_log2 * tanhf(s[0][i / 4][i % 4] * scale_over_cap);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[0][i / 4][i % 4] *= scale_log2;
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
-        const float score = softcapped ? cap_log2 * tanhf(s[0][nt][e] * scale_over_cap) : s[0][nt][e] * scale_log2;
-        s[0][nt][e] = j >= row_begin[e / 2] && j < row_end[e / 2] ? score : -INFINITY;
+        if (j < row_begin[e / 2] || j >= row_end[e / 2]) s[0][nt][e] = -INFINITY;
       }
     }
     // Online softmax; each row lives in the 4 lanes of a quad.
