@@ -191,6 +191,21 @@ def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
     assert (q.grad[:, :, :5] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_row_that_sees_one_key_gets_exact_zero_gradients_on_cpu(dtype):
+    """Query 0 of a causal call sees key 0 alone: its probability is 1, so dq = 0 and it adds 0
+    to dk, exactly, as SDPA gives (delta summed from P and dP, not from the rounded output).
+    (The CUDA kernels still leave noise there: issue 11.)"""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, n, 40, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+               for n in (1, 9, 9))
+    dout = torch.randn(2, 3, 1, 40, generator=gen, dtype=torch.float64).to(dtype)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert (dq == 0).all() and (dk == 0).all()
+    assert torch.equal(out, v[:, :, :1]) and torch.equal(dv[:, :, :1], dout) and (dv[:, :, 1:] == 0).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("len_q,len_k,batch", [(5, 0, 2), (0, 7, 2), (5, 7, 0)])
 def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):

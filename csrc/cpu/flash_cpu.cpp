@@ -21,11 +21,19 @@ namespace {
 constexpr int64_t kBlockQ = 128;  // query rows per task
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
 
-// 16-bit types accumulate in float; float and double in double. (In float the
-// backward's P = exp(S - lse) carried |lse| units of rounding: float32
-// gradients came out up to 4x less accurate than torch's math backend.)
+// The softmax and every sum run in Acc: float for 16-bit types, double for
+// float and double. (In float the backward's P = exp(S - lse) carried |lse|
+// units of rounding: float32 gradients came out up to 3x less accurate than
+// torch's math backend.)
 template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, float>, double, float>;
+
+// The tile products run in Gemm: double for double, else float. float32 inputs
+// are exact in float and their products as accurate as torch's (which computes
+// them in float too), at twice the speed of double; their operands made in the
+// softmax (P, dS) are rounded to float for them, and their results summed in Acc.
+template <typename T>
+using Gemm = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 // The type of the saved log-sum-exp (the op's lse output): float, or double for double.
 template <typename T>
@@ -57,20 +65,27 @@ void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64
   }
 }
 
-// c (m x n) = op(a) op(b) for dense row-major tiles: op(a) is a (m x k), or a
-// stored k x m and transposed where transpose_a; op(b) likewise k x n. Through
-// at::mm, which calls the BLAS of torch's build, one thread in each task of
-// at::parallel_for (scalar loops before: the float32 forward at 1 x 4 x 512 x
-// 64 took 3x as long).
+// c (m x n) = op(a) op(b), or c += op(a) op(b) where accumulate, for dense
+// row-major tiles: op(a) is a (m x k), or a stored k x m and transposed where
+// transpose_a; op(b) likewise k x n. Through at::mm / at::addmm, which call the
+// BLAS of torch's build, one thread in each task of at::parallel_for (scalar
+// loops before: the float32 forward at 1 x 4 x 512 x 64 took 3x as long). The
+// BLAS sums a product apart before adding it to c: blockwise summation, which
+// keeps the rounding error of long float32 sums down.
 template <typename A>
-void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* c) {
+void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* c,
+                 bool accumulate = false) {
   const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value);
   auto matrix = [&](const A* data, bool transpose, int64_t rows, int64_t cols) {
     return transpose ? at::from_blob(const_cast<A*>(data), {cols, rows}, options).t()
                      : at::from_blob(const_cast<A*>(data), {rows, cols}, options);
   };
   at::Tensor out = at::from_blob(c, {m, n}, options);
-  at::mm_out(out, matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
+  if (accumulate) {
+    out.addmm_(matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
+  } else {
+    at::mm_out(out, matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
+  }
 }
 
 // n dense values as a tensor, for ATen's elementwise functions, which run the
@@ -81,11 +96,58 @@ at::Tensor tile_tensor(A* x, int64_t n) {
   return at::from_blob(x, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
 }
 
-template <typename A>
-void exp_inplace(A* x, int64_t n) {
-  at::Tensor t = tile_tensor(x, n);
-  at::exp_(t);
+// A tile in the accumulation type A and, for the products, in the GEMM type G:
+// the same memory where the two agree, else a copy, converted on request.
+template <typename A, typename G>
+class DualTile {
+ public:
+  static constexpr bool kShared = std::is_same_v<A, G>;
+  explicit DualTile(int64_t n) : acc_(n), gemm_(kShared ? 0 : n) {}
+  A* acc() { return acc_.data(); }
+  G* gemm() {
+    if constexpr (kShared) {
+      return acc_.data();
+    } else {
+      return gemm_.data();
+    }
+  }
+  // The first n values, from acc to gemm (rounded), before a product reads them.
+  G* to_gemm(int64_t n) {
+    if constexpr (!kShared) tile_tensor(gemm_.data(), n).copy_(tile_tensor(acc_.data(), n));
+    return gemm();
+  }
+  // The first n values, from gemm to acc, after a product wrote them.
+  A* from_gemm(int64_t n) {
+    if constexpr (!kShared) tile_tensor(acc_.data(), n).copy_(tile_tensor(gemm_.data(), n));
+    return acc();
+  }
+  // exp of the first n values of acc, in G: for float32 inputs the arguments
+  // are formed in double (S - lse: |lse| units of float rounding otherwise),
+  // and P is rounded to float for its products anyway. Both halves hold P.
+  void exp_in_gemm_type(int64_t n) {
+    at::Tensor gemm_values = tile_tensor(to_gemm(n), n);
+    at::exp_(gemm_values);
+    from_gemm(n);
+  }
+
+ private:
+  std::vector<A> acc_;
+  std::vector<G> gemm_;
+};
+
+// acc (m x n, type A) += op(a) op(b) (see tile_matmul), the product in G: into
+// acc directly where the types agree, else through scratch (m x n).
+template <typename A, typename G>
+void add_product(const G* a, bool transpose_a, const G* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* acc,
+                 G* scratch) {
+  if constexpr (std::is_same_v<A, G>) {
+    tile_matmul(a, transpose_a, b, transpose_b, m, n, k, acc, /*accumulate=*/true);
+  } else {
+    tile_matmul(a, transpose_a, b, transpose_b, m, n, k, scratch);
+    for (int64_t i = 0; i < m * n; ++i) acc[i] += static_cast<A>(scratch[i]);
+  }
 }
+
 
 // Logit softcapping of n scaled scores: s = softcap * tanh(s / softcap); with
 // grad, also d(capped)/d(scaled) = 1 - tanh^2 there, for the backward.
@@ -196,14 +258,15 @@ struct HeadDropout {
   }
 };
 
-// scores[r][c] = scale * <q_r, k_c>, softcapped (softcap > 0; its derivative
-// into softcap_grad where given), with the mask applied, or -inf where query
-// row0 + r may not see key col0 + c.
-template <typename T, typename A>
-void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
-                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* scores,
-                    A* softcap_grad = nullptr) {
-  tile_matmul(q, false, k, true, rows, cols, dim, scores);
+// scores[r][c] = scale * <q_r, k_c> (in A), softcapped (softcap > 0; its
+// derivative into softcap_grad where given), with the mask applied, or -inf
+// where query row0 + r may not see key col0 + c.
+template <typename T, typename A, typename G>
+void compute_scores(const G* q, const G* k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
+                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+                    DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
+  tile_matmul(q, false, k, true, rows, cols, dim, score_tile.gemm());
+  A* scores = score_tile.from_gemm(rows * cols);
   for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
@@ -221,6 +284,7 @@ void compute_scores(const A* q, const A* k, int64_t rows, int64_t cols, int64_t 
 template <typename T, bool kWithOutput = true, typename L>
 void forward_tiles(const FwdParams& params, L* lse_all) {
   using A = Acc<T>;
+  using G = Gemm<T>;
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
@@ -229,8 +293,9 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), scores(kBlockQ * kBlockK),
-        acc(kBlockQ * dim_v), tile_out(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ);
+    std::vector<G> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), tile_out(kBlockQ * dim_v);
+    std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ);
+    DualTile<A, G> score_tile(kBlockQ * kBlockK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -251,7 +316,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
         if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, vis, mask, row0, col0, scores.data());
+        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, vis, mask, row0, col0, score_tile);
+        A* scores = score_tile.acc();
 
         // Online softmax: fold this tile into the running max, sum and output.
         // The scores less the new row max, then one exp over the whole tile.
@@ -265,7 +331,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           row_max[r] = new_max;
           for (int64_t c = 0; c < cols; ++c) s[c] -= max_used;
         }
-        exp_inplace(scores.data(), rows * cols);
+        score_tile.exp_in_gemm_type(rows * cols);
         for (int64_t r = 0; r < rows; ++r) {
           A* s = &scores[r * cols];
           A tile_sum = 0;
@@ -279,10 +345,11 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         if constexpr (kWithOutput) {
           // The tile's share is summed apart and then added: blockwise
           // summation keeps the rounding error of long float32 sums down.
-          tile_matmul(scores.data(), false, v.data(), false, rows, dim_v, cols, tile_out.data());
+          const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
+          tile_matmul(probs, false, v.data(), false, rows, dim_v, cols, tile_out.data());
           for (int64_t r = 0; r < rows; ++r) {
             A* o = &acc[r * dim_v];
-            for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale[r] + tile_out[r * dim_v + d];
+            for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale[r] + static_cast<A>(tile_out[r * dim_v + d]);
           }
         }
       }
@@ -307,14 +374,17 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // that the output used. Rows with lse = -inf see no key. With softcapping, dS
 // is the gradient of the capped scores; softcap_grad receives the cap's
 // derivative, for the caller to carry dS through it (see raw_score_gradient).
-template <typename T, typename A>
-void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* lse, const A* delta,
-                    int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
-                    const HeadMask<T, A>& mask, const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* probs,
-                    A* dscores, A* softcap_grad, A* dropped = nullptr) {
+// The results are in the tiles' acc() halves.
+template <typename T, typename A, typename G>
+void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* lse, const A* delta, int64_t rows,
+                    int64_t cols, const AttentionProblem& p, const Visibility& vis, const HeadMask<T, A>& mask,
+                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
+                    DualTile<A, G>& dscore_tile, A* softcap_grad, A* dropped = nullptr) {
   compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap), vis, mask, row0,
-                 col0, probs, softcap_grad);
-  tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscores);  // dP = dO V^T, then dS in place
+                 col0, prob_tile, softcap_grad);
+  tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscore_tile.gemm());  // dP = dO V^T, then dS in place
+  A* dscores = dscore_tile.from_gemm(rows * cols);
+  A* probs = prob_tile.acc();
   // P = exp(S - lse), one exp over the tile; a row that sees no key (lse -inf)
   // gets -inf, so P = 0 there.
   for (int64_t r = 0; r < rows; ++r) {
@@ -325,7 +395,7 @@ void recompute_tile(const A* q, const A* k, const A* v, const A* dout, const A* 
       for (int64_t c = 0; c < cols; ++c) s[c] -= lse[r];
     }
   }
-  exp_inplace(probs, rows * cols);
+  prob_tile.exp_in_gemm_type(rows * cols);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const A prob = probs[r * cols + c];
@@ -348,152 +418,105 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
   }
 }
 
-// dK and dV: one task per (batch, key/value head, block of keys), looping over
-// every query head of its group and every query block that sees those keys.
-template <typename T, typename A = Acc<T>>
-void backward_dkdv(const BwdParams& params, const A* lse_all, const A* delta_all) {
+// The backward: one task per (batch, key/value head), which holds the head's K
+// and V and accumulates its dK and dV whole (len_k rows each), so that no two
+// tasks write the same element (deterministic, no atomics). For each query head
+// of the group and each block of query rows: delta, then for every block of
+// keys the rows see, P and dS recomputed, dV += (P Z)^T dO, dK += dS^T Q and
+// dQ += dS K: seven tile products a (query block, key block) pair.
+//
+// delta[i] = rowsum(P_i * Z_i * dP_i), the softmax-gradient correction of each
+// row (Z: dropout's factor, 1 without dropout), summed in a pass of its own. It
+// equals rowsum(dO_i * O_i), but O is rounded to the input type, and that
+// rounding, amplified where dP - delta cancels, made 16-bit gradients up to 6x
+// and float32 ones (with float products) up to 3.6x less accurate than torch's,
+// and left noise instead of 0 in the dq of a row that sees one key.
+template <typename T, typename A = Acc<T>, typename G = Gemm<T>>
+void backward_tiles(const BwdParams& params, const A* lse_all) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t k_blocks = ceil_div(p.len_k, kBlockK);
-  const Visibility vis(p);
-  const A scale = static_cast<A>(p.scale);
-
-  at::parallel_for(0, p.batch * p.heads_kv * k_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        probs(kBlockQ * kBlockK), dropped(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK),
-        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dk(kBlockK * dim),
-        dv(kBlockK * dim_v), dk_tile(kBlockK * dim), dv_tile(kBlockK * dim_v);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t k_block = task % k_blocks;
-      const int64_t h_kv = (task / k_blocks) % p.heads_kv;
-      const int64_t b = task / (k_blocks * p.heads_kv);
-      const int64_t col0 = k_block * kBlockK;
-      const int64_t cols = std::min(kBlockK, p.len_k - col0);
-
-      load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
-      load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-      std::fill(dk.begin(), dk.end(), A(0));
-      std::fill(dv.begin(), dv.end(), A(0));
-
-      const int64_t first_row = vis.query_begin(col0) / kBlockQ * kBlockQ;
-      const int64_t row_end = vis.query_end(col0 + cols - 1);
-      for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
-        const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
-        const HeadDropout<A> dropout(params.dropout, p, b, h);
-        const A* lse_head = lse_all + (b * p.heads_q + h) * p.len_q;
-        const A* delta_head = delta_all + (b * p.heads_q + h) * p.len_q;
-        for (int64_t row0 = first_row; row0 < row_end; row0 += kBlockQ) {
-          const int64_t rows = std::min(kBlockQ, p.len_q - row0);
-          load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
-          load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
-          recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse_head + row0, delta_head + row0, rows,
-                         cols, p, vis, mask, dropout, row0, col0, probs.data(), dscores.data(), softcap_grad.data(),
-                         dropped.data());
-          // Sum this tile pair's share apart, then add it: blockwise summation
-          // keeps the rounding error of long float32 sums down.
-          raw_score_gradient(dscores.data(), softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
-          tile_matmul(dropped.data(), true, dout.data(), false, cols, dim_v, rows, dv_tile.data());  // (P Z)^T dO
-          tile_matmul(dscores.data(), true, q.data(), false, cols, dim, rows, dk_tile.data());       // dS^T Q
-          for (int64_t i = 0; i < cols * dim; ++i) dk[i] += dk_tile[i];
-          for (int64_t i = 0; i < cols * dim_v; ++i) dv[i] += dv_tile[i];
-        }
-      }
-      store_tile<T>(params.dk, b, h_kv, col0, cols, dim, dk.data());
-      store_tile<T>(params.dv, b, h_kv, col0, cols, dim_v, dv.data());
-    }
-  });
-}
-
-// dQ: a separate pass, one task per (batch, query head, block of rows), so no
-// two tasks write the same element and the result is deterministic. It runs
-// first: each task also fills delta_all for its rows, which the dK/dV pass reads.
-// delta[i] = rowsum(P_i * Z_i * dP_i), the softmax-gradient correction of each
-// row (Z: dropout's factor, 1 without dropout).
-// It equals rowsum(dO_i * O_i), but O is rounded to the input type, and in 16-bit
-// types that rounding, amplified where dP - delta cancels, made gradients up to
-// 6x less accurate than torch's: there it is summed from P and dP, one more pass
-// over the keys. float32 and float64 outputs are precise enough to take it from.
-template <typename T>
-constexpr bool kDeltaFromOutput = std::is_same_v<T, float> || std::is_same_v<T, double>;
-
-template <typename T, typename A = Acc<T>>
-void backward_dq(const BwdParams& params, const A* lse_all, A* delta_all) {
-  const AttentionProblem& p = params.problem;
-  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
-  const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
   const std::vector<A> zeros(kBlockQ, A(0));
 
-  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<A> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), dout(kBlockQ * dim_v),
-        out(kDeltaFromOutput<T> ? kBlockQ * dim_v : 0), probs(kBlockQ * kBlockK), dscores(kBlockQ * kBlockK),
-        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0),
-        dq(kBlockQ * dim), dq_tile(kBlockQ * dim);
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<G> k(p.len_k * dim), v(p.len_k * dim_v), q(kBlockQ * dim), dout(kBlockQ * dim_v),
+        product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
+    std::vector<A> dk(p.len_k * dim), dv(p.len_k * dim_v),
+        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dq(kBlockQ * dim), delta(kBlockQ);
+    // P, dS, and P Z (with dropout: what the output used)
+    DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
+        dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t q_block = task % q_blocks;
-      const int64_t h = (task / q_blocks) % p.heads_q;
-      const int64_t b = task / (q_blocks * p.heads_q);
-      const int64_t h_kv = h / group;
-      const int64_t row0 = q_block * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
-      const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
-      A* delta = delta_all + (b * p.heads_q + h) * p.len_q + row0;
-
-      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
-      const HeadDropout<A> dropout(params.dropout, p, b, h);
-      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
-      load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
-      const int64_t key_end = vis.key_end(row0 + rows - 1);
-      // Calls tile(col0, cols) for each block of keys these rows see, k and v loaded.
-      auto for_each_key_tile = [&](auto&& tile) {
-        for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
-          const int64_t cols = std::min(kBlockK, key_end - col0);
-          load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
-          load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-          tile(col0, cols);
-        }
-      };
-
-      std::fill(delta, delta + rows, A(0));
-      if constexpr (kDeltaFromOutput<T>) {
-        load_tile<T>(params.out, b, h, row0, rows, dim_v, out.data());
-        for (int64_t i = 0; i < rows * dim_v; ++i) delta[i / dim_v] += dout[i] * out[i];
-      } else {
-        for_each_key_tile([&](int64_t col0, int64_t cols) {
-          // With a zero delta, the tile's dS is P * Z * dP (Z: dropout's factor).
-          recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, zeros.data(), rows, cols, p, vis, mask,
-                         dropout, row0, col0, probs.data(), dscores.data(), softcap_grad.data());
-          for (int64_t r = 0; r < rows; ++r) {
-            A tile_sum = 0;
-            for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
-            delta[r] += tile_sum;
-          }
-        });
-      }
-
-      std::fill(dq.begin(), dq.end(), A(0));
-      for_each_key_tile([&](int64_t col0, int64_t cols) {
-        recompute_tile(q.data(), k.data(), v.data(), dout.data(), lse, delta, rows, cols, p, vis, mask, dropout, row0,
-                       col0, probs.data(), dscores.data(), softcap_grad.data());
-        // An additive mask enters the scores as is: its gradient is dS. This pass
-        // visits every (query, key) pair once; pairs it skips keep their zero.
-        if (params.dmask.data != nullptr) {
-          T* dmask = static_cast<T*>(params.dmask.data) + b * params.dmask.stride_batch + h * params.dmask.stride_head;
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) {
-              dmask[(row0 + r) * params.dmask.stride_row + (col0 + c) * params.dmask.stride_col] =
-                  static_cast<T>(dscores[r * cols + c]);
+      const int64_t h_kv = task % p.heads_kv, b = task / p.heads_kv;
+      load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
+      load_tile<T>(params.v, b, h_kv, 0, p.len_k, dim_v, v.data());
+      std::fill(dk.begin(), dk.end(), A(0));
+      std::fill(dv.begin(), dv.end(), A(0));
+      for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+        const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+        const HeadDropout<A> dropout(params.dropout, p, b, h);
+        for (int64_t q_block = 0; q_block < q_blocks; ++q_block) {
+          const int64_t row0 = q_block * kBlockQ;
+          const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+          const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+          load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+          load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+          const int64_t key_end = vis.key_end(row0 + rows - 1);
+          // Calls tile(col0, cols) for each block of keys these rows see.
+          auto for_each_key_tile = [&](auto&& tile) {
+            for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
+              tile(col0, std::min(kBlockK, key_end - col0));
             }
-          }
+          };
+          // P, dS (and P Z with dropout) of one tile pair.
+          auto recompute = [&](int64_t col0, int64_t cols, const A* row_delta) {
+            recompute_tile(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, row_delta, rows,
+                           cols, p, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
+                           dropout.enabled ? dropped_tile.acc() : nullptr);
+          };
+
+          std::fill(delta.begin(), delta.end(), A(0));
+          for_each_key_tile([&](int64_t col0, int64_t cols) {
+            recompute(col0, cols, zeros.data());  // with a zero delta, dS = P * Z * dP
+            const A* dscores = dscore_tile.acc();
+            for (int64_t r = 0; r < rows; ++r) {
+              A tile_sum = 0;
+              for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
+              delta[r] += tile_sum;
+            }
+          });
+
+          std::fill(dq.begin(), dq.end(), A(0));
+          for_each_key_tile([&](int64_t col0, int64_t cols) {
+            recompute(col0, cols, delta.data());
+            A* dscores = dscore_tile.acc();
+            // An additive mask enters the scores as is: its gradient is dS. Each
+            // (query, key) pair is visited once; pairs skipped keep their zero.
+            if (params.dmask.data != nullptr) {
+              T* dmask =
+                  static_cast<T*>(params.dmask.data) + b * params.dmask.stride_batch + h * params.dmask.stride_head;
+              for (int64_t r = 0; r < rows; ++r) {
+                for (int64_t c = 0; c < cols; ++c) {
+                  dmask[(row0 + r) * params.dmask.stride_row + (col0 + c) * params.dmask.stride_col] =
+                      static_cast<T>(dscores[r * cols + c]);
+                }
+              }
+            }
+            raw_score_gradient(dscores, softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
+            const G* used = dropout.enabled ? dropped_tile.to_gemm(rows * cols) : prob_tile.gemm();  // P Z
+            const G* dscores_g = dscore_tile.to_gemm(rows * cols);
+            add_product(used, true, dout.data(), false, cols, dim_v, rows, dv.data() + col0 * dim_v, product.data());
+            add_product(dscores_g, true, q.data(), false, cols, dim, rows, dk.data() + col0 * dim, product.data());
+            add_product(dscores_g, false, k.data() + col0 * dim, false, rows, dim, cols, dq.data(), product.data());
+          });
+          store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
         }
-        raw_score_gradient(dscores.data(), softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
-        tile_matmul(dscores.data(), false, k.data(), false, rows, dim, cols, dq_tile.data());  // dS K
-        for (int64_t i = 0; i < rows * dim; ++i) dq[i] += dq_tile[i];
-      });
-      store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
+      }
+      store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, dk.data());
+      store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, dv.data());
     }
   });
 }
@@ -510,10 +533,11 @@ void attention_backward(const BwdParams& params) {
   using A = Acc<T>;
   const AttentionProblem& p = params.problem;
   const int64_t rows = p.batch * p.heads_q * p.len_q;
+  if (p.heads_kv == 0) return;  // no heads: nothing to compute
   // The backward recomputes P = exp(S - lse) with lse in the accumulation type:
   // where the saved lse is narrower (float inputs), it is computed again.
   const A* lse = nullptr;
-  std::vector<A> recomputed_lse, delta(rows);
+  std::vector<A> recomputed_lse;
   if constexpr (std::is_same_v<Lse<T>, A>) {
     lse = static_cast<const A*>(params.lse);
   } else {
@@ -527,8 +551,7 @@ void attention_backward(const BwdParams& params) {
     forward_tiles<T, /*kWithOutput=*/false>(lse_pass, recomputed_lse.data());
     lse = recomputed_lse.data();
   }
-  backward_dq<T>(params, lse, delta.data());  // fills delta
-  if (p.heads_kv > 0) backward_dkdv<T>(params, lse, delta.data());
+  backward_tiles<T>(params, lse);
 }
 
 namespace {
