@@ -1,0 +1,83 @@
+"""CPU attention: flashattn_ext against torch's CPU SDPA, forward and forward+backward.
+
+Issue 11's cells: causal, the README's demo shape (1 x 4 x 512 x 64) and 4 x 16 x 2048 x 64, float32 and
+bfloat16, on every core torch uses. The providers take turns in each round (so that a machine's drift
+hits both alike) and each cell is the median of the rounds, in milliseconds, wall clock.
+
+    python3 benchmarks/bench_cpu.py [--rounds 5] [--out DIR]
+"""
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import flashattn_ext
+
+SHAPES = [(1, 4, 512, 64), (4, 16, 2048, 64)]
+DTYPES = [torch.float32, torch.bfloat16]
+PROVIDERS = {"flashattn_ext": flashattn_ext.scaled_dot_product_attention, "torch": F.scaled_dot_product_attention}
+
+
+def wall_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def measure(shape, dtype, rounds):
+    """{provider: (forward ms, forward+backward ms)}, medians over the rounds."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(shape, generator=gen).to(dtype)
+    calls = {}
+    for name, attention in PROVIDERS.items():
+        def forward(attention=attention):
+            with torch.no_grad():
+                attention(q, k, v, is_causal=True)
+
+        def forward_backward(attention=attention):
+            torch.autograd.grad(attention(q, k, v, is_causal=True), (q, k, v), dout)
+
+        calls[name] = (forward, forward_backward)
+    times = {name: ([], []) for name in PROVIDERS}
+    for round_ in range(rounds + 1):  # round 0 warms up
+        for name, (forward, forward_backward) in calls.items():
+            f, fb = wall_ms(forward), wall_ms(forward_backward)
+            if round_ > 0:
+                times[name][0].append(f)
+                times[name][1].append(fb)
+    return {name: tuple(statistics.median(t) for t in pair) for name, pair in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="write the table to DIR/bench_cpu_<threads>threads.md")
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    lines = [f"# CPU attention, causal: flashattn_ext against torch's CPU SDPA ({platform.processor() or platform.machine()}, "
+             f"{threads} threads, torch {torch.__version__})", "",
+             f"ms forward / forward+backward, medians of {args.rounds} rounds, providers alternating; "
+             "ratio: torch's time / ours (>= 1: ours at least as fast).", "",
+             "| shape | dtype | flashattn_ext | torch | ratio |", "|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for shape in SHAPES:
+        for dtype in DTYPES:
+            result = measure(shape, dtype, args.rounds)
+            ours, theirs = result["flashattn_ext"], result["torch"]
+            line = (f"| {' x '.join(map(str, shape))} | {str(dtype).removeprefix('torch.')} | "
+                    f"{ours[0]:.1f} / {ours[1]:.1f} | {theirs[0]:.1f} / {theirs[1]:.1f} | "
+                    f"{theirs[0] / ours[0]:.2f} / {theirs[1] / ours[1]:.2f} |")
+            lines.append(line)
+            print(line, flush=True)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"bench_cpu_{threads}threads.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
