@@ -44,6 +44,36 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
+// The sum and the max of n values, in kLanes independent chains: one chain is
+// a serial dependency the compiler may not reorder (and at 128 x 128 tiles it
+// cost as much as a tile product); independent lanes vectorize.
+constexpr int kLanes = 8;
+
+template <typename A>
+A sum_of(const A* x, int64_t n) {
+  A lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += x[i + l];
+  }
+  for (; i < n; ++i) lanes[0] += x[i];
+  A total = 0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+template <typename A>
+A max_of(const A* x, int64_t n) {
+  A lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, kNegInf<A>);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], x[i + l]);
+  }
+  for (; i < n; ++i) lanes[0] = std::max(lanes[0], x[i]);
+  return *std::max_element(lanes, lanes + kLanes);
+}
+
 // Copies rows [row0, row0 + rows) of head (b, h) into a dense rows x cols tile.
 template <typename T, typename A>
 void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
@@ -147,7 +177,6 @@ void add_product(const G* a, bool transpose_a, const G* b, bool transpose_b, int
     for (int64_t i = 0; i < m * n; ++i) acc[i] += static_cast<A>(scratch[i]);
   }
 }
-
 
 // Logit softcapping of n scaled scores: s = softcap * tanh(s / softcap); with
 // grad, also d(capped)/d(scaled) = 1 - tanh^2 there, for the backward.
@@ -323,7 +352,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         // The scores less the new row max, then one exp over the whole tile.
         for (int64_t r = 0; r < rows; ++r) {
           A* s = &scores[r * cols];
-          const A new_max = std::max(row_max[r], *std::max_element(s, s + cols));
+          const A new_max = std::max(row_max[r], max_of(s, cols));
           // A row with nothing visible yet keeps max -inf: subtract 0 (its
           // scores are all -inf, and exp gives 0) rather than -inf (NaN).
           const A max_used = new_max == kNegInf<A> ? A(0) : new_max;
@@ -334,9 +363,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         score_tile.exp_in_gemm_type(rows * cols);
         for (int64_t r = 0; r < rows; ++r) {
           A* s = &scores[r * cols];
-          A tile_sum = 0;
-          for (int64_t c = 0; c < cols; ++c) tile_sum += s[c];
-          row_sum[r] = row_sum[r] * rescale[r] + tile_sum;
+          row_sum[r] = row_sum[r] * rescale[r] + sum_of(s, cols);
           // Dropout applies to the probabilities after the (undropped) row sum.
           if (dropout.enabled) {
             for (int64_t c = 0; c < cols; ++c) s[c] *= dropout.factor(row0 + r, col0 + c);
@@ -397,12 +424,16 @@ void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* 
   }
   prob_tile.exp_in_gemm_type(rows * cols);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const A prob = probs[r * cols + c];
-      const A dprob = dscores[r * cols + c];
-      const A factor = dropout.factor(row0 + r, col0 + c);
-      dscores[r * cols + c] = prob * (dprob * factor - delta[r]);
-      if (dropped != nullptr) dropped[r * cols + c] = prob * factor;
+    A* ds = dscores + r * cols;
+    const A* prob = probs + r * cols;
+    if (dropout.enabled) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const A factor = dropout.factor(row0 + r, col0 + c);
+        ds[c] = prob[c] * (ds[c] * factor - delta[r]);
+        if (dropped != nullptr) dropped[r * cols + c] = prob[c] * factor;
+      }
+    } else {  // the loop the compiler vectorizes
+      for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (ds[c] - delta[r]);
     }
   }
 }
@@ -418,9 +449,11 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
   }
 }
 
-// The backward: one task per (batch, key/value head), which holds the head's K
-// and V and accumulates its dK and dV whole (len_k rows each), so that no two
-// tasks write the same element (deterministic, no atomics). For each query head
+// The backward: one task per (batch, key/value head) (or a share of one, see
+// `splits`), which holds the head's K and V and accumulates its dK and dV whole
+// (len_k rows each: a thread's buffers grow with len_k, as the inputs do, never
+// with len_q x len_k), so that no two tasks write the same element (no atomics;
+// the same bits on every run with the same thread count). For each query head
 // of the group and each block of query rows: delta, then for every block of
 // keys the rows see, P and dS recomputed, dV += (P Z)^T dO, dK += dS^T Q and
 // dQ += dS K: seven tile products a (query block, key block) pair.
@@ -441,7 +474,17 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
   const A scale = static_cast<A>(p.scale);
   const std::vector<A> zeros(kBlockQ, A(0));
 
-  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+  // With fewer (batch, key/value head) pairs than twice the threads, each pair's
+  // (query head, query block) items are dealt round-robin (causal rows grow
+  // longer down the blocks) to `splits` tasks, whose dK and dV partial sums are
+  // added up afterwards.
+  const int64_t pairs = p.batch * p.heads_kv, items = group * q_blocks;
+  const int64_t splits = std::clamp<int64_t>(ceil_div(2 * at::get_num_threads(), std::max<int64_t>(pairs, 1)), 1,
+                                             std::max<int64_t>(items, 1));
+  const int64_t partial_size = p.len_k * (dim + dim_v);  // a task's dK, then dV
+  std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
+
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<G> k(p.len_k * dim), v(p.len_k * dim_v), q(kBlockQ * dim), dout(kBlockQ * dim_v),
         product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
     std::vector<A> dk(p.len_k * dim), dv(p.len_k * dim_v),
@@ -450,73 +493,89 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h_kv = task % p.heads_kv, b = task / p.heads_kv;
+      const int64_t split = task % splits, pair = task / splits;
+      const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
       load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
       load_tile<T>(params.v, b, h_kv, 0, p.len_k, dim_v, v.data());
       std::fill(dk.begin(), dk.end(), A(0));
       std::fill(dv.begin(), dv.end(), A(0));
-      for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h) {
+      for (int64_t item = split; item < items; item += splits) {
+        const int64_t h = h_kv * group + item / q_blocks, q_block = item % q_blocks;
         const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
         const HeadDropout<A> dropout(params.dropout, p, b, h);
-        for (int64_t q_block = 0; q_block < q_blocks; ++q_block) {
-          const int64_t row0 = q_block * kBlockQ;
-          const int64_t rows = std::min(kBlockQ, p.len_q - row0);
-          const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
-          load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
-          load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
-          const int64_t key_end = vis.key_end(row0 + rows - 1);
-          // Calls tile(col0, cols) for each block of keys these rows see.
-          auto for_each_key_tile = [&](auto&& tile) {
-            for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
-              tile(col0, std::min(kBlockK, key_end - col0));
-            }
-          };
-          // P, dS (and P Z with dropout) of one tile pair.
-          auto recompute = [&](int64_t col0, int64_t cols, const A* row_delta) {
-            recompute_tile(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, row_delta, rows,
-                           cols, p, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
-                           dropout.enabled ? dropped_tile.acc() : nullptr);
-          };
+        const int64_t row0 = q_block * kBlockQ;
+        const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+        const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
+        load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+        load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+        const int64_t key_end = vis.key_end(row0 + rows - 1);
+        // Calls tile(col0, cols) for each block of keys these rows see.
+        auto for_each_key_tile = [&](auto&& tile) {
+          for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
+            tile(col0, std::min(kBlockK, key_end - col0));
+          }
+        };
+        // P, dS (and P Z with dropout) of one tile pair.
+        auto recompute = [&](int64_t col0, int64_t cols, const A* row_delta) {
+          recompute_tile(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, row_delta, rows,
+                         cols, p, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
+                         dropout.enabled ? dropped_tile.acc() : nullptr);
+        };
 
-          std::fill(delta.begin(), delta.end(), A(0));
-          for_each_key_tile([&](int64_t col0, int64_t cols) {
-            recompute(col0, cols, zeros.data());  // with a zero delta, dS = P * Z * dP
-            const A* dscores = dscore_tile.acc();
+        std::fill(delta.begin(), delta.end(), A(0));
+        for_each_key_tile([&](int64_t col0, int64_t cols) {
+          recompute(col0, cols, zeros.data());  // with a zero delta, dS = P * Z * dP
+          const A* dscores = dscore_tile.acc();
+          for (int64_t r = 0; r < rows; ++r) delta[r] += sum_of(dscores + r * cols, cols);
+        });
+
+        std::fill(dq.begin(), dq.end(), A(0));
+        for_each_key_tile([&](int64_t col0, int64_t cols) {
+          recompute(col0, cols, delta.data());
+          A* dscores = dscore_tile.acc();
+          // An additive mask enters the scores as is: its gradient is dS. Each
+          // (query, key) pair is visited once; pairs skipped keep their zero.
+          if (params.dmask.data != nullptr) {
+            T* dmask =
+                static_cast<T*>(params.dmask.data) + b * params.dmask.stride_batch + h * params.dmask.stride_head;
             for (int64_t r = 0; r < rows; ++r) {
-              A tile_sum = 0;
-              for (int64_t c = 0; c < cols; ++c) tile_sum += dscores[r * cols + c];
-              delta[r] += tile_sum;
-            }
-          });
-
-          std::fill(dq.begin(), dq.end(), A(0));
-          for_each_key_tile([&](int64_t col0, int64_t cols) {
-            recompute(col0, cols, delta.data());
-            A* dscores = dscore_tile.acc();
-            // An additive mask enters the scores as is: its gradient is dS. Each
-            // (query, key) pair is visited once; pairs skipped keep their zero.
-            if (params.dmask.data != nullptr) {
-              T* dmask =
-                  static_cast<T*>(params.dmask.data) + b * params.dmask.stride_batch + h * params.dmask.stride_head;
-              for (int64_t r = 0; r < rows; ++r) {
-                for (int64_t c = 0; c < cols; ++c) {
-                  dmask[(row0 + r) * params.dmask.stride_row + (col0 + c) * params.dmask.stride_col] =
-                      static_cast<T>(dscores[r * cols + c]);
-                }
+              for (int64_t c = 0; c < cols; ++c) {
+                dmask[(row0 + r) * params.dmask.stride_row + (col0 + c) * params.dmask.stride_col] =
+                    static_cast<T>(dscores[r * cols + c]);
               }
             }
-            raw_score_gradient(dscores, softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
-            const G* used = dropout.enabled ? dropped_tile.to_gemm(rows * cols) : prob_tile.gemm();  // P Z
-            const G* dscores_g = dscore_tile.to_gemm(rows * cols);
-            add_product(used, true, dout.data(), false, cols, dim_v, rows, dv.data() + col0 * dim_v, product.data());
-            add_product(dscores_g, true, q.data(), false, cols, dim, rows, dk.data() + col0 * dim, product.data());
-            add_product(dscores_g, false, k.data() + col0 * dim, false, rows, dim, cols, dq.data(), product.data());
-          });
-          store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
-        }
+          }
+          raw_score_gradient(dscores, softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
+          const G* used = dropout.enabled ? dropped_tile.to_gemm(rows * cols) : prob_tile.gemm();  // P Z
+          const G* dscores_g = dscore_tile.to_gemm(rows * cols);
+          add_product(used, true, dout.data(), false, cols, dim_v, rows, dv.data() + col0 * dim_v, product.data());
+          add_product(dscores_g, true, q.data(), false, cols, dim, rows, dk.data() + col0 * dim, product.data());
+          add_product(dscores_g, false, k.data() + col0 * dim, false, rows, dim, cols, dq.data(), product.data());
+        });
+        store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
       }
-      store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, dk.data());
-      store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, dv.data());
+      if (splits == 1) {
+        store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, dk.data());
+        store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, dv.data());
+      } else {
+        A* partial = partials.data() + task * partial_size;
+        std::copy(dk.begin(), dk.end(), partial);
+        std::copy(dv.begin(), dv.end(), partial + p.len_k * dim);
+      }
+    }
+  });
+  if (splits == 1) return;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> sum(partial_size);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
+      std::fill(sum.begin(), sum.end(), A(0));
+      for (int64_t split = 0; split < splits; ++split) {
+        const A* partial = partials.data() + (pair * splits + split) * partial_size;
+        for (int64_t i = 0; i < partial_size; ++i) sum[i] += partial[i];
+      }
+      store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, sum.data());
+      store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, sum.data() + p.len_k * dim);
     }
   });
 }
