@@ -85,24 +85,38 @@ struct BwdParams {
   DropoutParams dropout;  // the forward's, with the same rng_state
 };
 
+// Integer indices read in place, int32 or int64, through element strides: a
+// decoding step's cache_seqlens (1-d: element i at(0, i)) and block_table
+// (element (b, j) at(b, j)). data == nullptr: absent.
+struct IndexView {
+  const void* data = nullptr;
+  bool int32 = false;
+  int64_t stride_row = 0;
+  int64_t stride_col = 0;
+
+  FLASHATTN_EXT_HOST_DEVICE int64_t at(int64_t row, int64_t col) const {
+    const int64_t offset = row * stride_row + col * stride_col;
+    return int32 ? static_cast<const int32_t*>(data)[offset] : static_cast<const int64_t*>(data)[offset];
+  }
+};
+
 // A decoding step: a few query tokens of each sequence against its key/value
 // cache. q and out are as in FwdParams, lse (batch, heads_q, len_q) likewise.
 // Sequence b's key j (and value j) is row j of head h of the cache seen as
 // 4-d: contiguous, (batch, heads_kv, capacity, head_dim); paged (block_table
 // set), (num_blocks, heads_kv, block_size, head_dim), with key j in block
-// block_table[b * block_table_stride + j / block_size] at row j % block_size.
-// cache_seqlens[b] keys are cached; k_new and v_new (data set), (batch,
+// block_table.at(b, j / block_size) at row j % block_size.
+// cache_seqlens.at(0, b) keys are cached; k_new and v_new (data set), (batch,
 // heads_kv, len_new, head_dim), are first written into the cache at rows
-// cache_seqlens[b] on, and the queries then see all cache_seqlens[b] + len_new
+// cache_seqlens.at(0, b) on, and the queries then see all those + len_new
 // keys, with is_causal aligned bottom-right within them. problem.len_k is the
 // capacity (keys a sequence's cache can hold); problem.causal_lower_right is set.
 struct DecodeParams {
   AttentionProblem problem;
   TensorView4d q, out, k_cache, v_cache, k_new, v_new;
   void* lse = nullptr;
-  const int64_t* cache_seqlens = nullptr;
-  const int64_t* block_table = nullptr;
-  int64_t block_table_stride = 0;
+  IndexView cache_seqlens;
+  IndexView block_table;  // data == nullptr: a contiguous cache
   int64_t block_size = 0;
   int64_t num_blocks = 0;  // paged: blocks in the cache
   int64_t len_new = 0;

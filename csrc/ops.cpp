@@ -241,8 +241,17 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   return params;
 }
 
-DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse, at::Tensor& seqlens,
-                            at::Tensor& table) {
+// cache_seqlens or block_table, read in place.
+IndexView index_view(const at::Tensor& t) {
+  IndexView view;
+  view.data = t.data_ptr();
+  view.int32 = t.scalar_type() == at::kInt;
+  view.stride_row = t.dim() == 2 ? t.stride(0) : 0;
+  view.stride_col = t.stride(t.dim() - 1);
+  return view;
+}
+
+DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = args.q;
   check_rank4(q, "query");
   check_floating(q, "query");
@@ -275,9 +284,9 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
               args.cache_seqlens.device(), " but query is on ", q.device());
   TORCH_CHECK_TYPE(args.cache_seqlens.scalar_type() == at::kInt || args.cache_seqlens.scalar_type() == at::kLong,
                    "flashattn_ext: cache_seqlens must be int32 or int64, got ", args.cache_seqlens.scalar_type());
-  seqlens = args.cache_seqlens.to(at::kLong).contiguous();
 
   DecodeParams params;
+  params.cache_seqlens = index_view(args.cache_seqlens);
   int64_t capacity = k4.size(2);
   if (paged) {
     const at::Tensor& block_table = *args.block_table;
@@ -290,12 +299,10 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
                      "flashattn_ext: block_table must be int32 or int64, got ", block_table.scalar_type());
     TORCH_CHECK_VALUE(k4.size(2) > 0, "flashattn_ext: the cache's blocks must hold at least one row, got shape ",
                       args.k_cache.sizes());
-    table = block_table.to(at::kLong).contiguous();
-    params.block_table = table.data_ptr<int64_t>();
-    params.block_table_stride = table.size(1);
+    params.block_table = index_view(block_table);
     params.block_size = k4.size(2);
     params.num_blocks = k4.size(0);
-    capacity = table.size(1) * params.block_size;
+    capacity = block_table.size(1) * params.block_size;
   }
 
   TORCH_CHECK(args.k_new.has_value() == args.v_new.has_value(),
@@ -344,20 +351,19 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   params.lse = lse.data_ptr();
   params.k_cache = view_of(k4);
   params.v_cache = view_of(v4);
-  params.cache_seqlens = seqlens.data_ptr<int64_t>();
   return params;
 }
 
 void check_decode_values_on_host(const DecodeParams& params) {
   const AttentionProblem& p = params.problem;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t cached = params.cache_seqlens[b], length = cached + params.len_new;
+    const int64_t cached = params.cache_seqlens.at(0, b), length = cached + params.len_new;
     TORCH_CHECK_VALUE(cached >= 0 && length <= p.len_k, "flashattn_ext: sequence ", b, " has ", cached,
                       " cached keys", params.len_new > 0 ? " and " + std::to_string(params.len_new) + " new ones" : "",
                       ", but its cache holds ", p.len_k);
-    if (params.block_table == nullptr) continue;
+    if (params.block_table.data == nullptr) continue;
     for (int64_t block = 0; block * params.block_size < length; ++block) {
-      const int64_t index = params.block_table[b * params.block_table_stride + block];
+      const int64_t index = params.block_table.at(b, block);
       TORCH_CHECK_VALUE(index >= 0 && index < params.num_blocks, "flashattn_ext: block_table[", b, ", ", block,
                         "] is ", index, ", not a block of the cache (", params.num_blocks, " blocks)");
     }

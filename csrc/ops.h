@@ -62,11 +62,9 @@ struct DecodeArguments {
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the
 // values in cache_seqlens and block_table: see check_decode_values_on_host);
-// allocates out and lse; returns the kernel params. cache_seqlens and
-// block_table are read as int64: seqlens and table hold them so (converted
-// copies where they are int32).
-DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse, at::Tensor& seqlens,
-                            at::Tensor& table);
+// allocates out and lse; returns the kernel params, which read cache_seqlens
+// and block_table in place (int32 or int64, any strides: no copy).
+DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse);
 
 // Checks that every sequence's cached and new keys fit its cache, and that the
 // block table names blocks of the cache where it is read, for params whose

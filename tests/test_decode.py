@@ -150,6 +150,35 @@ def test_window_and_softcap_across_chunks_on_cuda(options, block_size):
     assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_index_tensors_are_read_in_place_through_their_strides(index_dtype, device):
+    """cache_seqlens and block_table as strided views of larger tensors (no copy is made of them): the
+    same result as contiguous copies, against the float64 reference."""
+    gen = torch.Generator().manual_seed(8)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    capacity, dim = 40, 16
+    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, 4, gen)
+    lengths = [0, 21, capacity]
+    query = torch.randn(3, 4, 2, dim, generator=gen).to(dtype)
+    # Every other element of a longer vector; the table's columns of a wider, transposed one (made on
+    # the device: copying a view there would make it contiguous).
+    seqlens_view = torch.tensor([n for length in lengths for n in (length, -7)], dtype=index_dtype,
+                                device=device)[::2]
+    wide = torch.full((table.shape[1] + 3, 3), -5, dtype=index_dtype, device=device)
+    wide[: table.shape[1]] = table.t().to(device=device, dtype=index_dtype)
+    table_view = wide.t()[:, : table.shape[1]]
+    assert not seqlens_view.is_contiguous() and not table_view.is_contiguous()
+    on = lambda t: t.to(device)  # noqa: E731
+    got = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), seqlens_view,
+                                         block_table=table_view, is_causal=True, return_lse=True)
+    copies = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), seqlens_view.contiguous(),
+                                            block_table=table_view.contiguous(), is_causal=True, return_lse=True)
+    assert all(torch.equal(g, c) for g, c in zip(got, copies))
+    want_out, _ = reference(query, key_cache, value_cache, lengths, table, True, 1 / math.sqrt(dim))
+    assert relative_error(got[0].cpu(), want_out) <= TOLERANCE[dtype]
+
+
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_new_keys_are_written_into_the_cache_then_seen(block_size, device):

@@ -619,8 +619,8 @@ namespace {
 template <typename T>
 T* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b, int64_t h, int64_t j) {
   int64_t outer = b, row = j;
-  if (params.block_table != nullptr) {
-    outer = params.block_table[b * params.block_table_stride + j / params.block_size];
+  if (params.block_table.data != nullptr) {
+    outer = params.block_table.at(b, j / params.block_size);
     row = j % params.block_size;
   }
   return static_cast<T*>(cache.data) + outer * cache.stride_batch + h * cache.stride_head + row * cache.stride_row;
@@ -634,7 +634,7 @@ void append_to_cache(const DecodeParams& params) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.heads_kv, h = task % p.heads_kv;
       for (int64_t i = 0; i < params.len_new; ++i) {
-        const int64_t j = params.cache_seqlens[b] + i;
+        const int64_t j = params.cache_seqlens.at(0, b) + i;
         for (const auto& [src, dst, dim] : {std::tuple{&params.k_new, &params.k_cache, p.head_dim},
                                             std::tuple{&params.v_new, &params.v_cache, p.head_dim_v}}) {
           const T* from = static_cast<const T*>(src->data) + b * src->stride_batch + h * src->stride_head +
@@ -667,7 +667,7 @@ void decode_attention(const DecodeParams& params) {
       // The sequence's own keys, with the causal mask and the window aligned
       // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
       AttentionProblem sequence = p;
-      sequence.len_k = params.cache_seqlens[b] + params.len_new;
+      sequence.len_k = params.cache_seqlens.at(0, b) + params.len_new;
       const Visibility vis(sequence);
       const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());

@@ -82,11 +82,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& v_new, bool is_causal,
                                                         double scale, int64_t window_left, int64_t window_right,
                                                         double softcap) {
-  at::Tensor out, lse, seqlens, table;
+  at::Tensor out, lse;
   const DecodeParams params = prepare_decode(
       {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
        softcap},
-      out, lse, seqlens, table);
+      out, lse);
   check_decode_values_on_host(params);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention_cpu",
                                   [&] { cpu::decode_attention<scalar_t>(params); });

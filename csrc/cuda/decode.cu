@@ -29,7 +29,7 @@ constexpr int kMinKeysPerChunk = 256;
 // leaves the cache (the CPU op raises on such lengths; the CUDA op does not
 // read them back, which would wait for the GPU).
 __device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, int64_t b) {
-  const int64_t length = params.cache_seqlens[b] + params.len_new;
+  const int64_t length = params.cache_seqlens.at(0, b) + params.len_new;
   return min(max(length, int64_t{0}), params.problem.len_k);
 }
 
@@ -43,9 +43,9 @@ struct CachePosition {
 };
 
 __device__ __forceinline__ CachePosition cache_position(const DecodeParams& params, int64_t b, int j) {
-  if (params.block_table == nullptr) return {b, j};
+  if (params.block_table.data == nullptr) return {b, j};
   const int block_size = static_cast<int>(params.block_size);
-  const int64_t block = params.block_table[b * params.block_table_stride + j / block_size];
+  const int64_t block = params.block_table.at(b, j / block_size);
   return {min(max(block, int64_t{0}), params.num_blocks - 1), j % block_size};
 }
 
@@ -68,7 +68,7 @@ __global__ void append_kernel(const DecodeParams params) {
   if (index >= p.batch * p.heads_kv * params.len_new * cols) return;
   const int64_t col = index % cols, i = index / cols % params.len_new;
   const int64_t h = index / (cols * params.len_new) % p.heads_kv, b = index / (cols * params.len_new * p.heads_kv);
-  const int64_t j = params.cache_seqlens[b] + i;
+  const int64_t j = params.cache_seqlens.at(0, b) + i;
   if (j < 0 || j >= p.len_k) return;
   const bool key = col < p.head_dim;
   const TensorView4d& src = key ? params.k_new : params.v_new;
