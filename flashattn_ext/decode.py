@@ -26,9 +26,9 @@ def decode_attention(
     """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
 
     query (B, Hq, Sq, D) -> out (B, Hq, Sq, Dv). The caches hold, for each sequence b, its
-    cache_seqlens[b] keys and values (cache_seqlens: (B,), int32 or int64):
+    cache_seqlens[b] keys and values (cache_seqlens: (B,), int32 or int64, any stride, read in place):
     - contiguous: key_cache (B, H, capacity, D) and value_cache (B, H, capacity, Dv), any strides;
-    - paged (block_table given, (B, blocks per sequence), int32 or int64): key_cache
+    - paged (block_table given, (B, blocks per sequence), int32 or int64, any strides): key_cache
       (num_blocks, block_size, H, D) and value_cache (num_blocks, block_size, H, Dv), vLLM's layout; key j
       of sequence b is row j % block_size of block block_table[b, j // block_size].
     H divides Hq (GQA/MQA: query head h reads cache head h // (Hq // H)). key_new (B, H, S_new, D) and
@@ -37,7 +37,7 @@ def decode_attention(
     queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
     new tokens in speculative decoding. window and softcap mean what they mean for attention_with_lse,
-    the window set around that bottom-right diagonal (CPU only so far). With return_lse, also returns
+    the window set around that bottom-right diagonal. With return_lse, also returns
     the log-sum-exp of each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
     out = 0 and lse = -inf.
 
