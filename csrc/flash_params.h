@@ -85,6 +85,53 @@ struct BwdParams {
   DropoutParams dropout;  // the forward's, with the same rng_state
 };
 
+// x clamped to [low, high] (std::clamp is not callable from device code).
+FLASHATTN_EXT_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t low, int64_t high) {
+  return x < low ? low : x > high ? high : x;
+}
+
+// Which keys each query may see: query i sees keys j with
+// i + offset - left <= j <= i + offset + right (offset 0: top-left alignment,
+// len_k - len_q: bottom-right), a bound of -1 leaving its side open. Causal
+// attention is right = 0; a sliding window sets either or both.
+// Shared by the CPU kernels and the decode kernels of both devices.
+struct Visibility {
+  int64_t offset, left, right;
+  int64_t len_q, len_k;
+
+  FLASHATTN_EXT_HOST_DEVICE explicit Visibility(const AttentionProblem& p) : Visibility(p, p.len_k) {}
+  // With len_k keys instead of p.len_k (a decoding step: a sequence's own keys).
+  FLASHATTN_EXT_HOST_DEVICE Visibility(const AttentionProblem& p, int64_t len_k_)
+      : offset(p.causal_lower_right ? len_k_ - p.len_q : 0),
+        left(p.window_left),
+        right(p.is_causal ? 0 : p.window_right),
+        len_q(p.len_q),
+        len_k(len_k_) {}
+
+  FLASHATTN_EXT_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
+    return (right < 0 || j <= i + offset + right) && (left < 0 || j >= i + offset - left);
+  }
+  // The keys that some query of [first_row, last_row] sees lie in [key_begin, key_end).
+  FLASHATTN_EXT_HOST_DEVICE int64_t key_begin(int64_t first_row) const {
+    return left < 0 ? 0 : clamp_index(first_row + offset - left, 0, len_k);
+  }
+  FLASHATTN_EXT_HOST_DEVICE int64_t key_end(int64_t last_row) const {
+    return right < 0 ? len_k : clamp_index(last_row + offset + right + 1, 0, len_k);
+  }
+  // The queries that see some key of [first_col, last_col] lie in [query_begin, query_end).
+  FLASHATTN_EXT_HOST_DEVICE int64_t query_begin(int64_t first_col) const {
+    return right < 0 ? 0 : clamp_index(first_col - offset - right, 0, len_q);
+  }
+  FLASHATTN_EXT_HOST_DEVICE int64_t query_end(int64_t last_col) const {
+    return left < 0 ? len_q : clamp_index(last_col - offset + left + 1, 0, len_q);
+  }
+  // Whether some pair of the tile is hidden, so the tile needs the element test.
+  FLASHATTN_EXT_HOST_DEVICE bool tile_is_partial(int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
+    return (right >= 0 && col0 + cols - 1 > row0 + offset + right) ||
+           (left >= 0 && col0 < row0 + rows - 1 + offset - left);
+  }
+};
+
 // Integer indices read in place, int32 or int64, through element strides: a
 // decoding step's cache_seqlens (1-d: element i at(0, i)) and block_table
 // (element (b, j) at(b, j)). data == nullptr: absent.

@@ -191,45 +191,6 @@ void apply_softcap(A* scores, int64_t n, A softcap, A* grad) {
   }
 }
 
-// Which keys each query may see: query i sees keys j with
-// i + offset - left <= j <= i + offset + right (offset 0: top-left alignment,
-// len_k - len_q: bottom-right), a bound of -1 leaving its side open. Causal
-// attention is right = 0; a sliding window sets either or both.
-struct Visibility {
-  int64_t offset, left, right;
-  int64_t len_q, len_k;
-
-  explicit Visibility(const AttentionProblem& p)
-      : offset(p.causal_lower_right ? p.len_k - p.len_q : 0),
-        left(p.window_left),
-        right(p.is_causal ? 0 : p.window_right),
-        len_q(p.len_q),
-        len_k(p.len_k) {}
-
-  bool visible(int64_t i, int64_t j) const {
-    return (right < 0 || j <= i + offset + right) && (left < 0 || j >= i + offset - left);
-  }
-  // The keys that some query of [first_row, last_row] sees lie in [key_begin, key_end).
-  int64_t key_begin(int64_t first_row) const {
-    return left < 0 ? 0 : std::clamp<int64_t>(first_row + offset - left, 0, len_k);
-  }
-  int64_t key_end(int64_t last_row) const {
-    return right < 0 ? len_k : std::clamp<int64_t>(last_row + offset + right + 1, 0, len_k);
-  }
-  // The queries that see some key of [first_col, last_col] lie in [query_begin, query_end).
-  int64_t query_begin(int64_t first_col) const {
-    return right < 0 ? 0 : std::clamp<int64_t>(first_col - offset - right, 0, len_q);
-  }
-  int64_t query_end(int64_t last_col) const {
-    return left < 0 ? len_q : std::clamp<int64_t>(last_col - offset + left + 1, 0, len_q);
-  }
-  // Whether some pair of the tile is hidden, so the tile needs the element test.
-  bool tile_is_partial(int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
-    return (right >= 0 && col0 + cols - 1 > row0 + offset + right) ||
-           (left >= 0 && col0 < row0 + rows - 1 + offset - left);
-  }
-};
-
 // The attn_mask of one (batch, head): applied to the scaled score of query i and key j.
 template <typename T, typename A>
 struct HeadMask {
@@ -666,9 +627,7 @@ void decode_attention(const DecodeParams& params) {
       const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
       // The sequence's own keys, with the causal mask and the window aligned
       // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
-      AttentionProblem sequence = p;
-      sequence.len_k = params.cache_seqlens.at(0, b) + params.len_new;
-      const Visibility vis(sequence);
+      const Visibility vis(p, params.cache_seqlens.at(0, b) + params.len_new);
       const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());
       scores.resize(key_end - key_begin);

@@ -150,22 +150,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     return QueryRow{h_kv * group + index / len_q, index % len_q};
   };
 
-  // Token t sees keys [keys_from(t), keys_to(t)) of the sequence's: bottom-right
-  // aligned (token t's diagonal is key length - len_q + t), bounded by the
-  // causal mask and the sliding window (AttentionProblem).
+  // Token t sees keys [vis.key_begin(t), vis.key_end(t)) of the sequence's:
+  // bottom-right aligned, bounded by the causal mask and the sliding window.
   const int64_t length = sequence_length(params, b);
-  const int64_t diagonal = length - p.len_q;
-  const int64_t window_left = p.window_left, window_right = p.is_causal ? 0 : p.window_right;
-  auto keys_from = [&](int64_t t) {
-    return window_left < 0 ? 0 : min(max(diagonal + t - window_left, int64_t{0}), length);
-  };
-  auto keys_to = [&](int64_t t) {
-    return window_right < 0 ? length : min(max(diagonal + t + window_right + 1, int64_t{0}), length);
-  };
+  const Visibility vis(p, length);
   // The chunk's keys that some token sees: chunks outside the window have none.
   const int64_t chunk_begin = int64_t{chunk} * keys_per_chunk;
-  const int64_t key_begin = min(max(chunk_begin, keys_from(0)), length);
-  const int64_t key_end = max(key_begin, min(chunk_begin + keys_per_chunk, keys_to(p.len_q - 1)));
+  const int64_t key_begin = min(max(chunk_begin, vis.key_begin(0)), length);
+  const int64_t key_end = max(key_begin, min(chunk_begin + keys_per_chunk, vis.key_end(p.len_q - 1)));
   const int tiles = static_cast<int>(ceil_div(key_end - key_begin, kBlockN));
 
   // Tile loads: each thread copies one 16-byte piece of every kRowsPerPass-th
@@ -262,8 +254,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   for (int half = 0; half < 2; ++half) {
     const int r = lane / 4 + half * 8;
     const int64_t token = row_of(r).token;
-    row_begin[half] = r >= rows ? 0 : keys_from(token);
-    row_end[half] = r >= rows ? 0 : min(keys_to(token), key_end);
+    row_begin[half] = r >= rows ? 0 : vis.key_begin(token);
+    row_end[half] = r >= rows ? 0 : min(vis.key_end(token), key_end);
   }
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
