@@ -59,8 +59,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the table to DIR/bench_cpu_<threads>threads.md")
     args = parser.parse_args()
     threads = torch.get_num_threads()
-    lines = [f"# CPU attention, causal: flashattn_ext against torch's CPU SDPA ({platform.processor() or platform.machine()}, "
-             f"{threads} threads, torch {torch.__version__})", "",
+    cpu = platform.processor() or platform.machine()
+    lines = [f"# CPU attention, causal: flashattn_ext against torch's CPU SDPA ({cpu}, {threads} threads, "
+             f"torch {torch.__version__})", "",
              f"ms forward / forward+backward, medians of {args.rounds} rounds, providers alternating; "
              "ratio: torch's time / ours (>= 1: ours at least as fast).", "",
              "| shape | dtype | flashattn_ext | torch | ratio |", "|---|---|---|---|---|"]

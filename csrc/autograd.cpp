@@ -94,7 +94,8 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     const SavedOptions o = SavedOptions::load(ctx);
     auto [dq, dk, dv, dmask] =
         backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
-                           o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left, o.window_right, o.softcap);
+                           o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left, o.window_right,
+                           o.softcap);
     // One gradient per forward argument; undefined for the non-tensor ones.
     return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(),
             Tensor(), Tensor(), Tensor(), Tensor()};

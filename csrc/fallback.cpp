@@ -129,8 +129,9 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
-                       at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask) {
+                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
+                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                       at::Tensor& grad_attn_mask) {
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
   at::Tensor dk_acc = at::zeros(k_acc.sizes(), k_acc.options());

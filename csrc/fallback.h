@@ -34,8 +34,9 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // Fills dq, dk, dv and, where it is not empty, grad_attn_mask, as allocated by
 // prepare_backward (it recomputes the probabilities: no out or lse needed).
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p, const AttentionProblem& p, at::Tensor& dq,
-                       at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_attn_mask);
+                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
+                       const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                       at::Tensor& grad_attn_mask);
 
 // The output of attention over all query rows at once, from the same ATen
 // operations with autograd tracking them (the whole score matrix in memory, as

@@ -37,9 +37,9 @@ def decode_attention(
     queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
     new tokens in speculative decoding. window and softcap mean what they mean for attention_with_lse,
-    the window set around that bottom-right diagonal. With return_lse, also returns
-    the log-sum-exp of each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no key gets
-    out = 0 and lse = -inf.
+    the window set around that bottom-right diagonal. With return_lse, also returns the log-sum-exp of
+    each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no
+    key gets out = 0 and lse = -inf.
 
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
     whose partial results merge through their log-sum-exps (flash-decoding); cache_seqlens and the
