@@ -2,9 +2,7 @@
 computing anything. They mirror the allocations in csrc/ops.cpp and the device files."""
 import torch
 
-
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .attention import lse_dtype
 
 
 def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
@@ -20,7 +18,7 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
                             window_left=-1, window_right=-1, softcap=0.0):
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
-    lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
+    lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
     rng_state = query.new_empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64)
     return out, lse, rng_state
 
@@ -38,7 +36,7 @@ def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_t
                            scale, window_left=-1, window_right=-1, softcap=0.0):
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value_cache.shape[-1]))
-    lse = query.new_empty((batch, heads, len_q), dtype=_lse_dtype(query.dtype))
+    lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
     return out, lse
 
 

@@ -212,6 +212,11 @@ def softcap_value(softcap: Optional[float]) -> float:
     return float(softcap)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs of dtype (csrc/ops.cpp's lse_dtype): float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def default_scale(head_dim: int) -> float:
     """SDPA's default scale, 1 / sqrt(head_dim) (inf for head dim 0)."""
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf

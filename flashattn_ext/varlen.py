@@ -11,7 +11,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .attention import attention_with_lse
+from .attention import attention_with_lse, lse_dtype
 
 
 def varlen_attention(
@@ -83,7 +83,7 @@ def varlen_attention(
         out, lse = torch.cat(outs), torch.cat(lses, dim=1)
     else:  # no sequences: empty results of the right shapes and types
         out = query.new_empty((0, heads_q, value.shape[2]))
-        lse = query.new_empty((heads_q, 0), dtype=torch.float64 if query.dtype == torch.float64 else torch.float32)
+        lse = query.new_empty((heads_q, 0), dtype=lse_dtype(query.dtype))
     return (out, lse) if return_lse else out
 
 
