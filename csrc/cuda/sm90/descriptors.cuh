@@ -30,18 +30,32 @@ __device__ __forceinline__ uint64_t smem_matrix_desc(uint32_t smem_addr, uint32_
          static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 | uint64_t(1) << 62;
 }
 
-// The descriptor of k16 step kk of a K-major operand whose tile starts at
-// tile_addr, stored as 64-column blocks col_block_bytes apart.
-__device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr, uint32_t col_block_bytes, int kk) {
-  constexpr int kStepsPerBlock = kSwizzleCols / 16, kStepBytes = 16 * 2;
-  return smem_matrix_desc(tile_addr + (kk / kStepsPerBlock) * col_block_bytes + (kk % kStepsPerBlock) * kStepBytes,
-                          16, kSwizzleAtomBytes);
+// The same descriptor for an operand `bytes` further on in shared memory.
+// Shared addresses stay below 256 KiB, so the start address field never
+// overflows into the next: one 32-bit add, where building the descriptor anew
+// costs a mask, a shift and an or for every wgmma. Kernels build a tile's
+// descriptor once and step it with this.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  const auto low = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & ~uint64_t{0xFFFFFFFF}) | low;
 }
 
-// The descriptor of k16 step kk (16 rows) of an N-major operand whose tile
-// starts at tile_addr, stored as 64-column blocks col_block_bytes apart.
-__device__ __forceinline__ uint64_t n_major_desc(uint32_t tile_addr, uint32_t col_block_bytes, int kk) {
-  return smem_matrix_desc(tile_addr + kk * 16 * kSwizzleRowBytes, col_block_bytes, kSwizzleAtomBytes);
+// Where k16 step kk of a K-major operand starts, from its tile's start, the
+// tile stored as 64-column blocks col_block_bytes apart.
+__host__ __device__ constexpr uint32_t k_major_step_bytes(uint32_t col_block_bytes, int kk) {
+  constexpr int kStepsPerBlock = kSwizzleCols / 16, kStepBytes = 16 * 2;
+  return (kk / kStepsPerBlock) * col_block_bytes + (kk % kStepsPerBlock) * kStepBytes;
+}
+// And k16 step kk (16 rows) of an N-major operand.
+__host__ __device__ constexpr uint32_t n_major_step_bytes(int kk) { return kk * 16 * kSwizzleRowBytes; }
+
+// The descriptor of a K-major tile (at its first k16 step) starting at tile_addr.
+__device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr) {
+  return smem_matrix_desc(tile_addr, 16, kSwizzleAtomBytes);
+}
+// The descriptor of an N-major tile stored as 64-column blocks col_block_bytes apart.
+__device__ __forceinline__ uint64_t n_major_desc(uint32_t tile_addr, uint32_t col_block_bytes) {
+  return smem_matrix_desc(tile_addr, col_block_bytes, kSwizzleAtomBytes);
 }
 
 // The dynamic shared memory rounded up to the swizzle pattern's period (the

@@ -110,7 +110,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
            (consumer / Cfg::kDqRowBlocks) * kDqAccumRowMultiple * kDqAccumSliceCols;
   };
 
-  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  // Read from lane 0: the compiler then knows it is the same across the warp
+  // and keeps what derives from it (the wgmma descriptors) in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(&bars->kv_full, 1);
     for (int s = 0; s < kStages; ++s) {
@@ -219,17 +221,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v), q_addr = ptx::smem_addr(s_q),
                  dout_addr = ptx::smem_addr(s_dout), ds_addr = ptx::smem_addr(s_ds);
-  // K-major descriptors: this consumer's 64 rows of K or V, a stage's Q or dO.
-  auto kv_desc = [&](uint32_t base, int kk) {
-    return k_major_desc(base + consumer * 64 * kSwizzleRowBytes, Cfg::kKVColBlockBytes, kk);
+  // wgmma descriptors at their first k16 step, built once; a stage, a buffer
+  // and a step move them by constant offsets. K-major: this consumer's 64 rows
+  // of K and V, stage 0's Q and dO. N-major: stage 0's Q and dO as the B of
+  // dK += dS^T Q and dV += P^T dO (a step: 16 rows of queries).
+  const uint64_t k_desc = k_major_desc(k_addr + consumer * 64 * kSwizzleRowBytes);
+  const uint64_t v_desc = k_major_desc(v_addr + consumer * 64 * kSwizzleRowBytes);
+  const uint64_t q_desc = k_major_desc(q_addr), dout_desc = k_major_desc(dout_addr);
+  const uint64_t q_rows_desc = n_major_desc(q_addr, Cfg::kQColBlockBytes);
+  const uint64_t dout_rows_desc = n_major_desc(dout_addr, Cfg::kQColBlockBytes);
+  auto kv_step = [](uint64_t desc, int kk) {
+    return desc_advance(desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk));
   };
-  auto q_desc = [&](uint32_t base, int stage, int kk) {
-    return k_major_desc(base + stage * Cfg::kQBytes, Cfg::kQColBlockBytes, kk);
-  };
-  // N-major: 16 rows (queries) of a stage's Q or dO as the B of dK += dS^T Q, dV += P^T dO.
-  auto q_rows_desc = [&](uint32_t base, int stage, int kk) {
-    return n_major_desc(base + stage * Cfg::kQBytes, Cfg::kQColBlockBytes, kk);
-  };
+  auto q_step = [](uint64_t desc, int kk) { return desc_advance(desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)); };
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   float dk[kGradRegs], dv[kGradRegs];
@@ -240,8 +244,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // This consumer's dQ block: its rows are a 64-column block of dS^T (read
   // transposed), its columns a column block of K (read N-major: the keys are
   // dQ's reduction).
-  const uint32_t ds_dq_rows = (consumer % Cfg::kDqRowBlocks) * Cfg::kDsColBlockBytes;
-  const uint32_t k_dq_cols = k_addr + (consumer / Cfg::kDqRowBlocks) * Cfg::kKVColBlockBytes;
+  const uint64_t ds_dq_desc =
+      n_major_desc(ds_addr + (consumer % Cfg::kDqRowBlocks) * Cfg::kDsColBlockBytes, Cfg::kDsColBlockBytes);
+  const uint64_t k_dq_desc =
+      n_major_desc(k_addr + (consumer / Cfg::kDqRowBlocks) * Cfg::kKVColBlockBytes, Cfg::kKVColBlockBytes);
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
   float dq[kDqRegs];
 
@@ -262,15 +268,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_wait(&bars->dout_full[stage], parity);
     fence_registers(st);
     fence_registers(dpt);
+    const uint32_t stage_offset = stage * Cfg::kQBytes;
+    const uint64_t q_stage_desc = desc_advance(q_desc, stage_offset);
+    const uint64_t dout_stage_desc = desc_advance(dout_desc, stage_offset);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockM>(st, kv_desc(k_addr, kk), q_desc(q_addr, stage, kk), kk > 0);
+      ptx::wgmma_ss<Elem, kBlockM>(st, kv_step(k_desc, kk), q_step(q_stage_desc, kk), kk > 0);
     }
     ptx::wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_desc(v_addr, kk), q_desc(dout_addr, stage, kk), kk > 0);
+      ptx::wgmma_ss<Elem, kBlockM>(dpt, kv_step(v_desc, kk), q_step(dout_stage_desc, kk), kk > 0);
     }
     ptx::wgmma_commit();
 
@@ -301,14 +310,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
     to_fragments<Elem>(st, p_frag);
 
-    // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO, issued.
-    auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint32_t rows_base) {
+    // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO (rows_desc: stage 0's), issued.
+    auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint64_t rows_desc) {
+      const uint64_t stage_desc = desc_advance(rows_desc, stage_offset);
       fence_registers(a);
       fence_registers(grad);
       ptx::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], q_rows_desc(rows_base, stage, kk), true);
+        ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
       }
       ptx::wgmma_commit();
     };
@@ -316,7 +326,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dV += P^T dO.
     ptx::wgmma_wait<0>();
     fence_registers(dpt);
-    accumulate_gradient(dv, p_frag, dout_addr);
+    accumulate_gradient(dv, p_frag, dout_rows_desc);
 
     // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
     // (rows of kBlockM queries in blocks of 64 columns, 128-byte swizzled like
@@ -349,18 +359,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // This consumer's dQ block = dS K over all kBlockN keys (both operands from
     // shared memory). Issued before dK, so that its shared-memory stores below
     // run under dK's wgmma.
-    const uint32_t ds_tile_addr = ds_addr + ds_buffer * Cfg::kDsBytes + ds_dq_rows;
+    const uint64_t ds_tile_desc = desc_advance(ds_dq_desc, ds_buffer * Cfg::kDsBytes);
     fence_registers(dq);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(dq, n_major_desc(ds_tile_addr, Cfg::kDsColBlockBytes, kk),
-                                         n_major_desc(k_dq_cols, Cfg::kKVColBlockBytes, kk), kk > 0);
+      ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(dq, desc_advance(ds_tile_desc, n_major_step_bytes(kk)),
+                                                   desc_advance(k_dq_desc, n_major_step_bytes(kk)), kk > 0);
     }
     ptx::wgmma_commit();
 
     // dK += dS^T Q.
-    accumulate_gradient(dk, ds_frag, q_addr);
+    accumulate_gradient(dk, ds_frag, q_rows_desc);
 
     // dV and dQ are done: dO's stage is free, and the dQ block goes to a
     // buffer (in dq_accum's layout: one float4 a thread and register quad,
@@ -392,19 +402,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale = static_cast<float>(p.scale);
   Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
   Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
+  // Columns past the head dim (padded to the kernel's) are not stored (as in the forward's output).
   const int dim = static_cast<int>(p.head_dim);
+  const bool padded = dim < kHeadDim;
+  const int cols0 = (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t key = col0 + key_row + half * 8;
     if (key >= p.len_k) continue;
+    Elem* dk_row = dk_head + key * params.dk.stride_row + cols0;
+    Elem* dv_row = dv_head + key * params.dv.stride_row + cols0;
 #pragma unroll
     for (int j = 0; j < kGradRegs / 4; ++j) {
-      const int col = j * 8 + (lane % 4) * 2;
-      if (col >= dim) continue;
-      *reinterpret_cast<uint32_t*>(dk_head + key * params.dk.stride_row + col) =
+      if (padded && j * 8 + cols0 >= dim) continue;
+      *reinterpret_cast<uint32_t*>(dk_row + j * 8) =
           ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_head + key * params.dv.stride_row + col) =
-          ptx::pack2<Elem>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(dv_row + j * 8) = ptx::pack2<Elem>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
     }
   }
 #endif

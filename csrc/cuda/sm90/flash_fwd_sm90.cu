@@ -104,7 +104,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                 "the shared state fits after the tiles");
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
 
-  const int warpgroup = threadIdx.x / kWarpgroupThreads;
+  // Read from lane 0: the compiler then knows it is the same across the warp
+  // and keeps what derives from it (the wgmma descriptors) in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(&shared->q_full, 1);
     ptx::mbarrier_init(&shared->q_empty, kConsumerThreads);
@@ -180,17 +182,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // This thread's two query rows in the tile: r and r + 8.
   const int tile_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;
 
-  // Descriptors of this warpgroup's 64 rows of Q, of a stage's K (both
-  // K-major) and V (N-major), at their first k16 step.
-  const uint32_t q_addr = ptx::smem_addr(s_q) + consumer * 64 * kSwizzleRowBytes;
-  const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v);
-  auto q_desc = [&](int kk) { return k_major_desc(q_addr, Cfg::kQColBlockBytes, kk); };
-  auto k_desc = [&](int stage, int kk) {
-    return k_major_desc(k_addr + stage * Cfg::kKVBytes, Cfg::kKVColBlockBytes, kk);
-  };
-  auto v_desc = [&](int stage, int kk) {
-    return n_major_desc(v_addr + stage * Cfg::kKVBytes, Cfg::kKVColBlockBytes, kk);
-  };
+  // Descriptors of this warpgroup's 64 rows of Q, of stage 0's K (both
+  // K-major) and V (N-major), at their first k16 step; a stage and a step move
+  // them by constant offsets.
+  const uint64_t q_tile_desc = k_major_desc(ptx::smem_addr(s_q) + consumer * 64 * kSwizzleRowBytes);
+  const uint64_t k_tile_desc = k_major_desc(ptx::smem_addr(s_k));
+  const uint64_t v_tile_desc = n_major_desc(ptx::smem_addr(s_v), Cfg::kKVColBlockBytes);
 
   // kv: the K/V tile's place in the ring (see above).
   auto wait_k = [&](int kv) { ptx::mbarrier_wait(&shared->k_full[kv % kStages], (kv / kStages) & 1); };
@@ -198,18 +195,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   auto release_v = [&](int kv) { ptx::mbarrier_arrive(&shared->v_empty[kv % kStages]); };
   // S = Q K^T for one tile (its K loaded), issued (not waited for).
   auto issue_scores = [&](float (&s)[kKeyRegs], int kv) {
+    const uint64_t k_desc = desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKVBytes);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockN>(s, q_desc(kk), k_desc(kv % kStages, kk), kk > 0);
+      ptx::wgmma_ss<Elem, kBlockN>(s, desc_advance(q_tile_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
+                                   desc_advance(k_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
     }
     ptx::wgmma_commit();
   };
   // O += P V for one tile (its V loaded), issued (not waited for).
   auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int kv) {
+    const uint64_t v_desc = desc_advance(v_tile_desc, (kv % kStages) * Cfg::kKVBytes);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], v_desc(kv % kStages, kk), true);
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+    }
     ptx::wgmma_commit();
   };
 
@@ -362,9 +364,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     }
 
     // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
-    Elem* out = head_ptr<Elem>(params.out, t.batch, t.head);
     float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
+    // Columns past the head dim (padded to the kernel's) are not stored; the
+    // check is per thread, so it is made only where there are such columns.
     const int dim = static_cast<int>(p.head_dim);
+    const bool padded = dim < kHeadDim;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float sum = row_sum[half];
@@ -373,11 +377,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
       const int64_t row = row0 + tile_row + half * 8;
       if (row >= p.len_q) continue;
+      const int cols0 = (lane % 4) * 2;  // this thread's columns of the row: 8 j + cols0 and the next
+      Elem* out_row = head_ptr<Elem>(params.out, t.batch, t.head) + row * params.out.stride_row + cols0;
 #pragma unroll
       for (int j = 0; j < kOutRegs / 4; ++j) {
-        const int col = j * 8 + (lane % 4) * 2;
-        if (col < dim) {
-          *reinterpret_cast<uint32_t*>(out + row * params.out.stride_row + col) =
+        if (!padded || j * 8 + cols0 < dim) {
+          *reinterpret_cast<uint32_t*>(out_row + j * 8) =
               ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum, o[4 * j + 2 * half + 1] * inv_sum);
         }
       }
