@@ -19,11 +19,12 @@ using at::Tensor;
 
 using ForwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                      const std::optional<Tensor>&, double, bool, bool, double, int64_t,
-                                                     int64_t, double);
+                                                     int64_t, double, const std::optional<Tensor>&);
 using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                                               const Tensor&, const Tensor&, const Tensor&,
                                                               const Tensor&, const std::optional<Tensor>&, double,
-                                                              bool, bool, double, bool, int64_t, int64_t, double);
+                                                              bool, bool, double, bool, int64_t, int64_t, double,
+                                                              const std::optional<Tensor>&);
 
 // The options after the tensors, kept in an autograd context's saved_data.
 struct SavedOptions {
@@ -50,6 +51,9 @@ struct SavedOptions {
   }
 };
 
+// A saved optional tensor (undefined: absent).
+std::optional<Tensor> optional_saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
+
 c10::TypedOperatorHandle<ForwardOp> forward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("flashattn_ext::attention_forward", "")
@@ -69,11 +73,12 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                                bool causal_lower_right, double scale, int64_t window_left, int64_t window_right,
-                               double softcap) {
+                               double softcap, const std::optional<Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, rng_state] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                                                   window_left, window_right, softcap);
-    ctx->save_for_backward({q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor())});
+                                                   window_left, window_right, softcap, alibi_slopes);
+    ctx->save_for_backward(
+        {q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     ctx->mark_non_differentiable({lse, rng_state});
     return {out, lse, rng_state};
@@ -87,18 +92,18 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     const Tensor& out = saved[3];
     const Tensor& lse = saved[4];
     const Tensor& rng_state = saved[5];
-    const std::optional<Tensor> attn_mask =
-        saved[6].defined() ? std::optional<Tensor>(saved[6]) : std::nullopt;
+    const std::optional<Tensor> attn_mask = optional_saved(saved[6]), alibi_slopes = optional_saved(saved[7]);
     const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
 
     const SavedOptions o = SavedOptions::load(ctx);
     auto [dq, dk, dv, dmask] =
         backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
                            o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left, o.window_right,
-                           o.softcap);
-    // One gradient per forward argument; undefined for the non-tensor ones.
+                           o.softcap, alibi_slopes);
+    // One gradient per forward argument; undefined for the non-tensor ones and
+    // for alibi_slopes (not differentiable).
     return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -107,10 +112,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, c
                                                               double dropout_p, bool is_causal,
                                                               bool causal_lower_right, double scale,
                                                               int64_t window_left, int64_t window_right,
-                                                              double softcap) {
+                                                              double softcap,
+                                                              const std::optional<Tensor>& alibi_slopes) {
   const variable_list outputs = FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal,
                                                               causal_lower_right, scale, window_left, window_right,
-                                                              softcap);
+                                                              softcap, alibi_slopes);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
@@ -124,12 +130,14 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
                                const Tensor& v, const Tensor& out, const Tensor& lse, const Tensor& rng_state,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                                bool causal_lower_right, double scale, bool compute_grad_attn_mask,
-                               int64_t window_left, int64_t window_right, double softcap) {
+                               int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv, dmask] =
         backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right,
-                           scale, compute_grad_attn_mask, window_left, window_right, softcap);
-    ctx->save_for_backward({dout, q, k, v, rng_state, attn_mask.value_or(Tensor())});
+                           scale, compute_grad_attn_mask, window_left, window_right, softcap, alibi_slopes);
+    ctx->save_for_backward(
+        {dout, q, k, v, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     return {dq, dk, dv, dmask};
   }
@@ -149,7 +157,8 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     if (float_mask) leaves.push_back(*attn_mask);
 
     const AttentionOptions options{attn_mask, o.dropout_p,   o.is_causal,    o.causal_lower_right,
-                                   o.scale,   o.window_left, o.window_right, o.softcap};
+                                   o.scale,   o.window_left, o.window_right, o.softcap,
+                                   optional_saved(saved[6])};
     const Tensor out = attention_for_double_backward(leaves[1], leaves[2], leaves[3], saved[4], options);
     // The first gradients as functions of the leaves, then their vector-Jacobian
     // product with the incoming gradients (of dq, dk, dv[, dmask]).
@@ -170,10 +179,11 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
       second = torch::autograd::grad(outputs, leaves, grad_outputs, /*retain_graph=*/create_graph, create_graph,
                                      /*allow_unused=*/true);
     }
-    // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options.
+    // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options
+    // and alibi_slopes.
     return {second[0], second[1], second[2], second[3], Tensor(), Tensor(), Tensor(),
             float_mask ? second[4] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -181,10 +191,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& rng_state, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
     bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left, int64_t window_right,
-    double softcap) {
+    double softcap, const std::optional<Tensor>& alibi_slopes) {
   const variable_list grads = FlashAttentionBackwardFunction::apply(
       dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-      compute_grad_attn_mask, window_left, window_right, softcap);
+      compute_grad_attn_mask, window_left, window_right, softcap, alibi_slopes);
   return {grads[0], grads[1], grads[2], grads[3]};
 }
 

@@ -38,7 +38,7 @@ at::Tensor ungrouped(const at::Tensor& t, const AttentionProblem& p, int64_t row
   return t.reshape({p.batch, p.heads_q, rows, t.size(3)});
 }
 
-// The scaled, softcapped, masked scores of query rows [r0, r0 + rows):
+// The scaled, softcapped, ALiBi-biased, masked scores of query rows [r0, r0 + rows):
 // (batch, heads_q, rows, len_k). With softcap and softcap_grad given, also
 // d(capped)/d(scaled) = 1 - tanh^2 into it, for the backward.
 at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const std::optional<at::Tensor>& attn_mask,
@@ -49,6 +49,22 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
     if (softcap_grad != nullptr) *softcap_grad = 1 - t * t;
     s = t * p.softcap;
   }
+  // Query row r0 + r and key j, and the diagonal's offset (causal, window, ALiBi).
+  const int64_t right = p.is_causal ? 0 : p.window_right;
+  const bool windowed = right >= 0 || p.window_left >= 0;
+  const int64_t offset = p.causal_lower_right ? p.len_k - p.len_q : 0;
+  at::Tensor query, key;
+  if (windowed || p.alibi_slopes != nullptr) {
+    query = at::arange(r0, r0 + rows, s.options().dtype(at::kLong)).unsqueeze(1);
+    key = at::arange(p.len_k, s.options().dtype(at::kLong)).unsqueeze(0);
+  }
+  if (p.alibi_slopes != nullptr) {
+    // The slopes, read in place where the problem points (the op's alibi_slopes tensor).
+    const at::Tensor slopes = at::from_blob(const_cast<float*>(p.alibi_slopes), {p.batch, p.heads_q, 1, 1},
+                                            {p.alibi_stride_batch, p.alibi_stride_head, 1, 1},
+                                            s.options().dtype(at::kFloat));
+    s.sub_(slopes.to(s.scalar_type()) * (query + offset - key).abs().to(s.scalar_type()));
+  }
   if (attn_mask.has_value()) {
     const at::Tensor mask = attn_mask->narrow(2, r0, rows);
     if (mask.scalar_type() == at::kBool) {
@@ -58,11 +74,7 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
     }
   }
   // Causal: query i sees key j iff j <= i + offset; the window bounds j on both sides around i + offset.
-  const int64_t right = p.is_causal ? 0 : p.window_right;
-  if (right >= 0 || p.window_left >= 0) {
-    const int64_t offset = p.causal_lower_right ? p.len_k - p.len_q : 0;
-    const at::Tensor query = at::arange(r0, r0 + rows, s.options().dtype(at::kLong)).unsqueeze(1);
-    const at::Tensor key = at::arange(p.len_k, s.options().dtype(at::kLong)).unsqueeze(0);
+  if (windowed) {
     if (right >= 0) s.masked_fill_(key > query + offset + right, -kInf);
     if (p.window_left >= 0) s.masked_fill_(key < query + offset - p.window_left, -kInf);
   }

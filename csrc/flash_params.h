@@ -41,6 +41,13 @@ struct AttentionProblem {
   // Logit softcapping: the scaled scores s become softcap * tanh(s / softcap)
   // before attn_mask is added; 0 turns it off.
   double softcap = 0.0;
+  // ALiBi: -slope * |i + d - j| is added to the (softcapped) scores of query i
+  // and key j, d the diagonal's offset as for the window, before attn_mask;
+  // slope = alibi_slopes[b * alibi_stride_batch + h * alibi_stride_head]
+  // (float32, on the inputs' device), nullptr: none.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_stride_batch = 0;
+  int64_t alibi_stride_head = 0;
 };
 
 // How attn_mask enters the scores: kBool hides the pairs where it is false;
@@ -125,12 +132,22 @@ struct Visibility {
   FLASHATTN_EXT_HOST_DEVICE int64_t query_end(int64_t last_col) const {
     return left < 0 ? len_q : clamp_index(last_col - offset + left + 1, 0, len_q);
   }
+  // How far key j lies from query i's diagonal: ALiBi's distance.
+  FLASHATTN_EXT_HOST_DEVICE int64_t distance(int64_t i, int64_t j) const {
+    const int64_t d = i + offset - j;
+    return d < 0 ? -d : d;
+  }
   // Whether some pair of the tile is hidden, so the tile needs the element test.
   FLASHATTN_EXT_HOST_DEVICE bool tile_is_partial(int64_t row0, int64_t rows, int64_t col0, int64_t cols) const {
     return (right >= 0 && col0 + cols - 1 > row0 + offset + right) ||
            (left >= 0 && col0 < row0 + rows - 1 + offset - left);
   }
 };
+
+// ALiBi's slope of (batch b, query head h); 0 without ALiBi.
+FLASHATTN_EXT_HOST_DEVICE float alibi_slope(const AttentionProblem& p, int64_t b, int64_t h) {
+  return p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[b * p.alibi_stride_batch + h * p.alibi_stride_head];
+}
 
 // Integer indices read in place, int32 or int64, through element strides: a
 // decoding step's cache_seqlens (1-d: element i at(0, i)) and block_table

@@ -17,6 +17,9 @@ namespace flashattn_ext {
 // The schemas cover the whole scaled_dot_product_attention surface. Inputs are
 // 4-d (batch, heads, seq_len, head_dim) with any strides; key and value may
 // have fewer heads than query (GQA) as long as they divide its count.
+// alibi_slopes (float32, (batch, query heads), any strides: an expanded (query
+// heads,) vector is fine) adds ALiBi's -slope * |i + d - j| to the scores (see
+// AttentionProblem); it gets no gradient.
 // With dropout_p > 0 the forward draws from torch's default generator of the
 // inputs' device and returns what it drew as rng_state ({seed, offset}, int64;
 // empty without dropout), so the backward regenerates the same dropout mask;
@@ -26,13 +29,13 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
       "bool is_causal, bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, "
-      "float softcap=0.0) -> (Tensor out, Tensor lse, Tensor rng_state)",
+      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
-      "bool compute_grad_attn_mask, int window_left=-1, int window_right=-1, float softcap=0.0) -> (Tensor grad_query, "
-      "Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+      "bool compute_grad_attn_mask, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");
@@ -42,7 +45,7 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "decode_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cache_seqlens, "
       "Tensor? block_table, Tensor? key_new, Tensor? value_new, bool is_causal, float scale, int window_left=-1, "
-      "int window_right=-1, float softcap=0.0) -> (Tensor out, Tensor lse)");
+      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
 }
 
 namespace {
@@ -80,6 +83,26 @@ void check_options(const AttentionOptions& options) {
                     "flashattn_ext: softcap must be finite and >= 0 (0: off), got ", options.softcap);
 }
 
+// ALiBi's slopes, one per (batch, query head).
+void check_alibi(const std::optional<at::Tensor>& slopes, int64_t batch, int64_t heads_q, const at::Tensor& q) {
+  if (!slopes.has_value()) return;
+  TORCH_CHECK(slopes->device() == q.device(), "flashattn_ext: alibi_slopes is on ", slopes->device(),
+              " but query is on ", q.device());
+  TORCH_CHECK_TYPE(slopes->scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ",
+                   slopes->scalar_type());
+  TORCH_CHECK(slopes->dim() == 2 && slopes->size(0) == batch && slopes->size(1) == heads_q,
+              "flashattn_ext: alibi_slopes must have shape (batch, query heads) = (", batch, ", ", heads_q,
+              "), got ", slopes->sizes());
+}
+
+// Where the problem reads the slopes.
+void set_alibi(AttentionProblem& p, const std::optional<at::Tensor>& slopes) {
+  if (!slopes.has_value()) return;
+  p.alibi_slopes = slopes->data_ptr<float>();
+  p.alibi_stride_batch = slopes->stride(0);
+  p.alibi_stride_head = slopes->stride(1);
+}
+
 AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const AttentionOptions& options) {
   check_rank4(q, "query");
@@ -112,6 +135,7 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
                 at::IntArrayRef(mask_shape), " (batch, query heads, query length, key length; broadcast views are fine), got ",
                 mask.sizes());
   }
+  check_alibi(options.alibi_slopes, q.size(0), q.size(1), q);
 
   return attention_problem(q, k, v, options);
 }
@@ -177,6 +201,7 @@ AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, con
   p.window_left = options.window_left;
   p.window_right = options.window_right;
   p.softcap = options.softcap;
+  set_alibi(p, options.alibi_slopes);
   return p;
 }
 
@@ -343,6 +368,8 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   p.window_left = args.window_left;
   p.window_right = args.window_right;
   p.softcap = args.softcap;
+  check_alibi(args.alibi_slopes, p.batch, p.heads_q, q);
+  set_alibi(p, args.alibi_slopes);
 
   out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));

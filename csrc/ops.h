@@ -21,6 +21,7 @@ struct AttentionOptions {
   int64_t window_left = -1;  // see AttentionProblem
   int64_t window_right = -1;
   double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes = std::nullopt;  // float32 (batch, heads_q)
 };
 
 // The sizes of 4-d (batch, heads, seq_len, head_dim) q, k, v (not checked:
@@ -58,6 +59,7 @@ struct DecodeArguments {
   int64_t window_left = -1;  // see AttentionProblem
   int64_t window_right = -1;
   double softcap = 0.0;
+  std::optional<at::Tensor> alibi_slopes = std::nullopt;  // float32 (batch, heads_q)
 };
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the

@@ -15,7 +15,7 @@ def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                            window_left=-1, window_right=-1, softcap=0.0):
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
@@ -26,14 +26,14 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
 @torch.library.register_fake("flashattn_ext::attention_backward")
 def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal,
                              causal_lower_right, scale, compute_grad_attn_mask, window_left=-1, window_right=-1,
-                             softcap=0.0):
+                             softcap=0.0, alibi_slopes=None):
     grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
 
 
 @torch.library.register_fake("flashattn_ext::decode_attention")
 def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, is_causal,
-                           scale, window_left=-1, window_right=-1, softcap=0.0):
+                           scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value_cache.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))

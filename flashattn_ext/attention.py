@@ -84,6 +84,7 @@ def attention_with_lse(
     causal_lower_right: bool = False,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Like scaled_dot_product_attention, but also returns the log-sum-exp of
     each query row's scaled scores, shape (N, ..., Hq, L): float32, or float64
@@ -101,6 +102,12 @@ def attention_with_lse(
 
     softcap=c: logit softcapping (Gemma 2), the scaled scores s become
     c * tanh(s / c) before attn_mask is added; the gradients go through it.
+
+    alibi_slopes: ALiBi (Press et al.), a float32 tensor (Hq,) or (..., Hq) with
+    query's batch dims, on query's device: -slope * |i + d - j| is added to the
+    scaled (and capped) scores of query i and key j, before attn_mask, d the
+    diagonal's offset as for window (flash-attn's bias with causal_lower_right).
+    The slopes get no gradient.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
@@ -174,10 +181,11 @@ def attention_with_lse(
     if scale is None:
         scale = default_scale(head_dim)
     window_left, window_right = window_bounds(window)
+    slopes = per_head_slopes(alibi_slopes, batch, heads_q)
 
     out, lse, _ = torch.ops.flashattn_ext.attention_forward(
         q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale),
-        window_left, window_right, softcap_value(softcap),
+        window_left, window_right, softcap_value(softcap), slopes,
     )
 
     # SDPA's output has the broadcast rank of its inputs.
@@ -210,6 +218,21 @@ def softcap_value(softcap: Optional[float]) -> float:
             and softcap > 0):
         raise ValueError(f"flashattn_ext: softcap must be a finite number > 0 (or None), got {softcap!r}")
     return float(softcap)
+
+
+def per_head_slopes(alibi_slopes: Optional[Tensor], batch: Tuple[int, ...], heads_q: int) -> Optional[Tensor]:
+    """alibi_slopes, (Hq,) or (*batch, Hq), as the ops take it: (prod(batch), Hq), a view where
+    the layout allows (the ops check dtype and device)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, Tensor):
+        raise TypeError(f"flashattn_ext: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if tuple(alibi_slopes.shape) not in ((heads_q,), (*batch, heads_q)):
+        raise RuntimeError(
+            f"flashattn_ext: alibi_slopes must have shape ({heads_q},) or {(*batch, heads_q)} (one slope a query "
+            f"head, or one a batch element and query head), got {tuple(alibi_slopes.shape)}"
+        )
+    return alibi_slopes.expand(*batch, heads_q).reshape(math.prod(batch), heads_q)
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:

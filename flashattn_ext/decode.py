@@ -5,7 +5,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .attention import default_scale, softcap_value, window_bounds
+from .attention import default_scale, per_head_slopes, softcap_value, window_bounds
 
 
 def decode_attention(
@@ -21,6 +21,7 @@ def decode_attention(
     scale: Optional[float] = None,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
@@ -36,8 +37,9 @@ def decode_attention(
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (cache_seqlens itself is not changed), and the
     queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
-    new tokens in speculative decoding. window and softcap mean what they mean for attention_with_lse,
-    the window set around that bottom-right diagonal. With return_lse, also returns the log-sum-exp of
+    new tokens in speculative decoding. window, softcap and alibi_slopes ((Hq,) or (B, Hq); CPU only
+    for now) mean what they mean for attention_with_lse, the window and ALiBi's distance taken from
+    that bottom-right diagonal. With return_lse, also returns the log-sum-exp of
     each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no
     key gets out = 0 and lse = -inf.
 
@@ -59,8 +61,9 @@ def decode_attention(
     if scale is None:
         scale = default_scale(query.shape[-1] if query.dim() > 0 else 0)
     window_left, window_right = window_bounds(window)
+    slopes = per_head_slopes(alibi_slopes, tuple(query.shape[:1]), query.shape[1]) if query.dim() == 4 else alibi_slopes
     out, lse = torch.ops.flashattn_ext.decode_attention(
         query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale),
-        window_left, window_right, softcap_value(softcap),
+        window_left, window_right, softcap_value(softcap), slopes,
     )
     return (out, lse) if return_lse else out

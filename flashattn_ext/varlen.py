@@ -28,6 +28,7 @@ def varlen_attention(
     causal_lower_right: bool = False,
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of each sequence's queries over its own keys, on packed tensors.
@@ -37,9 +38,9 @@ def varlen_attention(
     key and value. cu_seqlens_*: 1-d int32 or int64, starting at 0, non-decreasing, ending at the
     total; max_seqlen_*: at least the longest sequence. Hkv must divide Hq (GQA without copies).
     The options mean what they mean for attention_with_lse (is_causal top-left unless
-    causal_lower_right; window; softcap; dropout). Returns out (total_q, Hq, Ev) and, with
-    return_lse, the log-sum-exp (Hq, total_q) in float32 (float64 for float64 inputs), as
-    flash-attn's varlen call does.
+    causal_lower_right; window; softcap; dropout; alibi_slopes, here (Hq,) or (sequences, Hq)).
+    Returns out (total_q, Hq, Ev) and, with return_lse, the log-sum-exp (Hq, total_q) in float32
+    (float64 for float64 inputs), as flash-attn's varlen call does.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor) or tensor.dim() != 3:
@@ -63,8 +64,14 @@ def varlen_attention(
     def heads_first(t, begin, end):
         return t[begin:end].transpose(0, 1).unsqueeze(0)
 
+    sequences = len(starts_q) - 1
+    per_sequence_slopes = isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2
+    if per_sequence_slopes and alibi_slopes.shape[0] != sequences:
+        raise RuntimeError(
+            f"flashattn_ext: alibi_slopes has {alibi_slopes.shape[0]} rows but there are {sequences} sequences"
+        )
     outs, lses = [], []
-    for b in range(len(starts_q) - 1):
+    for b in range(sequences):
         out, lse = attention_with_lse(
             heads_first(query, starts_q[b], starts_q[b + 1]),
             heads_first(key, starts_k[b], starts_k[b + 1]),
@@ -76,6 +83,7 @@ def varlen_attention(
             causal_lower_right=causal_lower_right,
             window=window,
             softcap=softcap,
+            alibi_slopes=alibi_slopes[b] if per_sequence_slopes else alibi_slopes,
         )
         outs.append(out[0].transpose(0, 1))  # (tokens, heads, Ev)
         lses.append(lse[0])  # (heads, tokens)

@@ -34,13 +34,13 @@ ERROR_FLOOR = {torch.float32: 2e-7, torch.float16: 5e-4, torch.bfloat16: 4e-3}
 
 
 def naive_attention(q, k, v, is_causal=False, causal_lower_right=False, scale=None, enable_gqa=False, window=None,
-                    softcap=None, attn_mask=None):
+                    softcap=None, attn_mask=None, alibi_slopes=None):
     """softmax(Q K^T * scale) V with the whole score matrix in memory, in the inputs' dtype.
 
     window=(left, right) (None: open side) hides keys outside [i + d - left, i + d + right], d the
-    causal diagonal's offset; softcap=c replaces the scaled scores s by c * tanh(s / c); attn_mask
-    (bool or float) applies after it. Returns (out, lse). Rows that see no key give out = 0 and
-    lse = -inf."""
+    causal diagonal's offset; softcap=c replaces the scaled scores s by c * tanh(s / c); alibi_slopes
+    ((Hq,) or (B, Hq)) then subtracts slope * |i + d - j|; attn_mask (bool or float) applies after
+    them. Returns (out, lse). Rows that see no key give out = 0 and lse = -inf."""
     if enable_gqa:
         group = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(group, dim=-3)
@@ -48,17 +48,19 @@ def naive_attention(q, k, v, is_causal=False, causal_lower_right=False, scale=No
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     scores = (q @ k.transpose(-2, -1)) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     len_q, len_k = q.shape[-2], k.shape[-2]
-    left, right = window if window is not None else (None, None)
-    if is_causal:
-        right = 0
     offset = len_k - len_q if causal_lower_right else 0
     rows = torch.arange(len_q, device=q.device)[:, None]
     cols = torch.arange(len_k, device=q.device)[None, :]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes[..., None, None] * (rows + offset - cols).abs().to(scores.dtype)
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
+    left, right = window if window is not None else (None, None)
+    if is_causal:
+        right = 0
     if right is not None:
         scores = scores.masked_fill(cols > rows + offset + right, -math.inf)
     if left is not None:

@@ -46,10 +46,13 @@ def sequence_rows(cache, b, length, block_table):
     return rows.transpose(0, 1)
 
 
-def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale, **options):
-    """(out, lse) in float64, one sequence at a time; options: naive_attention's window and softcap."""
+def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale, alibi_slopes=None, **options):
+    """(out, lse) in float64, one sequence at a time; options: naive_attention's window and softcap;
+    alibi_slopes (Hq,) or (B, Hq)."""
     outs, lses = [], []
     for b, length in enumerate(lengths):
+        if alibi_slopes is not None:
+            options["alibi_slopes"] = (alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes).double()
         if length == 0:  # no key: out 0, lse -inf (naive_attention cannot reduce over no key)
             heads, len_q = query.shape[1], query.shape[2]
             outs.append(torch.zeros(1, heads, len_q, value_cache.shape[-1], dtype=torch.float64))
@@ -120,6 +123,38 @@ def test_window_and_softcap(options, block_size, dtype, device):
     assert torch.equal(torch.isfinite(lse), seen)
     assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
     assert torch.all(out[~seen] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["per_head", "per_sequence"])
+def test_alibi_on_cpu(per_sequence, block_size, dtype):
+    """ALiBi's distances from the bottom-right diagonal, with a causal window on top."""
+    gen = torch.Generator().manual_seed(8)
+    capacity, dim = 40, 32
+    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
+    lengths = [0, 21, capacity]
+    query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
+    slopes = torch.tensor([2.0 ** -(h + 1) for h in range(8)])
+    if per_sequence:
+        slopes = torch.stack([slopes, slopes.flip(0), slopes * 0.5])
+    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths), block_table=table,
+                                              is_causal=True, window=(30, None), alibi_slopes=slopes, return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, True, 1 / math.sqrt(dim),
+                                   alibi_slopes=slopes, window=(30, None))
+    assert relative_error(out, want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+
+
+@cuda_test
+def test_cuda_takes_no_alibi_yet():
+    call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda().half(), key_cache=torch.randn(2, 2, 10, 8).cuda().half(),
+                        value_cache=torch.randn(2, 2, 10, 8).cuda().half(), cache_seqlens=torch.tensor([3, 10]).cuda(),
+                        alibi_slopes=torch.ones(4).cuda())
+    with pytest.raises(NotImplementedError, match="takes no alibi_slopes yet"):
+        call()
 
 
 @cuda_test

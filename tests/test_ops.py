@@ -90,6 +90,22 @@ def test_opcheck_backward(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_gradcheck_with_alibi(device):
+    """ALiBi's slopes as an (Hq,) vector expanded to (batch, Hq): read in place through stride 0."""
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), torch.float64, device)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device).expand(2, 4)
+    args = (q, k, v, None, 0.0, True, True, 0.5, -1, -1, 0.0, slopes)
+    torch.library.opcheck(ops.attention_forward.default, args)
+    assert torch.autograd.gradcheck(lambda q, k, v: ops.attention_forward(q, k, v, *args[3:])[0], (q, k, v))
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse, rng_state = ops.attention_forward(q, k, v, *args[3:])
+    torch.library.opcheck(
+        ops.attention_backward.default,
+        (torch.randn_like(out), q, k, v, out, lse, rng_state, None, 0.0, True, True, 0.5, False, -1, -1, 0.0, slopes),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_with_dropout(device):
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)

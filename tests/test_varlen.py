@@ -20,8 +20,9 @@ def cumulative(lengths, device):
 @pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
 @pytest.mark.parametrize(
     "options",
-    [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True), dict(window=(20, 3), softcap=3.0)],
-    ids=["full", "causal", "causal_lower_right", "window_softcap"],
+    [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True), dict(window=(20, 3), softcap=3.0),
+     dict(alibi_slopes="per_head", is_causal=True), dict(alibi_slopes="per_sequence")],
+    ids=["full", "causal", "causal_lower_right", "window_softcap", "alibi_causal", "alibi_per_sequence"],
 )
 def test_matches_float64_sequence_by_sequence(options, device, dtype):
     gen = torch.Generator().manual_seed(0)
@@ -33,9 +34,16 @@ def test_matches_float64_sequence_by_sequence(options, device, dtype):
     # The reference takes the values the kernels see: the inputs rounded to dtype.
     q, k, v, dout = (t.to(dtype).double() for t in (q, k, v, dout))
 
+    # ALiBi: one slope a query head, or one a sequence and query head.
+    options = dict(options)
+    slopes = {"per_head": torch.tensor([0.5, 0.25, 0.125, 0.0625]),
+              "per_sequence": torch.rand(len(LENGTHS_Q), heads_q, generator=gen)}.get(options.pop("alibi_slopes", None))
+    slopes_of = (lambda b: None) if slopes is None else (lambda b: (slopes[b] if slopes.dim() == 2 else slopes).double())
+
     leaves = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
     out, lse = flashattn_ext.varlen_attention(*leaves, cumulative(LENGTHS_Q, device), cumulative(LENGTHS_K, device),
-                                              max(LENGTHS_Q), max(LENGTHS_K), scale=0.4, return_lse=True, **options)
+                                              max(LENGTHS_Q), max(LENGTHS_K), scale=0.4, return_lse=True,
+                                              alibi_slopes=None if slopes is None else slopes.to(device), **options)
     grads = torch.autograd.grad(out, leaves, dout.to(device=device, dtype=dtype))
     assert out.shape == (sum(LENGTHS_Q), heads_q, dim_v) and lse.shape == (heads_q, sum(LENGTHS_Q))
 
@@ -43,13 +51,14 @@ def test_matches_float64_sequence_by_sequence(options, device, dtype):
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, want_lse = [], []
     bq, bk = 0, 0
-    for lq, lk in zip(LENGTHS_Q, LENGTHS_K):
+    for b, (lq, lk) in enumerate(zip(LENGTHS_Q, LENGTHS_K)):
         args = [ref[0][bq:bq + lq], ref[1][bk:bk + lk], ref[2][bk:bk + lk]]
         if lk == 0:
             o = args[0].new_zeros(lq, heads_q, dim_v) + 0 * args[0].sum()
             lse_b = torch.full((heads_q, lq), -torch.inf, dtype=torch.float64)
         else:
-            o, lse_b = naive_attention(*(a.transpose(0, 1) for a in args), scale=0.4, enable_gqa=True, **options)
+            o, lse_b = naive_attention(*(a.transpose(0, 1) for a in args), scale=0.4, enable_gqa=True,
+                                       alibi_slopes=slopes_of(b), **options)
             o, lse_b = o.transpose(0, 1), lse_b
         want_out.append(o)
         want_lse.append(lse_b)

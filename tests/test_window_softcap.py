@@ -1,6 +1,6 @@
-"""Sliding-window attention and logit softcapping (attention_with_lse's window and softcap): values,
-log-sum-exps and gradients against the naive attention in float64, within twice the naive
-attention's own error in the inputs' dtype (plus a floor). Lengths above the CPU kernels' 128-row
+"""Sliding-window attention, logit softcapping and ALiBi (attention_with_lse's window, softcap and
+alibi_slopes): values, log-sum-exps and gradients against the naive attention in float64, within
+twice the naive attention's own error in the inputs' dtype (plus a floor). Lengths above the CPU kernels' 128-row
 tiles, so that whole tiles outside the window are skipped; on CUDA the calls take the ATen fallback
 for now, which the CPU runs too under FLASHATTN_EXT_KERNELS=aten."""
 import math
@@ -34,7 +34,11 @@ def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None,
         if mask is not None:
             m = mask.to(device=device, dtype=torch.bool if mask.dtype == torch.bool else cast)
             m.requires_grad_(mask_grad)
-        out, lse = fn(*leaves, attn_mask=m, **options)
+        kwargs = dict(options)
+        if "alibi_slopes" in kwargs:  # float32 for ours; the naive attention's in its own dtype
+            slopes = kwargs["alibi_slopes"]
+            kwargs["alibi_slopes"] = slopes.to(device, slopes.dtype if fn is flashattn_ext.attention_with_lse else cast)
+        out, lse = fn(*leaves, attn_mask=m, **kwargs)
         wrt = leaves + ([m] if mask_grad else [])
         grads = torch.autograd.grad(out, wrt, dout.to(device=device, dtype=cast))
         return [out.detach(), lse.detach(), *grads]
@@ -59,6 +63,12 @@ def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None,
             assert error <= budget, f"{name}: {error:.3g} > {budget:.3g}"
 
 
+# ALiBi's geometric slopes for 4 heads (2^-2 .. 2^-8, as in the paper), and one set a batch element;
+# float32, as the ops take them. Against scores of a few units they fade keys some tens away.
+ALIBI_SLOPES = torch.tensor([2.0 ** (-2 * (h + 1)) for h in range(4)])
+ALIBI_SLOPES_PER_BATCH = torch.stack([ALIBI_SLOPES, ALIBI_SLOPES.flip(0) * 0.5])
+
+
 @pytest.fixture(params=["kernels", "aten"])
 def implementation(request, monkeypatch):
     """The device's kernels, or the ATen fallback (read at each call)."""
@@ -78,8 +88,13 @@ def implementation(request, monkeypatch):
         dict(window=(130, None), causal_lower_right=True),  # left side only
         dict(softcap=2.0),
         dict(softcap=2.0, window=(33, 0), is_causal=True, causal_lower_right=True),  # Gemma 2's local layers
+        dict(alibi_slopes=ALIBI_SLOPES),  # distances on both sides of the diagonal
+        dict(alibi_slopes=ALIBI_SLOPES, is_causal=True, causal_lower_right=True),
+        dict(alibi_slopes=ALIBI_SLOPES_PER_BATCH, is_causal=True),
+        dict(alibi_slopes=ALIBI_SLOPES, softcap=2.0, window=(100, 30)),
     ],
-    ids=["causal_window", "two_sided", "right_only", "left_only", "softcap", "softcap_causal_window"],
+    ids=["causal_window", "two_sided", "right_only", "left_only", "softcap", "softcap_causal_window", "alibi",
+         "alibi_causal_lower_right", "alibi_per_batch_causal", "alibi_softcap_window"],
 )
 def test_matches_float64(options, len_q, len_k, device, dtype, implementation):
     check(device, dtype, len_q, len_k, options)
@@ -133,5 +148,41 @@ def test_double_backward_with_window_and_softcap():
 
     def fn(q_, k_, v_):
         return flashattn_ext.attention_with_lse(q_, k_, v_, is_causal=True, window=(3, None), softcap=1.5)[0]
+
+    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_alibi_equals_sdpa_with_the_bias_as_a_float_mask(device):
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 3, 150, 16, generator=gen).to(device) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.125, 0.03125], device=device)
+    rows, cols = torch.arange(150, device=device)[:, None], torch.arange(150, device=device)[None, :]
+    bias = -slopes[:, None, None] * (rows - cols).abs()
+    out, _ = flashattn_ext.attention_with_lse(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias.expand(2, 3, 150, 150)))
+
+
+def test_alibi_slopes_are_checked():
+    q = torch.randn(2, 4, 8, 16)
+    with pytest.raises(RuntimeError, match=r"alibi_slopes must have shape \(4,\) or \(2, 4\)"):
+        flashattn_ext.attention_with_lse(q, q, q, alibi_slopes=torch.ones(3))
+    with pytest.raises(TypeError, match="alibi_slopes must be float32"):
+        flashattn_ext.attention_with_lse(q, q, q, alibi_slopes=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="alibi_slopes must be a torch.Tensor"):
+        flashattn_ext.attention_with_lse(q, q, q, alibi_slopes=[1.0] * 4)
+    with pytest.raises(RuntimeError, match=r"alibi_slopes must have shape \(batch, query heads\)"):
+        torch.ops.flashattn_ext.attention_forward(q, q, q, None, 0.0, False, False, 0.25, -1, -1, 0.0, torch.ones(4))
+
+
+def test_alibi_slopes_get_no_gradient_and_double_backward_works():
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.3, 0.05], requires_grad=True)
+    out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, alibi_slopes=slopes)
+    assert torch.autograd.grad(out.sum(), slopes, allow_unused=True)[0] is None
+
+    def fn(q_, k_, v_):
+        return flashattn_ext.attention_with_lse(q_, k_, v_, alibi_slopes=slopes.detach(), softcap=1.5)[0]
 
     assert torch.autograd.gradgradcheck(fn, (q, k, v))

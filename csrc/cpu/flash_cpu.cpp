@@ -249,22 +249,25 @@ struct HeadDropout {
 };
 
 // scores[r][c] = scale * <q_r, k_c> (in A), softcapped (softcap > 0; its
-// derivative into softcap_grad where given), with the mask applied, or -inf
+// derivative into softcap_grad where given), less ALiBi's alibi_slope times the
+// distance from the diagonal (slope 0: none), with the mask applied, or -inf
 // where query row0 + r may not see key col0 + c.
 template <typename T, typename A, typename G>
 void compute_scores(const G* q, const G* k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
-                    const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+                    A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
                     DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
   tile_matmul(q, false, k, true, rows, cols, dim, score_tile.gemm());
   A* scores = score_tile.from_gemm(rows * cols);
   for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
-  if (!partial && mask.kind == MaskKind::kNone) return;  // the common tile
+  if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = row0 + r, j = col0 + c;
       A& score = scores[r * cols + c];
-      score = partial && !vis.visible(row0 + r, col0 + c) ? kNegInf<A> : mask.apply(score, row0 + r, col0 + c);
+      score = partial && !vis.visible(i, j) ? kNegInf<A>
+                                            : mask.apply(score - alibi_slope * static_cast<A>(vis.distance(i, j)), i, j);
     }
   }
 }
@@ -296,6 +299,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       const HeadDropout<A> dropout(params.dropout, p, b, h);
+      const A slope = static_cast<A>(alibi_slope(p, b, h));
       load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
@@ -306,7 +310,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
         if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, vis, mask, row0, col0, score_tile);
+        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, slope, vis, mask, row0, col0, score_tile);
         A* scores = score_tile.acc();
 
         // Online softmax: fold this tile into the running max, sum and output.
@@ -362,14 +366,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // that the output used. Rows with lse = -inf see no key. With softcapping, dS
 // is the gradient of the capped scores; softcap_grad receives the cap's
 // derivative, for the caller to carry dS through it (see raw_score_gradient).
-// The results are in the tiles' acc() halves.
+// (b, h): the head, for ALiBi's slope. The results are in the tiles' acc() halves.
 template <typename T, typename A, typename G>
 void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* lse, const A* delta, int64_t rows,
-                    int64_t cols, const AttentionProblem& p, const Visibility& vis, const HeadMask<T, A>& mask,
-                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
-                    DualTile<A, G>& dscore_tile, A* softcap_grad, A* dropped = nullptr) {
-  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap), vis, mask, row0,
-                 col0, prob_tile, softcap_grad);
+                    int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
+                    const HeadMask<T, A>& mask, const HeadDropout<A>& dropout, int64_t row0, int64_t col0,
+                    DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad, A* dropped = nullptr) {
+  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap),
+                 static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
   tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscore_tile.gemm());  // dP = dO V^T, then dS in place
   A* dscores = dscore_tile.from_gemm(rows * cols);
   A* probs = prob_tile.acc();
@@ -479,7 +483,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
         // P, dS (and P Z with dropout) of one tile pair.
         auto recompute = [&](int64_t col0, int64_t cols, const A* row_delta) {
           recompute_tile(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, row_delta, rows,
-                         cols, p, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
+                         cols, p, b, h, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
                          dropout.enabled ? dropped_tile.acc() : nullptr);
         };
 
@@ -629,6 +633,7 @@ void decode_attention(const DecodeParams& params) {
       // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
       const Visibility vis(p, params.cache_seqlens.at(0, b) + params.len_new);
       const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
+      const A slope = static_cast<A>(alibi_slope(p, b, h));
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());
       scores.resize(key_end - key_begin);
       A row_max = kNegInf<A>;
@@ -639,6 +644,7 @@ void decode_attention(const DecodeParams& params) {
         A& score = scores[j - key_begin];
         score = dot * scale;
         if (softcap > A(0)) score = softcap * std::tanh(score / softcap);
+        score -= slope * static_cast<A>(vis.distance(i, j));
         row_max = std::max(row_max, score);
       }
       std::fill(acc.begin(), acc.end(), A(0));

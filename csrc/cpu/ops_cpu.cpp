@@ -31,11 +31,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::T
                                                                      double dropout_p, bool is_causal,
                                                                      bool causal_lower_right, double scale,
                                                                      int64_t window_left, int64_t window_right,
-                                                                     double softcap) {
+                                                                     double softcap,
+                                                                     const std::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out, lse;
   FwdParams params = prepare_forward(
-      q, k, v, {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}, out,
-      lse);
+      q, k, v,
+      {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes},
+      out, lse);
   const at::Tensor rng_state = draw_rng_state(dropout_p);
   if (fallback_requested()) {
     fallback_forward(q, k, v, attn_mask, rng_state, dropout_p, params.problem, out, lse);
@@ -51,11 +53,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
-    int64_t window_right, double softcap) {
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   at::Tensor dq, dk, dv, dmask;
   const BwdParams params = prepare_backward(
       dout, q, k, v, out, lse, rng_state,
-      {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap},
+      {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes},
       compute_grad_attn_mask, dq, dk, dv, dmask);
   if (fallback_requested()) {
     fallback_backward(dout, q, k, v, attn_mask, rng_state, dropout_p, params.problem, dq, dk, dv, dmask);
@@ -81,11 +83,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& k_new,
                                                         const std::optional<at::Tensor>& v_new, bool is_causal,
                                                         double scale, int64_t window_left, int64_t window_right,
-                                                        double softcap) {
+                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   at::Tensor out, lse;
   const DecodeParams params = prepare_decode(
       {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
-       softcap},
+       softcap, alibi_slopes},
       out, lse);
   check_decode_values_on_host(params);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention_cpu",

@@ -35,8 +35,8 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
-  if (p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.0) {
-    return std::string("the CUDA kernels take no sliding window or softcap yet");
+  if (p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.0 || p.alibi_slopes != nullptr) {
+    return std::string("the CUDA kernels take no sliding window, softcap or ALiBi yet");
   }
   return std::nullopt;
 }
@@ -111,12 +111,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
                                                                       double dropout_p, bool is_causal,
                                                                       bool causal_lower_right, double scale,
                                                                       int64_t window_left, int64_t window_right,
-                                                                      double softcap) {
+                                                                      double softcap,
+                                                                      const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor out, lse;
   const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
-                                 window_left, window_right, softcap};
+                                 window_left, window_right, softcap,   alibi_slopes};
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
   FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
@@ -141,11 +142,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
-    int64_t window_right, double softcap) {
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, dmask;
   const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
-                                 window_left, window_right, softcap};
+                                 window_left, window_right, softcap,   alibi_slopes};
   const at::Tensor dout_rows = with_aligned_rows(dout), q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k),
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
@@ -192,8 +193,11 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                                                          const std::optional<at::Tensor>& k_new,
                                                          const std::optional<at::Tensor>& v_new, bool is_causal,
                                                          double scale, int64_t window_left, int64_t window_right,
-                                                         double softcap) {
+                                                         double softcap,
+                                                         const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
+  TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
+                              "flashattn_ext: decode_attention on CUDA takes no alibi_slopes yet (on the CPU it does)");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
