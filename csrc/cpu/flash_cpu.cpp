@@ -276,7 +276,10 @@ void compute_scores(const G* q, const G* k, int64_t rows, int64_t cols, int64_t 
 // the log-sum-exp in the type L; with kWithOutput the output goes to params.out.
 template <typename T, bool kWithOutput = true, typename L>
 void forward_tiles(const FwdParams& params, L* lse_all) {
-  using A = Acc<T>;
+  // The forward's softmax runs in float for float32 inputs too, as torch's CPU
+  // kernel does (the running max keeps exp's arguments near 0): only the
+  // backward needs double. The backward's own LSE pass (no output) stays in Acc.
+  using A = std::conditional_t<kWithOutput && std::is_same_v<T, float>, float, Acc<T>>;
   using G = Gemm<T>;
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
