@@ -226,7 +226,9 @@ def per_head_slopes(alibi_slopes: Optional[Tensor], batch: Tuple[int, ...], head
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, Tensor):
-        raise TypeError(f"flashattn_ext: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+        raise TypeError(
+            f"flashattn_ext: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}"
+        )
     if tuple(alibi_slopes.shape) not in ((heads_q,), (*batch, heads_q)):
         raise RuntimeError(
             f"flashattn_ext: alibi_slopes must have shape ({heads_q},) or {(*batch, heads_q)} (one slope a query "

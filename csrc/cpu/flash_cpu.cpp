@@ -266,8 +266,8 @@ void compute_scores(const G* q, const G* k, int64_t rows, int64_t cols, int64_t 
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = row0 + r, j = col0 + c;
       A& score = scores[r * cols + c];
-      score = partial && !vis.visible(i, j) ? kNegInf<A>
-                                            : mask.apply(score - alibi_slope * static_cast<A>(vis.distance(i, j)), i, j);
+      const A biased = score - alibi_slope * static_cast<A>(vis.distance(i, j));
+      score = partial && !vis.visible(i, j) ? kNegInf<A> : mask.apply(biased, i, j);
     }
   }
 }
