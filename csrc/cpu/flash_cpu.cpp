@@ -21,10 +21,10 @@ namespace {
 constexpr int64_t kBlockQ = 128;  // query rows per task
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
 
-// The softmax and every sum run in Acc: float for 16-bit types, double for
-// float and double. (In float the backward's P = exp(S - lse) carried |lse|
-// units of rounding: float32 gradients came out up to 3x less accurate than
-// torch's math backend.)
+// The backward's softmax and every sum run in Acc: float for 16-bit types,
+// double for float and double (the forward's: see forward_tiles). (In float
+// the backward's P = exp(S - lse) carried |lse| units of rounding: float32
+// gradients came out up to 3x less accurate than torch's math backend.)
 template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, float>, double, float>;
 
@@ -151,9 +151,10 @@ class DualTile {
     if constexpr (!kShared) tile_tensor(acc_.data(), n).copy_(tile_tensor(gemm_.data(), n));
     return acc();
   }
-  // exp of the first n values of acc, in G: for float32 inputs the arguments
-  // are formed in double (S - lse: |lse| units of float rounding otherwise),
-  // and P is rounded to float for its products anyway. Both halves hold P.
+  // exp of the first n values of acc, in G: where A is double for float32
+  // inputs, the arguments are formed in double (S - lse: |lse| units of float
+  // rounding otherwise), and P is rounded to float for its products anyway.
+  // Both halves hold P.
   void exp_in_gemm_type(int64_t n) {
     at::Tensor gemm_values = tile_tensor(to_gemm(n), n);
     at::exp_(gemm_values);
