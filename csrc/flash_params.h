@@ -78,9 +78,9 @@ struct FwdParams {
 // (batch, heads_q, len_q, len_k) and zero-filled beforehand.
 // delta is a contiguous (batch, heads_q, len_q) workspace of the lse's type that
 // the CUDA glue allocates for its kernels; the CPU backward keeps its own.
-// dq_accum (CUDA only), when set, is a zero-filled float32 workspace (its size
-// from cuda::dq_accum_floats): the dK/dV pass then adds dQ into it with atomics
-// instead of a separate, deterministic dQ pass.
+// dq_accum (CUDA only), when set, is a float32 workspace (its size from
+// cuda::dq_accum_floats) that the delta pass zero-fills: the dK/dV pass then
+// adds dQ into it with atomics instead of a separate, deterministic dQ pass.
 struct BwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out, dout, dq, dk, dv;

@@ -14,10 +14,11 @@ enum class ElementType { kFloat16, kBFloat16 };
 constexpr int kMaxHeadDim = 256;
 
 // Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
-// delta = rowsum(dO * O) per query row, into params.delta.
+// delta = rowsum(dO * O) per query row, into params.delta; zero-fills
+// params.dq_accum where set. Runs before the kernels that read either.
 void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Floats of the zero-filled dq_accum workspace of the atomic-dQ backwards (its
+// Floats of the dq_accum workspace of the atomic-dQ backwards (its
 // layout: kDqAccumRowMultiple in flash_common.cuh), or 0 where the problem has
 // none (head dim above sm80::kMaxAtomicDqHeadDim).
 int64_t dq_accum_floats(const AttentionProblem& p);

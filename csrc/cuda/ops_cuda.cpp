@@ -164,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   at::Tensor dq_accum;
   const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
   if (!at::globalContext().deterministicAlgorithms() && dq_accum_floats > 0) {
-    dq_accum = at::zeros({dq_accum_floats}, q.options().dtype(at::kFloat));
+    dq_accum = at::empty({dq_accum_floats}, q.options().dtype(at::kFloat));  // the delta pass zeroes it
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
