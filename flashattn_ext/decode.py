@@ -37,9 +37,9 @@ def decode_attention(
     cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 (cache_seqlens itself is not changed), and the
     queries then see all cache_seqlens[b] + S_new keys. is_causal aligns the mask bottom-right within
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
-    new tokens in speculative decoding. window, softcap and alibi_slopes ((Hq,) or (B, Hq); CPU only
-    for now) mean what they mean for attention_with_lse, the window and ALiBi's distance taken from
-    that bottom-right diagonal. With return_lse, also returns the log-sum-exp of
+    new tokens in speculative decoding. window, softcap and alibi_slopes ((Hq,) or (B, Hq)) mean what
+    they mean for attention_with_lse, the window and ALiBi's distance taken from that bottom-right
+    diagonal. With return_lse, also returns the log-sum-exp of
     each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no
     key gets out = 0 and lse = -inf.
 

@@ -125,11 +125,13 @@ def test_window_and_softcap(options, block_size, dtype, device):
     assert torch.all(out[~seen] == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["per_head", "per_sequence"])
-def test_alibi_on_cpu(per_sequence, block_size, dtype):
+@pytest.mark.parametrize("device", DEVICES)
+def test_alibi(per_sequence, block_size, dtype, device):
     """ALiBi's distances from the bottom-right diagonal, with a causal window on top."""
+    skip_unless_covered(device, dtype)
     gen = torch.Generator().manual_seed(8)
     capacity, dim = 40, 32
     key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
@@ -138,8 +140,11 @@ def test_alibi_on_cpu(per_sequence, block_size, dtype):
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(8)])
     if per_sequence:
         slopes = torch.stack([slopes, slopes.flip(0), slopes * 0.5])
-    out, lse = flashattn_ext.decode_attention(query, key_cache, value_cache, torch.tensor(lengths), block_table=table,
-                                              is_causal=True, window=(30, None), alibi_slopes=slopes, return_lse=True)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
+                                              block_table=on(table), is_causal=True, window=(30, None),
+                                              alibi_slopes=on(slopes), return_lse=True)
+    out, lse = out.cpu(), lse.cpu()
     want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, True, 1 / math.sqrt(dim),
                                    alibi_slopes=slopes, window=(30, None))
     assert relative_error(out, want_out) <= TOLERANCE[dtype]
@@ -148,13 +153,8 @@ def test_alibi_on_cpu(per_sequence, block_size, dtype):
     assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
 
 
-@cuda_test
-def test_cuda_takes_no_alibi_yet():
-    call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda().half(), key_cache=torch.randn(2, 2, 10, 8).cuda().half(),
-                        value_cache=torch.randn(2, 2, 10, 8).cuda().half(), cache_seqlens=torch.tensor([3, 10]).cuda(),
-                        alibi_slopes=torch.ones(4).cuda())
-    with pytest.raises(NotImplementedError, match="takes no alibi_slopes yet"):
-        call()
+# ALiBi's usual slopes for 32 heads: 2^-0.25 down to 2^-8.
+ALIBI_SLOPES_32 = torch.tensor([2.0 ** (-8 * (h + 1) / 32) for h in range(32)])
 
 
 @cuda_test
@@ -162,12 +162,12 @@ def test_cuda_takes_no_alibi_yet():
 @pytest.mark.parametrize(
     "options",
     [dict(window=(700, 0), is_causal=True), dict(window=(300, 40)), dict(softcap=2.0),
-     dict(softcap=2.0, window=(1000, None))],
-    ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window"],
+     dict(softcap=2.0, window=(1000, None)), dict(alibi_slopes=ALIBI_SLOPES_32, is_causal=True)],
+    ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window", "alibi"],
 )
 def test_window_and_softcap_across_chunks_on_cuda(options, block_size):
     """The same against caches of a few thousand keys: the window covers some of a sequence's chunks
-    and part of others (the chunks before it do no work)."""
+    and part of others (the chunks before it do no work); ALiBi's distances run into the thousands."""
     gen = torch.Generator().manual_seed(7)
     dtype, capacity, dim = torch.bfloat16, 4096, 128
     key_cache, value_cache, table = make_cache(2, 8, capacity, dim, dim, dtype, block_size, gen)
@@ -175,10 +175,11 @@ def test_window_and_softcap_across_chunks_on_cuda(options, block_size):
     query = torch.randn(2, 32, 3, dim, generator=gen).to(dtype)
     options = dict(options)
     is_causal = options.pop("is_causal", False)
+    on_cuda = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in options.items()}
     out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
                                               torch.tensor(lengths).cuda(), is_causal=is_causal,
                                               block_table=None if table is None else table.cuda(), return_lse=True,
-                                              **options)
+                                              **on_cuda)
     want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
                                    **options)
     assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]

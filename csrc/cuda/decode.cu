@@ -119,7 +119,7 @@ struct TileRows {
 // out_partial (batch, heads_q, len_q, chunks, head_dim_v) and lse_partial
 // (batch, heads_q, len_q, chunks), float; a chunk that a row sees no key of
 // gets lse -inf.
-template <typename Elem, typename Cfg>
+template <typename Elem, typename Cfg, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const DecodeParams params, float* out_partial,
                                                                       float* lse_partial, int keys_per_chunk,
                                                                       int chunks) {
@@ -248,14 +248,19 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   }
 
   // This lane's two rows (lane / 4 and lane / 4 + 8 of the block) see keys
-  // [row_begin, row_end); rows past the block's see none.
-  int64_t row_begin[2], row_end[2];
+  // [row_begin, row_end); rows past the block's see none. kAlibi: each row's
+  // slope in log2 units, times its distance from key j (a template flag: the
+  // 64-bit distances cost the kernels without ALiBi up to 23 registers).
+  int64_t row_begin[2], row_end[2], row_token[2];
+  float alibi_log2[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = lane / 4 + half * 8;
-    const int64_t token = row_of(r).token;
-    row_begin[half] = r >= rows ? 0 : vis.key_begin(token);
-    row_end[half] = r >= rows ? 0 : min(vis.key_end(token), key_end);
+    const QueryRow row = row_of(r);
+    row_token[half] = row.token;
+    row_begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
+    row_end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
+    alibi_log2[half] = kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
   }
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
@@ -301,7 +306,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
-        if (j < row_begin[e / 2] || j >= row_end[e / 2]) s[0][nt][e] = -INFINITY;
+        if (j < row_begin[e / 2] || j >= row_end[e / 2]) {
+          s[0][nt][e] = -INFINITY;
+        } else if constexpr (kAlibi) {
+          s[0][nt][e] -= alibi_log2[e / 2] * static_cast<float>(vis.distance(row_token[e / 2], j));
+        }
       }
     }
     // Online softmax; each row lives in the 4 lanes of a quad.
@@ -417,7 +426,7 @@ __global__ void merge_chunks_kernel(const DecodeParams params, const float* out_
 template <typename Elem, typename Cfg>
 int blocks_per_multiprocessor() {
   static const int blocks = [] {
-    const auto kernel = decode_chunks_kernel<Elem, Cfg>;
+    const auto kernel = decode_chunks_kernel<Elem, Cfg, false>;  // (the ALiBi kernel's count is the same)
     const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     int count = 0;
@@ -480,12 +489,14 @@ void decode_attention(const DecodeParams& params, ElementType type, float* out_p
       using Cfg = decltype(cfg);
       // Chunks of whole tiles.
       const int64_t keys_per_chunk = ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN;
-      const auto kernel = decode_chunks_kernel<Elem, Cfg>;
       const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
       const int64_t blocks = chunks * p.heads_kv * row_blocks(p) * p.batch;
-      kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(
-          params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), chunks);
+      dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
+        const auto kernel = decode_chunks_kernel<Elem, Cfg, decltype(alibi)::value>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+        kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(
+            params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), chunks);
+      });
     });
     merge_chunks_kernel<Elem><<<static_cast<unsigned>(ceil_div(rows, kMergeWarps)), kMergeWarps * kWarpSize, 0,
                                 stream>>>(params, out_partial, lse_partial, chunks);

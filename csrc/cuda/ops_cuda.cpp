@@ -196,14 +196,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                                                          double softcap,
                                                          const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  TORCH_CHECK_NOT_IMPLEMENTED(!alibi_slopes.has_value(),
-                              "flashattn_ext: decode_attention on CUDA takes no alibi_slopes yet (on the CPU it does)");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
   const DecodeParams params = prepare_decode(
       {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
-       softcap},
+       softcap, alibi_slopes},
       out, lse);
   const AttentionProblem& p = params.problem;
   TORCH_CHECK(p.head_dim <= cuda::kMaxHeadDim && p.head_dim_v <= cuda::kMaxHeadDim,
