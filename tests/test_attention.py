@@ -191,19 +191,45 @@ def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
     assert (q.grad[:, :, :5] == 0).all()
 
 
+# (len_q, len_k, causal alignment, head dim): query 0 of a causal call sees key 0 alone; bottom-right
+# with more queries than keys, query len_q - len_k does; with one key, every query does (and every
+# query of a long causal call but the first sees more).
+ONE_KEY_CASES = [(1, 9, "top_left", 40), (300, 300, "top_left", 128), (70, 20, "bottom_right", 64),
+                 (33, 1, None, 128), (200, 1, "top_left", 64)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_a_row_that_sees_one_key_gets_exact_zero_gradients_on_cpu(dtype):
-    """Query 0 of a causal call sees key 0 alone: its probability is 1, so dq = 0 and it adds 0
-    to dk, exactly, as SDPA gives (delta summed from P and dP, not from the rounded output).
-    (The CUDA kernels still leave noise there: issue 11.)"""
+@pytest.mark.parametrize("case", ONE_KEY_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-d{c[3]}")
+@pytest.mark.parametrize("kernels", ["default", "sm80", "deterministic"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_that_sees_one_key_gets_exact_zero_gradients(device, kernels, case, dtype, monkeypatch):
+    """A query row that sees one key has probability 1 there: its dq is 0 and it adds 0 to dk,
+    exactly, as SDPA gives, in every backward (the CPU's delta summed from P and dP; the CUDA
+    kernels' from the rounded output, zeroed for these rows), and its output is that key's value."""
+    if kernels != "default" and device == "cpu":
+        pytest.skip("the CUDA kernel families")
+    if kernels == "sm80":
+        monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    len_q, len_k, causal, dim = case
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 3, n, 40, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-               for n in (1, 9, 9))
-    dout = torch.randn(2, 3, 1, 40, generator=gen, dtype=torch.float64).to(dtype)
-    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    assert (dq == 0).all() and (dk == 0).all()
-    assert torch.equal(out, v[:, :, :1]) and torch.equal(dv[:, :, :1], dout) and (dv[:, :, 1:] == 0).all()
+    q, k, v = (torch.randn(2, 3, n, dim, generator=gen, dtype=torch.float64).to(dtype).to(device).requires_grad_()
+               for n in (len_q, len_k, len_k))
+    dout = torch.randn(2, 3, len_q, dim, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    first = len_q - len_k if causal == "bottom_right" else 0  # the first row that sees key 0 alone
+    alone = slice(None) if len_k == 1 else slice(first, first + 1)  # the rows that do
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(kernels == "deterministic")
+    try:
+        out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=causal is not None,
+                                                  causal_lower_right=causal == "bottom_right")
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert (dq[:, :, alone] == 0).all()
+    if len_k == 1 or len_q == 1:  # every row that sees key 0 sees it alone
+        assert (dk == 0).all()
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    assert torch.equal(out[:, :, alone], v[:, :, :1].expand_as(out[:, :, alone]))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -168,6 +168,24 @@ __device__ __forceinline__ int64_t visible_key_end(const AttentionProblem& p, in
   return p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
 }
 
+// Query rows that see key 0 and no other (a causal row whose diagonal passes
+// through key 0, or any row when there is one key) have probability 1 there,
+// so their dS = P (dP - delta) is exactly 0, as SDPA gives; the kernels' is
+// not (delta comes from the rounded output), so they zero it for these rows:
+// those of rows [row0, row0 + rows), as [begin, end) counted from row0.
+struct RowRange {
+  int begin, end;
+  __device__ __forceinline__ bool holds(int row) const { return unsigned(row - begin) < unsigned(end - begin); }
+};
+__device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionProblem& p, int64_t offset, int64_t row0,
+                                                                int rows) {
+  // Causal rows see key 0 from row -offset on; the one row there sees it alone, or all do where it is the only key.
+  const int64_t first = p.is_causal ? -offset - row0 : -row0;
+  const int64_t end = p.len_k == 1 ? rows : p.is_causal ? first + 1 : 0;
+  auto clamp = [&](int64_t row) { return static_cast<int>(max(min(row, int64_t(rows)), int64_t(0))); };
+  return {clamp(first), clamp(end)};
+}
+
 // The first query row that sees key col0 or a later one (len_q if none does);
 // offset from causal_offset.
 __device__ __forceinline__ int64_t first_visible_query(const AttentionProblem& p, int64_t offset, int64_t col0) {

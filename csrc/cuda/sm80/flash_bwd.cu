@@ -224,6 +224,16 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
         dst[0][nt][e] = pt[0][nt][e] * (dp - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
       }
     }
+    if (col0 == 0 && warp == 0 && lane < 4) {  // the lanes that hold key 0 (registers e < 2)
+      const RowRange alone = rows_seeing_first_key_alone(p, offset, m0, kBlockStream);
+#pragma unroll
+      for (int nt = 0; nt < kQueryTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (alone.holds(nt * 8 + (lane % 4) * 2 + e % 2)) dst[0][nt][e] = 0.f;
+        }
+      }
+    }
     // dK += dS^T Q (scaled at the end).
     mma_regs_by_rows<Elem, 1, kBlockStream, kHeadDim, kStride>(dk, dst, q_trans + buf_bytes);
     __syncthreads();
@@ -344,6 +354,10 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(ds, do_frag, v_rows + buf_bytes);
     bool keep[1][kKeyTiles][4];
     if constexpr (kDropout) dropout_keep_query_rows(keep, dropout, b * p.heads_q + h, row0 + warp * 16, col0, lane);
+    // Key 0 is column 0 of the lanes with lane % 4 == 0 (registers e % 2 == 0).
+    const RowRange first_key_alone = col0 == 0 && lane % 4 == 0
+                                         ? rows_seeing_first_key_alone(p, offset, row0, kBlockRows)
+                                         : RowRange{0, 0};
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {
 #pragma unroll
@@ -351,6 +365,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
         float dp = ds[0][nt][e];
         if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
         ds[0][nt][e] = s[0][nt][e] * (dp - row_delta[e / 2]);
+        if (nt == 0 && e % 2 == 0 && first_key_alone.holds(warp * 16 + lane / 4 + (e / 2) * 8)) ds[0][nt][e] = 0.f;
         if (kMasked && params.dmask.data != nullptr) {
           const int64_t query = row0 + warp * 16 + lane / 4 + (e / 2) * 8, key = col0 + nt * 8 + (lane % 4) * 2 + e % 2;
           if (key < p.len_k && query < p.len_q) store_mask_grad<Elem>(params.dmask, b, h, query, key, ds[0][nt][e]);

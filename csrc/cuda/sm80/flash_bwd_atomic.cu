@@ -203,6 +203,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     bool keep[2][4][4];
     if constexpr (kDropout) dropout_keep_key_rows(keep, dropout, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
     const bool store_dmask = kMasked && params.dmask.data != nullptr;
+    // Key 0 is row 0 of warp tile mt = 0 in the lanes with lane < 4 (registers e < 2).
+    const RowRange first_key_alone = col0 + key0 == 0 && lane < 4
+                                         ? rows_seeing_first_key_alone(p, offset, m0 + query0, 32)
+                                         : RowRange{0, 0};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -212,6 +216,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
           float dp = dst[mt][nt][e];
           if constexpr (kDropout) dp = keep[mt][nt][e] ? dp * dropout.keep_scale : 0.f;
           dst[mt][nt][e] = pt[mt][nt][e] * (dp - col_delta[nt][e % 2]);
+          if (mt == 0 && e < 2 && first_key_alone.holds(nt * 8 + (lane % 4) * 2 + e % 2)) dst[mt][nt][e] = 0.f;
           if constexpr (kDropout) pt[mt][nt][e] = keep[mt][nt][e] ? pt[mt][nt][e] : 0.f;
           if (store_dmask) {
             const int64_t key = col0 + key0 + mt * 16 + lane / 4 + (e / 2) * 8;

@@ -218,6 +218,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % kWarpSize;
   const int key_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
+  // Whether this thread holds key 0's dS (four lanes of the first key block's
+  // CTAs), which is exactly 0 for rows that see key 0 alone (flash_common.cuh).
+  const bool holds_first_key = col0 + key_row == 0;
 
   const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v), q_addr = ptx::smem_addr(s_q),
                  dout_addr = ptx::smem_addr(s_dout), ds_addr = ptx::smem_addr(s_ds);
@@ -339,6 +342,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int i = 0; i < kScoreRegs; ++i) {
       const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
       dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
+    }
+    if (col0 == 0) {  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
+      const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        // The holder's key 0 scores are its registers at row offset 0.
+        if (accumulator_row_offset(i) == 0) dpt[i] = holds_first_key && alone.holds(query_of(i)) ? 0.f : dpt[i];
+      }
     }
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
