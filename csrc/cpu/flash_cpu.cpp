@@ -20,6 +20,8 @@ namespace {
 
 constexpr int64_t kBlockQ = 128;  // query rows per task
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
+// Per thread: the backward's P and dP of a query block, kept between its two passes where they fit.
+constexpr int64_t kCacheBytes = int64_t{32} << 20;
 
 // The backward's softmax and every sum run in Acc: float for 16-bit types,
 // double for float and double (the forward's: see forward_tiles). (In float
@@ -364,22 +366,20 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   });
 }
 
-// For one (query tile, key tile) pair: recomputes P = exp(S - lse) into probs
-// and dS = P * (Z * dO V^T - delta) into dscores, where Z is dropout's factor
-// (1 without dropout); with dropped set, also P * Z there, the probabilities
-// that the output used. Rows with lse = -inf see no key. With softcapping, dS
-// is the gradient of the capped scores; softcap_grad receives the cap's
-// derivative, for the caller to carry dS through it (see raw_score_gradient).
-// (b, h): the head, for ALiBi's slope. The results are in the tiles' acc() halves.
+// For one (query tile, key tile) pair: recomputes P = exp(S - lse) into
+// prob_tile and dP = dO V^T into dscore_tile (both halves of each).
+// Rows with lse = -inf see no key. With softcapping, softcap_grad receives the
+// cap's derivative, for the caller to carry dS through it (see
+// raw_score_gradient). (b, h): the head, for ALiBi's slope.
 template <typename T, typename A, typename G>
-void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* lse, const A* delta, int64_t rows,
-                    int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
-                    const HeadMask<T, A>& mask, const HeadDropout<A>& dropout, int64_t row0, int64_t col0,
-                    DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad, A* dropped = nullptr) {
+void recompute_probabilities(const G* q, const G* k, const G* v, const G* dout, const A* lse, int64_t rows,
+                             int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
+                             const HeadMask<T, A>& mask, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
+                             DualTile<A, G>& dscore_tile, A* softcap_grad) {
   compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap),
                  static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
-  tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscore_tile.gemm());  // dP = dO V^T, then dS in place
-  A* dscores = dscore_tile.from_gemm(rows * cols);
+  tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscore_tile.gemm());
+  dscore_tile.from_gemm(rows * cols);
   A* probs = prob_tile.acc();
   // P = exp(S - lse), one exp over the tile; a row that sees no key (lse -inf)
   // gets -inf, so P = 0 there.
@@ -392,6 +392,14 @@ void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* 
     }
   }
   prob_tile.exp_in_gemm_type(rows * cols);
+}
+
+// dS = P * (Z * dP - delta) in place of dP (rows x cols), where Z is dropout's
+// factor (1 without dropout); with dropped set, also P * Z there, the
+// probabilities that the output used.
+template <typename A>
+void score_gradient(const A* probs, A* dscores, const A* delta, int64_t rows, int64_t cols,
+                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* dropped = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
     A* ds = dscores + r * cols;
     const A* prob = probs + r * cols;
@@ -404,6 +412,18 @@ void recompute_tile(const G* q, const G* k, const G* v, const G* dout, const A* 
     } else {  // the loop the compiler vectorizes
       for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (ds[c] - delta[r]);
     }
+  }
+}
+
+// n values of A as G for a product: the values themselves where the types
+// agree, else rounded into scratch.
+template <typename A, typename G>
+const G* as_gemm(const A* x, int64_t n, G* scratch) {
+  if constexpr (std::is_same_v<A, G>) {
+    return x;
+  } else {
+    tile_tensor(scratch, n).copy_(tile_tensor(const_cast<A*>(x), n));
+    return scratch;
   }
 }
 
@@ -425,7 +445,8 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
 // the same bits on every run with the same thread count). For each query head
 // of the group and each block of query rows: delta, then for every block of
 // keys the rows see, P and dS recomputed, dV += (P Z)^T dO, dK += dS^T Q and
-// dQ += dS K: seven tile products a (query block, key block) pair.
+// dQ += dS K: seven tile products a (query block, key block) pair, five where
+// the delta pass's P and dP are kept for the second (see cache below).
 //
 // delta[i] = rowsum(P_i * Z_i * dP_i), the softmax-gradient correction of each
 // row (Z: dropout's factor, 1 without dropout), summed in a pass of its own. It
@@ -451,6 +472,14 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
   const int64_t splits = std::clamp<int64_t>(ceil_div(2 * at::get_num_threads(), std::max<int64_t>(pairs, 1)), 1,
                                              std::max<int64_t>(items, 1));
   const int64_t partial_size = p.len_k * (dim + dim_v);  // a task's dK, then dV
+  // A thread's P and dP of a query block against all its keys, kept from the
+  // delta pass where they fit in kCacheBytes (two of the seven products and
+  // an exp saved a tile pair); not with dropout or softcap, whose factors the
+  // second pass would need too.
+  const int64_t cache_elems_needed = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
+  const bool cache = params.dropout.p == 0.0 && p.softcap == 0.0 &&
+                     2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
+  const int64_t cache_elems = cache ? cache_elems_needed : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
@@ -461,6 +490,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
     // P, dS, and P Z (with dropout: what the output used)
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
+    std::vector<A> cache_p(cache_elems), cache_dp(cache_elems);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
@@ -484,24 +514,50 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
             tile(col0, std::min(kBlockK, key_end - col0));
           }
         };
-        // P, dS (and P Z with dropout) of one tile pair.
-        auto recompute = [&](int64_t col0, int64_t cols, const A* row_delta) {
-          recompute_tile(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, row_delta, rows,
-                         cols, p, b, h, vis, mask, dropout, row0, col0, prob_tile, dscore_tile, softcap_grad.data(),
-                         dropout.enabled ? dropped_tile.acc() : nullptr);
+        // P and dP of one tile pair, recomputed into prob_tile and dscore_tile.
+        auto recompute = [&](int64_t col0, int64_t cols) {
+          recompute_probabilities(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, rows,
+                                  cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile, softcap_grad.data());
+        };
+        // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
+        // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
+        const bool cached = cache_p.size() > 0;
+        auto cached_tile = [&](std::vector<A>& cache, int64_t col0) {
+          return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
+        // delta = rowsum(P * Z * dP): dS with a zero delta, summed.
         std::fill(delta.begin(), delta.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
-          recompute(col0, cols, zeros.data());  // with a zero delta, dS = P * Z * dP
-          const A* dscores = dscore_tile.acc();
+          recompute(col0, cols);
+          if (cached) {
+            std::copy_n(prob_tile.acc(), rows * cols, cached_tile(cache_p, col0));
+            std::copy_n(dscore_tile.acc(), rows * cols, cached_tile(cache_dp, col0));
+          }
+          A* dscores = dscore_tile.acc();
+          score_gradient(prob_tile.acc(), dscores, zeros.data(), rows, cols, dropout, row0, col0);
           for (int64_t r = 0; r < rows; ++r) delta[r] += sum_of(dscores + r * cols, cols);
         });
 
         std::fill(dq.begin(), dq.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
-          recompute(col0, cols, delta.data());
-          A* dscores = dscore_tile.acc();
+          // P (as A, and as G for dV's product), dP then dS in place.
+          const A* probs;
+          const G* used;  // P Z, what the output used
+          A* dscores;
+          if (cached) {
+            probs = cached_tile(cache_p, col0);
+            used = as_gemm(probs, rows * cols, prob_tile.gemm());
+            dscores = cached_tile(cache_dp, col0);
+          } else {
+            recompute(col0, cols);
+            probs = prob_tile.acc();
+            used = prob_tile.gemm();
+            dscores = dscore_tile.acc();
+          }
+          A* dropped = dropout.enabled ? dropped_tile.acc() : nullptr;
+          score_gradient(probs, dscores, delta.data(), rows, cols, dropout, row0, col0, dropped);
+          if (dropout.enabled) used = dropped_tile.to_gemm(rows * cols);
           // An additive mask enters the scores as is: its gradient is dS. Each
           // (query, key) pair is visited once; pairs skipped keep their zero.
           if (params.dmask.data != nullptr) {
@@ -515,8 +571,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
             }
           }
           raw_score_gradient(dscores, softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
-          const G* used = dropout.enabled ? dropped_tile.to_gemm(rows * cols) : prob_tile.gemm();  // P Z
-          const G* dscores_g = dscore_tile.to_gemm(rows * cols);
+          const G* dscores_g = as_gemm(dscores, rows * cols, dscore_tile.gemm());
           add_product(used, true, dout.data(), false, cols, dim_v, rows, dv.data() + col0 * dim_v, product.data());
           add_product(dscores_g, true, q.data(), false, cols, dim, rows, dk.data() + col0 * dim, product.data());
           add_product(dscores_g, false, k.data() + col0 * dim, false, rows, dim, cols, dq.data(), product.data());
