@@ -129,28 +129,33 @@ at::Tensor tile_tensor(A* x, int64_t n) {
 }
 
 // A tile in the accumulation type A and, for the products, in the GEMM type G:
-// the same memory where the two agree, else a copy, converted on request.
+// the same memory where the two agree, else a copy, converted on request. The
+// A values live in the tile's own memory, or in the caller's (place_acc).
 template <typename A, typename G>
 class DualTile {
  public:
   static constexpr bool kShared = std::is_same_v<A, G>;
-  explicit DualTile(int64_t n) : acc_(n), gemm_(kShared ? 0 : n) {}
-  A* acc() { return acc_.data(); }
+  explicit DualTile(int64_t n) : acc_(n), gemm_(kShared ? 0 : n), acc_ptr_(acc_.data()) {}
+  DualTile(const DualTile&) = delete;  // (acc_ptr_ may point into acc_)
+  DualTile& operator=(const DualTile&) = delete;
+  // The A values in memory of the caller's (as large as the tile), or back in the tile's own (nullptr).
+  void place_acc(A* where) { acc_ptr_ = where != nullptr ? where : acc_.data(); }
+  A* acc() { return acc_ptr_; }
   G* gemm() {
     if constexpr (kShared) {
-      return acc_.data();
+      return acc_ptr_;
     } else {
       return gemm_.data();
     }
   }
   // The first n values, from acc to gemm (rounded), before a product reads them.
   G* to_gemm(int64_t n) {
-    if constexpr (!kShared) tile_tensor(gemm_.data(), n).copy_(tile_tensor(acc_.data(), n));
+    if constexpr (!kShared) tile_tensor(gemm_.data(), n).copy_(tile_tensor(acc_ptr_, n));
     return gemm();
   }
   // The first n values, from gemm to acc, after a product wrote them.
   A* from_gemm(int64_t n) {
-    if constexpr (!kShared) tile_tensor(acc_.data(), n).copy_(tile_tensor(gemm_.data(), n));
+    if constexpr (!kShared) tile_tensor(acc_ptr_, n).copy_(tile_tensor(gemm_.data(), n));
     return acc();
   }
   // exp of the first n values of acc, in G: where A is double for float32
@@ -166,6 +171,7 @@ class DualTile {
  private:
   std::vector<A> acc_;
   std::vector<G> gemm_;
+  A* acc_ptr_;
 };
 
 // acc (m x n, type A) += op(a) op(b) (see tile_matmul), the product in G: into
@@ -394,23 +400,25 @@ void recompute_probabilities(const G* q, const G* k, const G* v, const G* dout, 
   prob_tile.exp_in_gemm_type(rows * cols);
 }
 
-// dS = P * (Z * dP - delta) in place of dP (rows x cols), where Z is dropout's
-// factor (1 without dropout); with dropped set, also P * Z there, the
-// probabilities that the output used.
+// dS = P * (Z * dP - delta) in place of dP (rows x cols), or into out where
+// set, where Z is dropout's factor (1 without dropout); with dropped set, also
+// P * Z there, the probabilities that the output used.
 template <typename A>
 void score_gradient(const A* probs, A* dscores, const A* delta, int64_t rows, int64_t cols,
-                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* dropped = nullptr) {
+                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* dropped = nullptr,
+                    A* out = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
-    A* ds = dscores + r * cols;
+    A* ds = (out != nullptr ? out : dscores) + r * cols;
+    const A* dp = dscores + r * cols;
     const A* prob = probs + r * cols;
     if (dropout.enabled) {
       for (int64_t c = 0; c < cols; ++c) {
         const A factor = dropout.factor(row0 + r, col0 + c);
-        ds[c] = prob[c] * (ds[c] * factor - delta[r]);
+        ds[c] = prob[c] * (dp[c] * factor - delta[r]);
         if (dropped != nullptr) dropped[r * cols + c] = prob[c] * factor;
       }
     } else {  // the loop the compiler vectorizes
-      for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (ds[c] - delta[r]);
+      for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (dp[c] - delta[r]);
     }
   }
 }
@@ -490,7 +498,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
     // P, dS, and P Z (with dropout: what the output used)
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
-    std::vector<A> cache_p(cache_elems), cache_dp(cache_elems);
+    std::vector<A> cache_p(cache_elems), cache_dp(cache_elems), row_product(cache_elems > 0 ? kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
@@ -526,18 +534,30 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
           return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
-        // delta = rowsum(P * Z * dP): dS with a zero delta, summed.
+        // delta = rowsum(P * Z * dP): dS with a zero delta, summed (with the
+        // cache, a row at a time beside the kept dP).
         std::fill(delta.begin(), delta.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
-          recompute(col0, cols);
           if (cached) {
-            std::copy_n(prob_tile.acc(), rows * cols, cached_tile(cache_p, col0));
-            std::copy_n(dscore_tile.acc(), rows * cols, cached_tile(cache_dp, col0));
+            prob_tile.place_acc(cached_tile(cache_p, col0));
+            dscore_tile.place_acc(cached_tile(cache_dp, col0));
           }
+          recompute(col0, cols);
+          const A* probs = prob_tile.acc();
           A* dscores = dscore_tile.acc();
-          score_gradient(prob_tile.acc(), dscores, zeros.data(), rows, cols, dropout, row0, col0);
-          for (int64_t r = 0; r < rows; ++r) delta[r] += sum_of(dscores + r * cols, cols);
+          if (cached) {
+            for (int64_t r = 0; r < rows; ++r) {
+              score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
+                             /*dropped=*/static_cast<A*>(nullptr), row_product.data());
+              delta[r] += sum_of(row_product.data(), cols);
+            }
+          } else {
+            score_gradient(probs, dscores, zeros.data(), rows, cols, dropout, row0, col0);
+            for (int64_t r = 0; r < rows; ++r) delta[r] += sum_of(dscores + r * cols, cols);
+          }
         });
+        prob_tile.place_acc(nullptr);
+        dscore_tile.place_acc(nullptr);
 
         std::fill(dq.begin(), dq.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
