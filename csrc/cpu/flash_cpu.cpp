@@ -482,11 +482,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
   const int64_t partial_size = p.len_k * (dim + dim_v);  // a task's dK, then dV
   // A thread's P and dP of a query block against all its keys, kept from the
   // delta pass where they fit in kCacheBytes (two of the seven products and
-  // an exp saved a tile pair); not with dropout or softcap, whose factors the
-  // second pass would need too.
+  // an exp saved a tile pair). Not with softcap, whose derivative the second
+  // pass would need too (dropout's factors it draws again).
   const int64_t cache_elems_needed = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
-  const bool cache = params.dropout.p == 0.0 && p.softcap == 0.0 &&
-                     2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
+  const bool cache = p.softcap == 0.0 && 2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
   const int64_t cache_elems = cache ? cache_elems_needed : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
