@@ -454,7 +454,7 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
 // of the group and each block of query rows: delta, then for every block of
 // keys the rows see, P and dS recomputed, dV += (P Z)^T dO, dK += dS^T Q and
 // dQ += dS K: seven tile products a (query block, key block) pair, five where
-// the delta pass's P and dP are kept for the second (see cache below).
+// the delta pass's P and dP are kept for the second (see `cached` below).
 //
 // delta[i] = rowsum(P_i * Z_i * dP_i), the softmax-gradient correction of each
 // row (Z: dropout's factor, 1 without dropout), summed in a pass of its own. It
@@ -485,8 +485,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
   // an exp saved a tile pair). Not with softcap, whose derivative the second
   // pass would need too (dropout's factors it draws again).
   const int64_t cache_elems_needed = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
-  const bool cache = p.softcap == 0.0 && 2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
-  const int64_t cache_elems = cache ? cache_elems_needed : 0;
+  const bool cached = p.softcap == 0.0 && 2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
+  const int64_t cache_elems = cached ? cache_elems_needed : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
@@ -497,7 +497,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
     // P, dS, and P Z (with dropout: what the output used)
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
-    std::vector<A> cache_p(cache_elems), cache_dp(cache_elems), row_product(cache_elems > 0 ? kBlockK : 0);
+    std::vector<A> cache_p(cache_elems), cache_dp(cache_elems), row_product(kBlockK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
@@ -528,13 +528,12 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
         // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
-        const bool cached = cache_p.size() > 0;
         auto cached_tile = [&](std::vector<A>& cache, int64_t col0) {
           return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
-        // delta = rowsum(P * Z * dP): dS with a zero delta, summed (with the
-        // cache, a row at a time beside the kept dP).
+        // delta = rowsum(P * Z * dP): dS with a zero delta, summed, a row at a
+        // time beside dP (which the cache keeps).
         std::fill(delta.begin(), delta.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
           if (cached) {
@@ -544,15 +543,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
           recompute(col0, cols);
           const A* probs = prob_tile.acc();
           A* dscores = dscore_tile.acc();
-          if (cached) {
-            for (int64_t r = 0; r < rows; ++r) {
-              score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
-                             /*dropped=*/static_cast<A*>(nullptr), row_product.data());
-              delta[r] += sum_of(row_product.data(), cols);
-            }
-          } else {
-            score_gradient(probs, dscores, zeros.data(), rows, cols, dropout, row0, col0);
-            for (int64_t r = 0; r < rows; ++r) delta[r] += sum_of(dscores + r * cols, cols);
+          for (int64_t r = 0; r < rows; ++r) {
+            score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
+                           /*dropped=*/static_cast<A*>(nullptr), row_product.data());
+            delta[r] += sum_of(row_product.data(), cols);
           }
         });
         prob_tile.place_acc(nullptr);
