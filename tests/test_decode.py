@@ -94,6 +94,30 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv,
     assert torch.all(out[0] == 0)
 
 
+def check_small_cache(device, dtype, block_size, seed, is_causal, **options):
+    """decode_attention of 3 sequences (lengths 0, 21 and the whole 40-key cache), 8 query heads on 2 KV heads
+    and 3 new tokens each, against the float64 reference with the same options (tensors among them moved to
+    the device); returns the output and which query rows see a key."""
+    skip_unless_covered(device, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    capacity, dim = 40, 32
+    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
+    lengths = [0, 21, capacity]
+    query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
+    on = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
+                                              block_table=on(table), is_causal=is_causal, return_lse=True,
+                                              **{name: on(value) for name, value in options.items()})
+    out, lse = out.cpu(), lse.cpu()
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
+                                   **options)
+    assert relative_error(out, want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+    return out, seen
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
 @pytest.mark.parametrize(
@@ -104,24 +128,9 @@ def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv,
 @pytest.mark.parametrize("device", DEVICES)
 def test_window_and_softcap(options, block_size, dtype, device):
     """Windows around the bottom-right diagonal and softcapping; rows whose window holds no key get 0."""
-    skip_unless_covered(device, dtype)
-    gen = torch.Generator().manual_seed(6)
-    capacity, dim = 40, 32
-    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
-    lengths = [0, 21, capacity]
-    query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
     options = dict(options)
     is_causal = options.pop("is_causal", False)
-    on = lambda t: None if t is None else t.to(device)  # noqa: E731
-    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
-                                              block_table=on(table), is_causal=is_causal, return_lse=True, **options)
-    out, lse = out.cpu(), lse.cpu()
-    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal, 1 / math.sqrt(dim),
-                                   **options)
-    assert relative_error(out, want_out) <= TOLERANCE[dtype]
-    seen = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
-    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+    out, seen = check_small_cache(device, dtype, block_size, 6, is_causal, **options)
     assert torch.all(out[~seen] == 0)
 
 
@@ -131,26 +140,10 @@ def test_window_and_softcap(options, block_size, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_alibi(per_sequence, block_size, dtype, device):
     """ALiBi's distances from the bottom-right diagonal, with a causal window on top."""
-    skip_unless_covered(device, dtype)
-    gen = torch.Generator().manual_seed(8)
-    capacity, dim = 40, 32
-    key_cache, value_cache, table = make_cache(3, 2, capacity, dim, dim, dtype, block_size, gen)
-    lengths = [0, 21, capacity]
-    query = torch.randn(3, 8, 3, dim, generator=gen, dtype=torch.float64).to(dtype)
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(8)])
     if per_sequence:
         slopes = torch.stack([slopes, slopes.flip(0), slopes * 0.5])
-    on = lambda t: None if t is None else t.to(device)  # noqa: E731
-    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
-                                              block_table=on(table), is_causal=True, window=(30, None),
-                                              alibi_slopes=on(slopes), return_lse=True)
-    out, lse = out.cpu(), lse.cpu()
-    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, True, 1 / math.sqrt(dim),
-                                   alibi_slopes=slopes, window=(30, None))
-    assert relative_error(out, want_out) <= TOLERANCE[dtype]
-    seen = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), seen)
-    assert (lse[seen].double() - want_lse[seen]).abs().max().item() <= 1e-5
+    check_small_cache(device, dtype, block_size, 8, True, window=(30, None), alibi_slopes=slopes)
 
 
 # ALiBi's usual slopes for 32 heads: 2^-0.25 down to 2^-8.
