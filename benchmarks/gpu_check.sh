@@ -63,12 +63,12 @@ for stage in $stages; do
         summarize "$tool" "$(tail -n 1 "$OUT/sanitizer_$tool.log")"
       done ;;
     sass)
-      # HGMMA: wgmma; UTMALDG: TMA tensor loads; UBLKRED: bulk reduce-add; HMMA: mma.sync (sm80 kernels).
+      # HGMMA: wgmma; UTMALDG / UTMASTG: TMA tensor loads / stores; UBLKRED: bulk reduce-add; HMMA: mma.sync (sm80 kernels).
       # (The whole SASS is too large to bring back from the device: it stays in a temporary file.)
       lib=$(python3 -c 'import flashattn_ext._C as c; print(c.__file__)')
       sass=$(mktemp)
       cuobjdump -sass "$lib" >"$sass" 2>&1 || status=1
-      for op in HGMMA UTMALDG UBLKRED SYNCS HMMA; do
+      for op in HGMMA UTMALDG UTMASTG UBLKRED SYNCS HMMA; do
         echo "$op $(grep -cE "[[:space:]]$op" "$sass")"
       done | tee "$OUT/sass_counts.txt"
       rm -f "$sass" ;;

@@ -39,6 +39,9 @@ SHAPES = [
     # each, with the K/V ring running on across them; in the second, tiles whose rows see no key.
     (4, 40, 8, 520, 520, 128),
     (2, 48, 48, 600, 100, 64),
+    # Head dim 96 (padded to 128: the copy engine's output stores clip the columns), keyless tiles
+    # among tiles whose output is still being stored from shared memory.
+    (2, 40, 40, 600, 100, 96),
     # Causal calls take tiles heaviest first in chunks of (batch, head) pairs: here 602 pairs of
     # 2-block heads, in chunks of unequal sizes (three, of 201, 201 and 200 pairs, on 132 SMs).
     (2, 301, 301, 256, 256, 128),

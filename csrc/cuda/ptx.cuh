@@ -55,6 +55,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t sme
                : "r"(smem_row));
 }
 
+// stmatrix.sync.aligned.m8n8.x4.shared.b16: the inverse of ldmatrix_x4: four
+// 8x8 b16 matrices, register i of each lane holding its two elements of matrix
+// i (the layout of an mma accumulator's 8x8 pieces); lanes 8i..8i+7 give the
+// row addresses of matrix i.
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_row, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32: D = A B + D
 // with A 16x16 (4 registers), B 16x8 (2 registers), D 16x8 in float (4 registers).
 template <typename Elem>
@@ -191,6 +201,18 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
       "%5}], [%6];\n" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
       : "memory");
+}
+
+// cp.async.bulk.tensor.4d.global.shared::cta.bulk_group: the copy engine
+// stores a box from shared memory at coordinates (c0, c1, c2, c3) of the tensor
+// map; elements outside the tensor are not written. Completion is tracked by
+// bulk groups (bulk_commit_group, bulk_wait_group_read).
+__device__ __forceinline__ void tma_store_4d(const void* tensor_map, const void* smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tensor_map)),
+               "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 }
 
 // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32: the copy engine

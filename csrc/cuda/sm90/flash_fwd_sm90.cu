@@ -19,8 +19,10 @@
 //    the consumers take turns to issue them (ping-pong), so that one's softmax
 //    hides under the others' GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
-// masked; those tiles come last in the loop. Out and the log-sum-exp are
-// written from registers.
+// masked; those tiles come last in the loop. At head dim 128 the output leaves
+// through shared memory and the copy engine: the consumers round it into the K
+// buffer of the tile's last stage, which the producer refills only once the
+// copy engine has read it (out_free). The log-sum-exp is written from registers.
 #include <algorithm>
 #include <cmath>
 
@@ -37,7 +39,7 @@ namespace {
 // __grid_constant__ parameter: the copy engine reads the maps in place.
 struct FwdKernelParams {
   FwdParams call;
-  CUtensorMap q_map, k_map, v_map;
+  CUtensorMap q_map, k_map, v_map, out_map;
   int tiles;         // (block of query rows, head, batch) tiles
   int order_chunks;  // causal: heaviest_first_position's chunks
 };
@@ -55,6 +57,7 @@ struct FwdSharedState {
   uint64_t q_full, q_empty;
   uint64_t k_full[kStages], v_full[kStages];    // the copy engine filled the stage
   uint64_t k_empty[kStages], v_empty[kStages];  // every consumer thread is done reading it
+  uint64_t out_free[kStages];  // the copy engine has read the output in the stage's K buffer (one arrival a consumer)
   uint64_t tile_full[2], tile_empty[2];         // tile[slot] was written / read by every consumer thread
   FwdTile tile[2];  // the producer runs at most one tile ahead: two slots
 };
@@ -90,6 +93,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
   constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
+  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem;
+  constexpr int kOutBoxBytes = 64 * kSwizzleRowBytes;  // the out map's box: 64 rows x 64 columns
   const FwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
 
@@ -115,6 +120,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_init(&shared->v_full[s], 1);
       ptx::mbarrier_init(&shared->k_empty[s], kConsumerThreads);
       ptx::mbarrier_init(&shared->v_empty[s], kConsumerThreads);
+      ptx::mbarrier_init(&shared->out_free[s], Cfg::kConsumers);
     }
     for (int slot = 0; slot < 2; ++slot) {
       ptx::mbarrier_init(&shared->tile_full[slot], 1);
@@ -136,6 +142,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::prefetch_tensor_map(&kp.k_map);
     ptx::prefetch_tensor_map(&kp.v_map);
     int tile = blockIdx.x;
+    // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
+    // parity of its next out_free phase).
+    uint32_t out_held = 0, out_waits = 0;
     for (int round = 0, kv = 0, q_round = 0;; ++round) {
       const int slot = round % 2;
       const FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
@@ -158,6 +167,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         const uint32_t parity = (kv / kStages) & 1;
         const int key_row = n_block * kBlockN;
         ptx::mbarrier_wait(&shared->k_empty[stage], parity ^ 1);
+        if (out_held >> stage & 1) {
+          ptx::mbarrier_wait(&shared->out_free[stage], out_waits >> stage & 1);
+          out_held ^= 1u << stage;
+          out_waits ^= 1u << stage;
+        }
         ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
@@ -170,6 +184,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                            c * kSwizzleCols, key_row, kv_head, batch);
         }
       }
+      if (kOutThroughSmem && t.n_blocks > 0) out_held |= 1u << ((kv - 1) % kStages);
       tile = next_tile;
     }
   }
@@ -234,6 +249,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   auto grant_turn = [&] { ptx::named_barrier_arrive(1 + (consumer + 1) % Cfg::kConsumers, kTurnThreads); };
   if (consumer == 0) ptx::named_barrier_arrive(1, kTurnThreads);
 
+  // Thread 0 of each consumer: the stage whose K buffer holds this consumer's
+  // output of the previous tile while the copy engine reads it (-1: none).
+  int out_stage = -1;
+  auto hand_back_out_stage = [&] {
+    if (out_stage >= 0) {
+      ptx::bulk_wait_group_read<0>();
+      ptx::mbarrier_arrive(&shared->out_free[out_stage]);
+      out_stage = -1;
+    }
+  };
+
   for (int round = 0, kv = 0, q_round = 0;; ++round) {
     const int slot = round % 2;
     ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
@@ -241,6 +267,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::mbarrier_arrive(&shared->tile_empty[slot]);
     if (t.n_blocks < 0) {
       if (consumer == 0) wait_turn();
+      hand_back_out_stage();  // shared memory must outlive the copy engine's reads
       break;
     }
     const int64_t row0 = t.row0;
@@ -306,6 +333,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       }
     };
 
+    // The rows' final sums: writes the log-sum-exp and sets inv_sum to 1 / sum
+    // (rows that saw no key: -inf and 0).
+    float inv_sum[2];
+    auto finish_rows = [&] {
+      float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float sum = row_sum[half];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        inv_sum[half] = sum > 0.f ? 1.f / sum : 0.f;
+        const int64_t row = row0 + tile_row + half * 8;
+        if (lane % 4 == 0 && row < p.len_q) {
+          lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+        }
+      }
+    };
+
     float o[kOutRegs];
 #pragma unroll
     for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
@@ -317,6 +362,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         float s[kKeyRegs];
         wait_k(kv);
         issue_scores(s, kv);
+        hand_back_out_stage();
         ptx::wgmma_wait<0>();
         fence_registers(s);
         release_k(0);
@@ -357,36 +403,71 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       }
       wait_v(kv + n_blocks - 1);
       issue_pv(o, pa, kv + n_blocks - 1);
+      finish_rows();  // under the last P V
       ptx::wgmma_wait<0>();
       fence_registers(o);
       release_v(kv + n_blocks - 1);
       kv += n_blocks;
+    } else {
+      finish_rows();
     }
 
-    // Normalize, write out and the log-sum-exp. Rows that saw no key get 0 and -inf.
-    float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
-    // Columns past the head dim (padded to the kernel's) are not stored; the
-    // check is per thread, so it is made only where there are such columns.
-    const int dim = static_cast<int>(p.head_dim);
-    const bool padded = dim < kHeadDim;
+    if (kOutThroughSmem && n_blocks > 0) {
+      // Once every consumer's last Q K^T has read the last stage's K buffer
+      // (its "empty" phase completed), each rounds its 64 rows into it,
+      // 128-byte swizzled as the out map's boxes, and one thread has the copy
+      // engine store them (clipping rows past the end and columns past the head
+      // dim). That thread hands the buffer back when the copy engine has read
+      // it, after the next tile's first Q K^T is issued.
+      const int last = kv - 1;
+      ptx::mbarrier_wait(&shared->k_empty[last % kStages], (last / kStages) & 1);
+      unsigned char* s_out = s_k + (last % kStages) * Cfg::kKVBytes + consumer * Cfg::kColBlocks * kOutBoxBytes;
+      const uint32_t out_addr = ptx::smem_addr(s_out);
+      // stmatrix of 16 columns (two 8-column pieces) by this warp's 16 rows:
+      // lane group m = lane / 8 addresses matrix m: rows + 8 (m % 2), piece + m / 2.
+      const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float sum = row_sum[half];
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-      const int64_t row = row0 + tile_row + half * 8;
-      if (row >= p.len_q) continue;
-      const int cols0 = (lane % 4) * 2;  // this thread's columns of the row: 8 j + cols0 and the next
-      Elem* out_row = head_ptr<Elem>(params.out, t.batch, t.head) + row * params.out.stride_row + cols0;
+      for (int j = 0; j < kOutRegs / 8; ++j) {
+        const uint32_t frag[4] = {ptx::pack2<Elem>(o[8 * j] * inv_sum[0], o[8 * j + 1] * inv_sum[0]),
+                                  ptx::pack2<Elem>(o[8 * j + 2] * inv_sum[1], o[8 * j + 3] * inv_sum[1]),
+                                  ptx::pack2<Elem>(o[8 * j + 4] * inv_sum[0], o[8 * j + 5] * inv_sum[0]),
+                                  ptx::pack2<Elem>(o[8 * j + 6] * inv_sum[1], o[8 * j + 7] * inv_sum[1])};
+        const int piece = 2 * j + m / 2;  // the row's 16-byte piece
+        ptx::stmatrix_x4(out_addr + (piece / 8) * kOutBoxBytes + row * kSwizzleRowBytes + ((piece % 8) ^ (row % 8)) * 16,
+                         frag);
+      }
+      ptx::fence_proxy_async();
+      ptx::named_barrier_sync(1 + Cfg::kConsumers + consumer, kWarpgroupThreads);
+      if (tid == 0) {
+        const int out_row = static_cast<int>(row0) + consumer * 64;
+        if (out_row < p.len_q) {
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            ptx::tma_store_4d(&kp.out_map, s_out + c * kOutBoxBytes, c * kSwizzleCols, out_row, t.head, t.batch);
+          }
+        }
+        ptx::bulk_commit_group();
+        out_stage = last % kStages;
+      }
+    } else {
+      // Each thread stores its registers (with no key seen, zeros). Columns past
+      // the head dim (padded to the kernel's) are not stored; the check is per
+      // thread, so it is made only where there are such columns.
+      const int dim = static_cast<int>(p.head_dim);
+      const bool padded = dim < kHeadDim;
 #pragma unroll
-      for (int j = 0; j < kOutRegs / 4; ++j) {
-        if (!padded || j * 8 + cols0 < dim) {
-          *reinterpret_cast<uint32_t*>(out_row + j * 8) =
-              ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum, o[4 * j + 2 * half + 1] * inv_sum);
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + tile_row + half * 8;
+        if (row >= p.len_q) continue;
+        const int cols0 = (lane % 4) * 2;  // this thread's columns of the row: 8 j + cols0 and the next
+        Elem* out_row = head_ptr<Elem>(params.out, t.batch, t.head) + row * params.out.stride_row + cols0;
+#pragma unroll
+        for (int j = 0; j < kOutRegs / 4; ++j) {
+          if (!padded || j * 8 + cols0 < dim) {
+            *reinterpret_cast<uint32_t*>(out_row + j * 8) =
+                ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum[half], o[4 * j + 2 * half + 1] * inv_sum[half]);
+          }
         }
       }
-      if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
     }
   }
 #endif
@@ -407,7 +488,8 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   };
   if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
+      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.len_q, p.heads_q, 64))) {
     return false;
   }
   auto kernel = attention_forward_kernel<Elem, Cfg>;

@@ -49,10 +49,14 @@ struct FwdTileConfig {
   // slots; the tiles 1024-byte aligned (the swizzle pattern repeats every 1024
   // bytes), plus slack to align the base. Three stages where they fit (not
   // with 176-key tiles at head dim 128).
-  static constexpr int kStageBytes = 2 * kKVBytes + 4 * 8;  // K, V and their four mbarriers
+  static constexpr int kStageBytes = 2 * kKVBytes + 5 * 8;  // K, V and their five mbarriers
   static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
+  // Whether a tile's output fits in one K buffer, through which the copy engine
+  // stores it (at head dim 128; at 64 the three consumers' rows do not, and
+  // each thread stores its registers).
+  static constexpr bool kOutThroughSmem = kBlockM * kHeadDim * 2 <= kKVBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
