@@ -53,7 +53,9 @@ if not build_cuda and os.environ.get("FLASHATTN_EXT_REQUIRE_CUDA") == "1":
 # the CPU kernels' tasks one after another, on one core. Torch's own libgomp is
 # loaded already, so linking OpenMP adds no second runtime.
 openmp_flags = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
-cxx_flags = ["-O3"] + openmp_flags
+# -fno-trapping-math (as torch builds with): the CPU kernels' selects between float
+# values may then compile to vector code.
+cxx_flags = ["-O3", "-fno-trapping-math"] + openmp_flags
 link_args = shared_libstdcxx_link_args() + openmp_flags
 common_sources = sources("csrc/*.cpp", "csrc/cpu/*.cpp")
 if build_cuda:

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -121,11 +122,57 @@ void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int
 }
 
 // n dense values as a tensor, for ATen's elementwise functions, which run the
-// vector code of the CPU they find (exp: 2-3x std::exp's speed on this one; at
-// 128 x 128 tiles the per-call cost is small).
+// vector code of the CPU they find (at 128 x 128 tiles the per-call cost is small).
 template <typename A>
 at::Tensor tile_tensor(A* x, int64_t n) {
   return at::from_blob(x, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
+}
+
+// The softmax's float exp, compiled for AVX-512, AVX2 + FMA and the baseline,
+// one picked at load time for the CPU at hand (GCC's target_clones, where the C
+// library resolves such functions); plain arithmetic and selects, which the
+// compiler vectorizes (with -fno-trapping-math: setup.py).
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define FLASHATTN_EXT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define FLASHATTN_EXT_CPU_CLONES
+#endif
+
+// e^x, within about 1 ulp of the exact value (torch's CPU kernel: 1 ulp; at::exp_
+// here, through MKL's accurate mode: 2.5x the time), with e^x below 2^-126
+// flushed to 0 and inf and NaN kept: x = n ln 2 + r (ln 2 in two parts, so r is
+// exact), e^r by its Taylor series to r^7 (|r| <= ln 2 / 2: 5e-9 left off),
+// times 2^n made from the exponent bits.
+inline float exp_float(float x) {
+  constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860676533018708e-06f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, left in the low mantissa bits
+  constexpr float kMin = -87.5f, kMax = 88.7228f;  // e^kMin is below 2^-126; e^x overflows past kMax
+  float xr = x < kMin ? kMin : x;
+  xr = xr > kMax ? kMax : xr;
+  const float t = (xr > 88.0f ? 88.0f : xr) * kLog2e + kRound;  // n <= 127: 2^n finite (then r <= 0.75)
+  const float n = t - kRound;
+  int32_t t_bits;
+  std::memcpy(&t_bits, &t, sizeof t_bits);
+  const int32_t scale_bits = (t_bits - 0x4B400000 + 127) << 23;  // (n + 127) << 23: 2^n
+  float scale;
+  std::memcpy(&scale, &scale_bits, sizeof scale);
+  const float r = (xr - n * kLn2Hi) - n * kLn2Lo;
+  float e = 1.f / 5040;
+  e = e * r + 1.f / 720;
+  e = e * r + 1.f / 120;
+  e = e * r + 1.f / 24;
+  e = e * r + 1.f / 6;
+  e = e * r + 0.5f;
+  e = e * r + 1.f;
+  e = e * r + 1.f;
+  float y = e * scale;
+  y = x < kMin ? 0.f : y;
+  y = x > kMax ? std::numeric_limits<float>::infinity() : y;
+  return x != x ? x : y;
+}
+
+FLASHATTN_EXT_CPU_CLONES void exp_in_place(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_float(x[i]);
 }
 
 // A tile in the accumulation type A and, for the products, in the GEMM type G:
@@ -163,8 +210,12 @@ class DualTile {
   // rounding otherwise), and P is rounded to float for its products anyway.
   // Both halves hold P.
   void exp_in_gemm_type(int64_t n) {
-    at::Tensor gemm_values = tile_tensor(to_gemm(n), n);
-    at::exp_(gemm_values);
+    G* values = to_gemm(n);
+    if constexpr (std::is_same_v<G, float>) {
+      exp_in_place(values, n);
+    } else {
+      tile_tensor(values, n).exp_();
+    }
     from_gemm(n);
   }
 
