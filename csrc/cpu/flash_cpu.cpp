@@ -84,7 +84,12 @@ void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_
   const T* base = static_cast<const T*>(t.data) + b * t.stride_batch + h * t.stride_head;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = base + (row0 + r) * t.stride_row;
-    for (int64_t c = 0; c < cols; ++c) tile[r * cols + c] = static_cast<A>(src[c * t.stride_col]);
+    A* dst = tile + r * cols;
+    if (t.stride_col == 1) {  // the usual case, in its own loop: vector code
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<A>(src[c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<A>(src[c * t.stride_col]);
+    }
   }
 }
 
@@ -94,7 +99,12 @@ void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64
   T* base = static_cast<T*>(t.data) + b * t.stride_batch + h * t.stride_head;
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = base + (row0 + r) * t.stride_row;
-    for (int64_t c = 0; c < cols; ++c) dst[c * t.stride_col] = static_cast<T>(tile[r * cols + c]);
+    const A* src = tile + r * cols;
+    if (t.stride_col == 1) {
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<T>(src[c]);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[c * t.stride_col] = static_cast<T>(src[c]);
+    }
   }
 }
 
