@@ -507,6 +507,16 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
   }
 }
 
+// Whether the backward keeps each query block's P and dP between its two
+// passes: where they fit in kCacheBytes a thread (two of the seven products
+// and an exp saved a tile pair), and not with softcap, whose derivative the
+// second pass would need too (dropout's factors it draws again).
+template <typename A>
+bool backward_keeps_tiles(const AttentionProblem& p) {
+  const int64_t elems = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
+  return p.softcap == 0.0 && 2 * elems * int64_t{sizeof(A)} <= kCacheBytes;
+}
+
 // The backward: one task per (batch, key/value head) (or a share of one, see
 // `splits`), which holds the head's K and V and accumulates its dK and dV whole
 // (len_k rows each: a thread's buffers grow with len_k, as the inputs do, never
@@ -523,8 +533,13 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
 // rounding, amplified where dP - delta cancels, made 16-bit gradients up to 6x
 // and float32 ones (with float products) up to 3.6x less accurate than torch's,
 // and left noise instead of 0 in the dq of a row that sees one key.
+//
+// With renormalize (float32 inputs, whose saved lse is float: |lse| units of
+// float rounding, a factor common to a row's P), P is made with that lse and
+// divided by its row sum before delta is summed from it: the P that an exact lse
+// gives, without a pass to compute one. Only where the tiles are kept.
 template <typename T, typename A = Acc<T>, typename G = Gemm<T>>
-void backward_tiles(const BwdParams& params, const A* lse_all) {
+void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize = false) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -541,20 +556,18 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
   const int64_t splits = std::clamp<int64_t>(ceil_div(2 * at::get_num_threads(), std::max<int64_t>(pairs, 1)), 1,
                                              std::max<int64_t>(items, 1));
   const int64_t partial_size = p.len_k * (dim + dim_v);  // a task's dK, then dV
-  // A thread's P and dP of a query block against all its keys, kept from the
-  // delta pass where they fit in kCacheBytes (two of the seven products and
-  // an exp saved a tile pair). Not with softcap, whose derivative the second
-  // pass would need too (dropout's factors it draws again).
-  const int64_t cache_elems_needed = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
-  const bool cached = p.softcap == 0.0 && 2 * cache_elems_needed * int64_t{sizeof(A)} <= kCacheBytes;
-  const int64_t cache_elems = cached ? cache_elems_needed : 0;
+  // A thread's P and dP of a query block against all its keys (see backward_keeps_tiles).
+  const bool cached = backward_keeps_tiles<A>(p);
+  TORCH_INTERNAL_ASSERT(cached || !renormalize, "renormalizing P needs the kept tiles");
+  const int64_t cache_elems = cached ? ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<G> k(p.len_k * dim), v(p.len_k * dim_v), q(kBlockQ * dim), dout(kBlockQ * dim_v),
         product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
     std::vector<A> dk(p.len_k * dim), dv(p.len_k * dim_v),
-        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dq(kBlockQ * dim), delta(kBlockQ);
+        softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dq(kBlockQ * dim), delta(kBlockQ),
+        row_norm(kBlockQ);
     // P, dS, and P Z (with dropout: what the output used)
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
@@ -594,24 +607,44 @@ void backward_tiles(const BwdParams& params, const A* lse_all) {
         };
 
         // delta = rowsum(P * Z * dP): dS with a zero delta, summed, a row at a
-        // time beside dP (which the cache keeps).
+        // time beside dP; from the kept tiles once all are made, where they are
+        // kept (and P renormalized, where asked).
         std::fill(delta.begin(), delta.end(), A(0));
+        auto add_to_delta = [&](const A* probs, A* dscores, int64_t col0, int64_t cols) {
+          for (int64_t r = 0; r < rows; ++r) {
+            score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
+                           /*dropped=*/static_cast<A*>(nullptr), row_product.data());
+            delta[r] += sum_of(row_product.data(), cols);
+          }
+        };
+        std::fill(row_norm.begin(), row_norm.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
           if (cached) {
             prob_tile.place_acc(cached_tile(cache_p, col0));
             dscore_tile.place_acc(cached_tile(cache_dp, col0));
           }
           recompute(col0, cols);
-          const A* probs = prob_tile.acc();
-          A* dscores = dscore_tile.acc();
-          for (int64_t r = 0; r < rows; ++r) {
-            score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
-                           /*dropped=*/static_cast<A*>(nullptr), row_product.data());
-            delta[r] += sum_of(row_product.data(), cols);
+          if (!cached) {
+            add_to_delta(prob_tile.acc(), dscore_tile.acc(), col0, cols);
+          } else if (renormalize) {
+            for (int64_t r = 0; r < rows; ++r) row_norm[r] += sum_of(prob_tile.acc() + r * cols, cols);
           }
         });
         prob_tile.place_acc(nullptr);
         dscore_tile.place_acc(nullptr);
+        if (cached) {
+          for_each_key_tile([&](int64_t col0, int64_t cols) {
+            A* probs = cached_tile(cache_p, col0);
+            if (renormalize) {
+              for (int64_t r = 0; r < rows; ++r) {
+                // A row that sees no key has P = 0 and keeps it.
+                const A inv_norm = row_norm[r] > A(0) ? A(1) / row_norm[r] : A(0);
+                for (int64_t c = 0; c < cols; ++c) probs[r * cols + c] *= inv_norm;
+              }
+            }
+            add_to_delta(probs, cached_tile(cache_dp, col0), col0, cols);
+          });
+        }
 
         std::fill(dq.begin(), dq.end(), A(0));
         for_each_key_tile([&](int64_t col0, int64_t cols) {
@@ -691,24 +724,28 @@ void attention_backward(const BwdParams& params) {
   const AttentionProblem& p = params.problem;
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (p.heads_kv == 0) return;  // no heads: nothing to compute
-  // The backward recomputes P = exp(S - lse) with lse in the accumulation type:
-  // where the saved lse is narrower (float inputs), it is computed again.
-  const A* lse = nullptr;
-  std::vector<A> recomputed_lse;
+  // The backward recomputes P = exp(S - lse) with lse in the accumulation type.
+  // Where the saved lse is narrower (float inputs), P is renormalized instead
+  // where the tiles are kept (see backward_tiles), else lse is computed again.
   if constexpr (std::is_same_v<Lse<T>, A>) {
-    lse = static_cast<const A*>(params.lse);
+    backward_tiles<T>(params, static_cast<const A*>(params.lse));
   } else {
-    FwdParams lse_pass;
-    lse_pass.problem = p;
-    lse_pass.q = params.q;
-    lse_pass.k = params.k;
-    lse_pass.mask_kind = params.mask_kind;
-    lse_pass.mask = params.mask;
-    recomputed_lse.resize(rows);
-    forward_tiles<T, /*kWithOutput=*/false>(lse_pass, recomputed_lse.data());
-    lse = recomputed_lse.data();
+    std::vector<A> lse(rows);
+    const bool renormalize = backward_keeps_tiles<A>(p);
+    if (renormalize) {
+      const auto* saved = static_cast<const Lse<T>*>(params.lse);
+      std::copy(saved, saved + rows, lse.begin());
+    } else {
+      FwdParams lse_pass;
+      lse_pass.problem = p;
+      lse_pass.q = params.q;
+      lse_pass.k = params.k;
+      lse_pass.mask_kind = params.mask_kind;
+      lse_pass.mask = params.mask;
+      forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
+    }
+    backward_tiles<T>(params, lse.data(), renormalize);
   }
-  backward_tiles<T>(params, lse);
 }
 
 namespace {
