@@ -637,9 +637,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
             A* probs = cached_tile(cache_p, col0);
             if (renormalize) {
               for (int64_t r = 0; r < rows; ++r) {
-                // A row that sees no key has P = 0 and keeps it.
-                const A inv_norm = row_norm[r] > A(0) ? A(1) / row_norm[r] : A(0);
-                for (int64_t c = 0; c < cols; ++c) probs[r * cols + c] *= inv_norm;
+                // Divided, not times 1 / sum: a row that sees one key gets P = 1
+                // exactly (its exact zeros). A row that sees none keeps P = 0.
+                const A norm = row_norm[r] > A(0) ? row_norm[r] : A(1);
+                for (int64_t c = 0; c < cols; ++c) probs[r * cols + c] /= norm;
               }
             }
             add_to_delta(probs, cached_tile(cache_dp, col0), col0, cols);
