@@ -507,14 +507,16 @@ void raw_score_gradient(A* dscores, const A* softcap_grad, int64_t n, A scale, b
   }
 }
 
+// The elements of a query block's P (or dP) against all its keys.
+int64_t kept_tile_elems(const AttentionProblem& p) { return ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK; }
+
 // Whether the backward keeps each query block's P and dP between its two
 // passes: where they fit in kCacheBytes a thread (two of the seven products
 // and an exp saved a tile pair), and not with softcap, whose derivative the
 // second pass would need too (dropout's factors it draws again).
 template <typename A>
 bool backward_keeps_tiles(const AttentionProblem& p) {
-  const int64_t elems = ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK;
-  return p.softcap == 0.0 && 2 * elems * int64_t{sizeof(A)} <= kCacheBytes;
+  return p.softcap == 0.0 && 2 * kept_tile_elems(p) * int64_t{sizeof(A)} <= kCacheBytes;
 }
 
 // The backward: one task per (batch, key/value head) (or a share of one, see
@@ -559,7 +561,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   // A thread's P and dP of a query block against all its keys (see backward_keeps_tiles).
   const bool cached = backward_keeps_tiles<A>(p);
   TORCH_INTERNAL_ASSERT(cached || !renormalize, "renormalizing P needs the kept tiles");
-  const int64_t cache_elems = cached ? ceil_div(p.len_k, kBlockK) * kBlockQ * kBlockK : 0;
+  const int64_t cache_elems = cached ? kept_tile_elems(p) : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
