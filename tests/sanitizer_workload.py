@@ -33,6 +33,9 @@ CASES = [
     # (the first tile of each head has no visible key in the first case).
     (2, 40, 8, 260, 130, 128, "causal_lower_right"),
     (1, 48, 48, 400, 400, 64, "causal"),
+    # The Hopper forward's last 176-key tile run narrow: over 48 keys of 48, and 112 keys of which 104 are real.
+    (1, 2, 2, 65, 400, 128, "full"),
+    (1, 2, 1, 130, 280, 96, "full"),
 ]
 DTYPES = (torch.float16, torch.bfloat16)
 DROPOUT_CASES = (CASES[1], CASES[3], CASES[4])  # run again in bfloat16 with dropout_p = 0.3

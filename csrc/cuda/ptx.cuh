@@ -300,6 +300,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define FLASHATTN_WGMMA_ACC8(i) \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define FLASHATTN_WGMMA_ACC16 FLASHATTN_WGMMA_ACC8(0), FLASHATTN_WGMMA_ACC8(8)
+#define FLASHATTN_WGMMA_ACC24 FLASHATTN_WGMMA_ACC16, FLASHATTN_WGMMA_ACC8(16)
 #define FLASHATTN_WGMMA_ACC32 FLASHATTN_WGMMA_ACC16, FLASHATTN_WGMMA_ACC8(16), FLASHATTN_WGMMA_ACC8(24)
 #define FLASHATTN_WGMMA_ACC64                                                                                   \
   FLASHATTN_WGMMA_ACC32, FLASHATTN_WGMMA_ACC8(32), FLASHATTN_WGMMA_ACC8(40), FLASHATTN_WGMMA_ACC8(48), \
@@ -307,6 +308,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define FLASHATTN_WGMMA_ACC88 \
   FLASHATTN_WGMMA_ACC64, FLASHATTN_WGMMA_ACC8(64), FLASHATTN_WGMMA_ACC8(72), FLASHATTN_WGMMA_ACC8(80)
 #define FLASHATTN_WGMMA_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define FLASHATTN_WGMMA_D24 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23}"
 #define FLASHATTN_WGMMA_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define FLASHATTN_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
@@ -349,6 +351,8 @@ struct WgmmaRS;
 
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
 FLASHATTN_WGMMA(__half, "f16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
+FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 48, FLASHATTN_WGMMA_D24, FLASHATTN_WGMMA_ACC24, "24", "25", "26", "27", "28", "29", "30")
+FLASHATTN_WGMMA(__half, "f16", 48, FLASHATTN_WGMMA_D24, FLASHATTN_WGMMA_ACC24, "24", "25", "26", "27", "28", "29", "30")
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37", "38")
 FLASHATTN_WGMMA(__half, "f16", 64, FLASHATTN_WGMMA_D32, FLASHATTN_WGMMA_ACC32, "32", "33", "34", "35", "36", "37", "38")
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69", "70")
@@ -359,11 +363,13 @@ FLASHATTN_WGMMA(__half, "f16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA_ACC88, 
 #undef FLASHATTN_WGMMA
 #undef FLASHATTN_WGMMA_D16
 #undef FLASHATTN_WGMMA_D32
+#undef FLASHATTN_WGMMA_D24
 #undef FLASHATTN_WGMMA_D64
 #undef FLASHATTN_WGMMA_D88
 #undef FLASHATTN_WGMMA_ACC88
 #undef FLASHATTN_WGMMA_ACC64
 #undef FLASHATTN_WGMMA_ACC32
+#undef FLASHATTN_WGMMA_ACC24
 #undef FLASHATTN_WGMMA_ACC16
 #undef FLASHATTN_WGMMA_ACC8
 

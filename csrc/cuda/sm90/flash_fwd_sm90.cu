@@ -70,6 +70,50 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&fa
   for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
 }
 
+// S = Q K^T over keys [kBegin, kEnd) of a tile, into those keys' registers of
+// s (a narrower accumulator's layout is a prefix of the wider one's).
+template <typename Elem, typename Cfg, int kBegin, int kEnd, int kRegs>
+__device__ __forceinline__ void issue_score_keys(float (&s)[kRegs], uint64_t q_desc, uint64_t k_desc) {
+  auto& s_keys = *reinterpret_cast<float(*)[(kEnd - kBegin) / 2]>(&s[kBegin / 2]);
+  const uint64_t keys_desc = desc_advance(k_desc, kBegin * kSwizzleRowBytes);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    ptx::wgmma_ss<Elem, kEnd - kBegin>(s_keys, desc_advance(q_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
+                                       desc_advance(keys_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
+  }
+}
+
+// O += P V over keys [kBegin, kEnd) of a tile.
+template <typename Elem, typename Cfg, int kBegin, int kEnd>
+__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                              uint64_t v_desc) {
+#pragma unroll
+  for (int kk = kBegin / 16; kk < kEnd / 16; ++kk) {
+    ptx::wgmma_rs<Elem, Cfg::kHeadDim, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+  }
+}
+
+// A tile's two GEMMs over its first kKeys keys, issued as one wgmma group
+// each (not waited for).
+template <typename Elem, typename Cfg, int kKeys>
+__device__ __forceinline__ void issue_scores(float (&s)[kKeys / 2], uint64_t q_desc, uint64_t k_desc) {
+  ptx::wgmma_fence();
+  if constexpr (kKeys == Cfg::kBlockN) {
+    issue_score_keys<Elem, Cfg, 0, kKeys>(s, q_desc, k_desc);
+  } else {  // narrow: 48 keys, and the rest (64 of 112) in a second width
+    issue_score_keys<Elem, Cfg, 0, 48>(s, q_desc, k_desc);
+    if constexpr (kKeys > 48) issue_score_keys<Elem, Cfg, 48, kKeys>(s, q_desc, k_desc);
+  }
+  ptx::wgmma_commit();
+}
+template <typename Elem, typename Cfg, int kKeys>
+__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                         uint64_t v_desc) {
+  ptx::wgmma_fence();
+  issue_pv_keys<Elem, Cfg, 0, kKeys>(o, pa, v_desc);
+  ptx::wgmma_commit();
+}
+
 template <typename Cfg>
 __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
   const AttentionProblem& p = kp.call.problem;
@@ -208,27 +252,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   auto wait_k = [&](int kv) { ptx::mbarrier_wait(&shared->k_full[kv % kStages], (kv / kStages) & 1); };
   auto wait_v = [&](int kv) { ptx::mbarrier_wait(&shared->v_full[kv % kStages], (kv / kStages) & 1); };
   auto release_v = [&](int kv) { ptx::mbarrier_arrive(&shared->v_empty[kv % kStages]); };
-  // S = Q K^T for one tile (its K loaded), issued (not waited for).
-  auto issue_scores = [&](float (&s)[kKeyRegs], int kv) {
-    const uint64_t k_desc = desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKVBytes);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockN>(s, desc_advance(q_tile_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
-                                   desc_advance(k_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
-    }
-    ptx::wgmma_commit();
-  };
-  // O += P V for one tile (its V loaded), issued (not waited for).
-  auto issue_pv = [&](float (&o)[kOutRegs], const uint32_t (&pa)[kBlockN / 16][4], int kv) {
-    const uint64_t v_desc = desc_advance(v_tile_desc, (kv % kStages) * Cfg::kKVBytes);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      ptx::wgmma_rs<Elem, kHeadDim, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
-    }
-    ptx::wgmma_commit();
-  };
+  // Where stage kv % kStages's K or V tile starts.
+  auto k_stage_desc = [&](int kv) { return desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKVBytes); };
+  auto v_stage_desc = [&](int kv) { return desc_advance(v_tile_desc, (kv % kStages) * Cfg::kKVBytes); };
 
   // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
   // The kernel takes positive scales only, so the max of the unscaled scores
@@ -289,13 +315,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // In 32-bit tile coordinates: key c of the tile is past the end when c >=
     // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
     // when c - r > diagonal.
-    auto mask_tile = [&](float (&s)[kKeyRegs], int n_block) {
+    auto mask_tile = [&](auto& s, int n_block) {
       const int64_t col0 = int64_t(n_block) * kBlockN;
       const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
       const int diagonal =
           crosses_diagonal(n_block) ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
 #pragma unroll
-      for (int i = 0; i < kKeyRegs; ++i) {
+      for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) {
         const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
         if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
       }
@@ -304,12 +330,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     // The online softmax of one tile: turns s into unnormalized probabilities
     // and returns each row's rescale factor for the output so far.
-    auto softmax = [&](float (&s)[kKeyRegs], float (&rescale)[2]) {
+    auto softmax = [&](auto& s, float (&rescale)[2]) {
+      constexpr int kRegs = sizeof(s) / sizeof(float);  // kBlockN / 2, less in a narrow tile
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float tile_max = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < kKeyRegs / 4; ++j) {
+        for (int j = 0; j < kRegs / 4; ++j) {
           tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
         }
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
@@ -322,7 +349,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         row_max[half] = new_max;
         float tile_sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kKeyRegs / 4; ++j) {
+        for (int j = 0; j < kRegs / 4; ++j) {
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
             s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], scale_log2, -max_used));
@@ -356,12 +383,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
 
     if (n_blocks > 0) {
+      // The keys of the tile's last key tile: their GEMMs run narrow where
+      // they fit (not in a first tile: a call of a few keys).
+      const int last_keys = static_cast<int>(visible_key_end(p, offset, row0, kBlockM) - (n_blocks - 1) * kBlockN);
+      const int last_width = !Cfg::kNarrowLastTile || n_blocks == 1 ? kBlockN
+                             : last_keys <= Cfg::kNarrowKeys0     ? Cfg::kNarrowKeys0
+                             : last_keys <= Cfg::kNarrowKeys1     ? Cfg::kNarrowKeys1
+                                                                  : kBlockN;
+      using Whole = std::integral_constant<int, kBlockN>;
+      using Narrow0 = std::integral_constant<int, Cfg::kNarrowKeys0>;
+      using Narrow1 = std::integral_constant<int, Cfg::kNarrowKeys1>;
       ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
       uint32_t pa[kBlockN / 16][4];
       {
         float s[kKeyRegs];
         wait_k(kv);
-        issue_scores(s, kv);
+        issue_scores<Elem, Cfg, kBlockN>(s, q_tile_desc, k_stage_desc(kv));
         hand_back_out_stage();
         ptx::wgmma_wait<0>();
         fence_registers(s);
@@ -371,15 +408,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         softmax(s, rescale);
         to_fragments<Elem>(s, pa);
       }
-      for (int n_block = 1; n_block < n_blocks; ++n_block) {
-        // The scores of this tile and the P V of the previous one run together;
-        // the softmax needs only the scores (the first group of two).
-        float s[kKeyRegs];
+      // Key tile n_block >= 1 (its GEMMs over its first kKeys keys): its scores
+      // and the P V of the previous one run together; the softmax needs only
+      // the scores (the first group of two).
+      auto key_tile = [&](int n_block, auto keys) {
+        constexpr int kKeys = decltype(keys)::value;
+        float s[kKeys / 2];
         wait_k(kv + n_block);
         wait_v(kv + n_block - 1);
         wait_turn();
-        issue_scores(s, kv + n_block);
-        issue_pv(o, pa, kv + n_block - 1);
+        issue_scores<Elem, Cfg, kKeys>(s, q_tile_desc, k_stage_desc(kv + n_block));
+        issue_pv<Elem, Cfg, kBlockN>(o, pa, v_stage_desc(kv + n_block - 1));
         grant_turn();
         ptx::wgmma_wait<1>();
         fence_registers(s);
@@ -389,7 +428,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         // below it hoists that wait (a free instruction to it) above the
         // softmax, which then no longer runs under P V.
         float rescale[2];
-        if (tile_needs_mask(n_block)) {
+        if (kKeys < kBlockN || tile_needs_mask(n_block)) {
           mask_tile(s, n_block);
           softmax(s, rescale);
         } else {
@@ -399,10 +438,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         fence_registers(o);
         release_v(kv + n_block - 1);
         scale_rows(o, rescale);
-        to_fragments<Elem>(s, pa);
+        to_fragments<Elem>(s, *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa));
+      };
+      const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;
+      for (int n_block = 1; n_block < whole_tiles; ++n_block) key_tile(n_block, Whole{});
+      if constexpr (Cfg::kNarrowLastTile) {
+        if (last_width == Narrow0::value) key_tile(n_blocks - 1, Narrow0{});
+        if (last_width == Narrow1::value) key_tile(n_blocks - 1, Narrow1{});
       }
       wait_v(kv + n_blocks - 1);
-      issue_pv(o, pa, kv + n_blocks - 1);
+      const uint64_t last_v_desc = v_stage_desc(kv + n_blocks - 1);
+      if (Cfg::kNarrowLastTile && last_width == Narrow0::value) {
+        issue_pv<Elem, Cfg, Narrow0::value>(o, pa, last_v_desc);
+      } else if (Cfg::kNarrowLastTile && last_width == Narrow1::value) {
+        issue_pv<Elem, Cfg, Narrow1::value>(o, pa, last_v_desc);
+      } else {
+        issue_pv<Elem, Cfg, kBlockN>(o, pa, last_v_desc);
+      }
       finish_rows();  // under the last P V
       ptx::wgmma_wait<0>();
       fence_registers(o);

@@ -31,6 +31,12 @@ struct FwdTileConfig {
   static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
   static constexpr int kBlockM = 64 * kConsumers;  // query rows per tile
   static constexpr int kBlockN = kBlockN_;  // keys per streamed tile
+  // A row block's last key tile, where it holds fewer keys (len_k not a
+  // multiple of kBlockN), runs its two GEMMs over its first 48 or 112 keys
+  // where those hold them all: the last tile of 2048 or 4096 keys (112 or 48
+  // of 176) then does its keys' work only.
+  static constexpr bool kNarrowLastTile = kBlockN == 176;
+  static constexpr int kNarrowKeys0 = 48, kNarrowKeys1 = 112;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   // setmaxnreg: the producer gives its registers to the consumers. The
   // consumers can take only what the producer gave back from the block's launch
