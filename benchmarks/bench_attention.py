@@ -21,6 +21,10 @@ Usage (from the repository root):
     python3 benchmarks/bench_attention.py --quick         # bf16, D=128, N in {4096, 16384}
     python3 benchmarks/bench_attention.py --dims 128 --seqlens 4096 --causal on --providers ext cudnn
     python3 benchmarks/bench_attention.py --device cpu --out /tmp/benchout   # tiny smoke test
+    python3 benchmarks/bench_attention.py --quick --dropout 0 0.1 --providers ext cudnn   # dropout's cost
+
+With --dropout, every (D, N, causal) row is measured once per dropout_p, one after the other, and the
+tables gain a dropout column (the plot shows the first value's rows only).
 """
 import argparse
 import datetime
@@ -135,6 +139,7 @@ class Row:
     h: int
     causal: bool
     tflops: Dict[str, Tuple[Optional[float], Optional[float]]]  # label -> (forward, backward)
+    dropout: float = 0.0
 
 
 @dataclass
@@ -143,6 +148,7 @@ class Report:
     header: List[str]  # lines under the title: device, versions, command, method
     providers: List[Provider]
     memory_dtype: str
+    dropout_column: bool = False  # whether the speed tables show each row's dropout_p
     rows: List[Row] = field(default_factory=list)
     memory: Dict[int, Dict[str, Optional[float]]] = field(default_factory=dict)  # N -> label -> MiB
     notes: Dict[str, str] = field(default_factory=dict)  # first error per provider, and other notes
@@ -219,10 +225,11 @@ def _check_cuda_context(provider: Provider) -> None:
         raise CudaContextLost(f"after {provider.label}: {error}") from error
 
 
-def time_forward_backward(provider: Provider, q, k, v, causal: bool, device, budget_s: float, report: Report):
+def time_forward_backward(provider: Provider, q, k, v, causal: bool, dropout: float, device, budget_s: float,
+                          report: Report):
     """(forward seconds, backward seconds) per call; None where the provider fails."""
     def forward():
-        return provider.attention(q, k, v, is_causal=causal)
+        return provider.attention(q, k, v, is_causal=causal, dropout_p=dropout)
 
     def backward_seconds():
         out = forward()
@@ -236,7 +243,8 @@ def time_forward_backward(provider: Provider, q, k, v, causal: bool, device, bud
     return fwd, bwd
 
 
-def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal: bool, device) -> Row:
+def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal: bool, dropout: float,
+                device) -> Row:
     """One cell per provider: setup.rounds rounds over the providers, each in the opposite order of the
     round before (the GPU's clock drifts over a cell's seconds: whoever ran last ran slower, up to 10% a
     cell), with the budget split between them; a cell is the mean of its rounds' medians."""
@@ -248,12 +256,13 @@ def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal
     for round_index in range(setup.rounds):
         for provider in providers if round_index % 2 == 0 else providers[::-1]:
             seconds[provider.label].append(
-                time_forward_backward(provider, q, k, v, causal, device, setup.budget_s / setup.rounds, report))
+                time_forward_backward(provider, q, k, v, causal, dropout, device, setup.budget_s / setup.rounds,
+                                      report))
 
     def mean_or_none(values):
         return None if any(value is None for value in values) else statistics.mean(values)
 
-    row = Row(dtype, d, n, b, h, causal, {p.label: (None, None) for p in report.providers})
+    row = Row(dtype, d, n, b, h, causal, {p.label: (None, None) for p in report.providers}, dropout)
     for provider in providers:
         fwd = mean_or_none([fwd for fwd, _ in seconds[provider.label]])
         bwd = mean_or_none([bwd for _, bwd in seconds[provider.label]])
@@ -313,12 +322,13 @@ def fmt_cell(pair: Tuple[Optional[float], Optional[float]]) -> str:
 
 def speed_table_head(report: Report) -> List[str]:
     labels = [provider.label for provider in report.providers]
-    columns = ["D", "N", "B x H", "causal", *labels]
+    columns = ["D", "N", "B x H", "causal", *(["dropout"] if report.dropout_column else []), *labels]
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def speed_table_line(report: Report, row: Row) -> str:
     cells = [str(row.d), str(row.n), f"{row.b} x {row.h}", "yes" if row.causal else "no"]
+    cells += [f"{row.dropout:g}"] if report.dropout_column else []
     cells += [fmt_cell(row.tflops[provider.label]) for provider in report.providers]
     return "| " + " | ".join(cells) + " |"
 
@@ -370,7 +380,7 @@ def plot(report: Report, path: Path, stamp: str) -> bool:
     import matplotlib.pyplot as plt
 
     first_dtype = report.rows[0].dtype if report.rows else None
-    rows = [row for row in report.rows if row.dtype == first_dtype]
+    rows = [row for row in report.rows if row.dtype == first_dtype and row.dropout == report.rows[0].dropout]
     panels = [(d, causal, direction) for d in dict.fromkeys(row.d for row in rows)
               for causal in dict.fromkeys(row.causal for row in rows) for direction in (0, 1)]
     count = len(panels) + bool(report.memory)
@@ -473,7 +483,8 @@ def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
         f"(math only up to N={MATH_MAX_N}). — means the provider failed (see the notes) or was skipped.",
     ]
     providers = [p for p in setup.providers if args.providers is None or p.key in args.providers]
-    return Report("Attention: flashattn_ext against torch SDPA", header, providers, args.dtypes[0])
+    return Report("Attention: flashattn_ext against torch SDPA", header, providers, args.dtypes[0],
+                  dropout_column=args.dropout != [0.0])
 
 
 def run_grid(report: Report, setup: Setup, args, device: torch.device, md_path: Path) -> None:
@@ -486,13 +497,15 @@ def run_grid(report: Report, setup: Setup, args, device: torch.device, md_path: 
         for d in args.dims:
             for n in args.seqlens:
                 for causal in args.causal:
-                    if time.monotonic() > deadline:
-                        report.notes["time limit"] = f"--time-limit {args.time_limit:g} s reached; later rows not run"
-                        return
-                    row = measure_row(report, setup, dtype, d, n, causal, device)
-                    report.rows.append(row)
-                    print(speed_table_line(report, row), flush=True)
-                    md_path.write_text(markdown(report))
+                    for dropout in args.dropout:
+                        if time.monotonic() > deadline:
+                            report.notes["time limit"] = (f"--time-limit {args.time_limit:g} s reached; later rows "
+                                                          "not run")
+                            return
+                        row = measure_row(report, setup, dtype, d, n, causal, dropout, device)
+                        report.rows.append(row)
+                        print(speed_table_line(report, row), flush=True)
+                        md_path.write_text(markdown(report))
 
 
 def parse_args(argv=None):
@@ -510,6 +523,8 @@ def parse_args(argv=None):
                         help="rounds over the providers per cell, alternating their order (default 2)")
     parser.add_argument("--time-limit", type=float, default=200,
                         help="seconds after which no new row starts (default 200); the memory table still runs")
+    parser.add_argument("--dropout", nargs="+", type=float, default=[0.0],
+                        help="dropout_p values, each row measured once per value (default 0)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     return parser.parse_args(argv)
@@ -541,7 +556,8 @@ def main(argv=None) -> int:
     if not report.providers:
         sys.exit(f"none of --providers {' '.join(args.providers)} runs on {args.device}")
     args.out.mkdir(parents=True, exist_ok=True)
-    md_path = args.out / f"bench_{today}_{device_slug(device, args.quick)}.md"
+    dropout_part = "-dropout" if report.dropout_column else ""
+    md_path = args.out / f"bench_{today}_{device_slug(device, args.quick)}{dropout_part}.md"
     print(f"# {report.title}\n\n" + "\n".join(report.header), flush=True)
 
     status = 0

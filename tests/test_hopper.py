@@ -4,7 +4,8 @@ On an H100/H200 the Hopper kernels are the default for the calls they cover; the
 through them too. These tests check what is particular to them: that they run at all (the kernel's
 name in the profiler), every covered shape (ragged lengths against the 128-row tiles, Nq != Nk, both
 causal alignments, GQA, padded head dims, sequence-major strides), every output element written
-(outputs land on memory poisoned with NaN), and the calls they leave to the mma.sync kernels."""
+(outputs land on memory poisoned with NaN), dropout with the mma.sync kernels' random numbers, and
+the calls they leave to the mma.sync kernels."""
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashattn_ext
 from helpers import CUDA_REASON, ERROR_FLOOR, naive_attention, poison_cuda_allocator, relative_error
+from test_dropout import check_against_mask_reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -190,9 +192,53 @@ def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypat
     assert relative_error(run().detach(), sm80_out) < 1e-2
 
 
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim): the forward's 176-key tiles with a narrow
+# last one (112 and 48 keys), 128-key tiles (causal), three consumers (head dim 64), GQA, more
+# tiles than SMs, and the backward's 128-query tiles (head dim 64).
+DROPOUT_SHAPES = [
+    (1, 4, 2, 333, 2048, 128),
+    (1, 2, 1, 64, 4096, 128),
+    (2, 4, 2, 200, 517, 64),
+    (2, 24, 8, 520, 520, 128),
+    (1, 2, 2, 300, 300, 96),
+]
+
+
+@pytest.mark.parametrize("mode", ["full", "causal"])
+@pytest.mark.parametrize("shape", DROPOUT_SHAPES, ids=["x".join(map(str, s)) for s in DROPOUT_SHAPES])
+def test_dropout_matches_reference_built_from_its_mask(shape, mode):
+    """Dropout runs in the Hopper kernels, and drops what dropout_mask says (the sm80 kernels'
+    numbers): out and gradients against float64 given that mask."""
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=7)
+    kwargs = {"is_causal": mode == "causal", "enable_gqa": heads_q != heads_kv}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    names = kernel_names(
+        lambda: flashattn_ext.scaled_dot_product_attention(*leaves, dropout_p=0.2, **kwargs).sum().backward())
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    _, keep = check_against_mask_reference(q, k, v, 0.2, seed=11, **kwargs)
+    assert 0.75 < keep.float().mean().item() < 0.85
+
+
+def test_dropout_agrees_with_the_sm80_kernels(monkeypatch):
+    """Under one seed, the Hopper and the mma.sync kernels drop the same scores."""
+    q, k, v = (t.requires_grad_() for t in random_inputs((2, 4, 4, 700, 700, 128), torch.bfloat16, seed=9))
+
+    def run():
+        torch.manual_seed(1)
+        out = flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    hopper = run()
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), hopper, run()):
+        assert relative_error(got, want) < 1e-2, name
+
+
 @pytest.mark.parametrize(
     "case",
-    ["dropout", "mask", "head_dim_256", "negative_scale", "stride_zero_batch"],
+    ["mask", "head_dim_256", "negative_scale", "stride_zero_batch"],
 )
 def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
@@ -205,10 +251,6 @@ def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     if case == "stride_zero_batch":
         k = k[:1].expand(2, -1, -1, -1)
         v = v[:1].expand(2, -1, -1, -1)
-    if case == "dropout":
-        names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.3))
-        assert not any("sm90" in n for n in names), names
-        return
     names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs))
     assert not any("sm90" in n for n in names), names
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs)

@@ -364,6 +364,42 @@ __device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropo
   return state;
 }
 
+// Dropout's keep decisions for one lane's eight scores of a 16 x 16 block of
+// score fragments whose rows are queries: keep[half][e] for query query0 + 8 *
+// (e / 2) and key key0 + 8 * half + e % 2 (the lane's scores of the block's two
+// 8-key fragment tiles), where group is dropout_group(bh, query0, key0), query0
+// % 16 < 8 and key0 % 16 < 8 even, as a fragment lane's (lane / 4, 2 * (lane %
+// 4)): one Philox call. Along a row of blocks, the group grows by 4 a block.
+__device__ __forceinline__ void dropout_keep_query_block(bool (&keep)[2][4], const DropoutState& d, uint64_t group) {
+  const PhiloxOutput numbers = dropout_numbers(d.seed, d.offset, group);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) keep[half][e] = dropout_keeps(numbers, (e / 2) * 4 + half * 2 + e % 2, d.threshold);
+  }
+}
+
+// The same for fragments of the transposed scores S^T: keep[half][e] for key
+// key0 + 8 * (e / 2) and query query0 + 8 * half + e % 2, where group is
+// dropout_group(bh, query0, key0). A lane's four queries of the block fall into
+// two Philox calls, the second's group key_quads (dropout_group) further.
+// Along a row of blocks, the group grows by 8 * key_quads a block.
+__device__ __forceinline__ void dropout_keep_key_block(bool (&keep)[2][4], const DropoutState& d, uint64_t group,
+                                                       int64_t key0) {
+  const int64_t key_quads = (d.len_k + 15) / 16 * 4;
+#pragma unroll
+  for (int odd = 0; odd < 2; ++odd) {
+    const PhiloxOutput numbers = dropout_numbers(d.seed, d.offset, group + odd * key_quads);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int key_half = 0; key_half < 2; ++key_half) {
+        keep[half][key_half * 2 + odd] = dropout_keeps(numbers, half * 4 + key_half * 2 + key0 % 2, d.threshold);
+      }
+    }
+  }
+}
+
 // keep[mt][nt][e]: whether dropout keeps a warp's score fragment element whose
 // row is query q0 + mt * 16 + lane / 4 + 8 * (e / 2) and column key
 // k0 + nt * 8 + 2 * (lane % 4) + e % 2, of head bh (batch * heads_q + head).
@@ -377,21 +413,14 @@ __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kN
 #pragma unroll
     for (int block = 0; block < kNTiles / 2; ++block) {
       const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + block * 16 + (lane % 4) * 2;
-      const PhiloxOutput numbers = dropout_numbers(d.seed, d.offset, dropout_group(bh, query, key, d.len_q, d.len_k));
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          keep[mt][2 * block + half][e] = dropout_keeps(numbers, (e / 2) * 4 + half * 2 + e % 2, d.threshold);
-        }
-      }
+      dropout_keep_query_block(*reinterpret_cast<bool(*)[2][4]>(&keep[mt][2 * block]), d,
+                               dropout_group(bh, query, key, d.len_q, d.len_k));
     }
   }
 }
 
 // The same for fragments of the transposed scores S^T: row key
 // k0 + mt * 16 + lane / 4 + 8 * (e / 2), column query q0 + nt * 8 + 2 * (lane % 4) + e % 2.
-// A lane's four queries of a 16-query block fall into two Philox calls.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
                                                       int64_t bh, int64_t k0, int64_t q0, int lane) {
@@ -400,20 +429,9 @@ __device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTi
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int block = 0; block < kNTiles / 2; ++block) {
-#pragma unroll
-      for (int odd = 0; odd < 2; ++odd) {
-        const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + block * 16 + (lane % 4) * 2 + odd;
-        const PhiloxOutput numbers =
-            dropout_numbers(d.seed, d.offset, dropout_group(bh, query, key, d.len_q, d.len_k));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int key_half = 0; key_half < 2; ++key_half) {
-            keep[mt][2 * block + half][key_half * 2 + odd] =
-                dropout_keeps(numbers, half * 4 + key_half * 2 + (lane / 4) % 2, d.threshold);
-          }
-        }
-      }
+      const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + block * 16 + (lane % 4) * 2;
+      dropout_keep_key_block(*reinterpret_cast<bool(*)[2][4]>(&keep[mt][2 * block]), d,
+                             dropout_group(bh, query, key, d.len_q, d.len_k), key);
     }
   }
 }

@@ -66,10 +66,10 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
 namespace sm90 {
 
 // Runs the Hopper forward and returns true where it covers the call: float16
-// or bfloat16, head dim up to 128 (value's equal), no attn_mask, no dropout,
-// a positive scale, rows the copy engine can address (16-byte aligned, strides
-// non-zero multiples of 16 bytes), params.tile_counter set. Else launches
-// nothing and returns false.
+// or bfloat16, head dim up to 128 (value's equal), no attn_mask (dropout
+// taken, with the sm80 kernels' numbers), a positive scale, rows the copy
+// engine can address (16-byte aligned, strides non-zero multiples of 16
+// bytes), params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
 // Runs the Hopper backward (delta, the kernel, convert_dq_accum) and returns

@@ -18,6 +18,8 @@
 //    column half of the tile's at head dim 128, a row half at 64): the two
 //    dS^T halves meet in shared memory. dQ is issued before dK so that its
 //    shared-memory stores run under dK's wgmma.
+// With dropout, P^T and dP^T are dropped where the forward dropped P (the same
+// Philox numbers), before dV and dS^T.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
@@ -46,7 +48,7 @@ struct BwdBarriers {
   uint64_t q_empty[kStages], dout_empty[kStages];
 };
 
-template <typename Elem, typename Cfg>
+template <typename Elem, typename Cfg, bool kDropout>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -254,16 +256,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
   float dq[kDqRegs];
 
-  int m_index = 0;  // tile % m_count, counted rather than divided
+  // tile % m_count and the tile's query head, h_kv * group + tile / m_count, counted rather than divided.
+  int m_index = 0;
+  int64_t head = h_kv * group;
   for (int tile = 0; tile < tiles; ++tile) {
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
-    const int64_t row0 = (m_begin + m_index) * kBlockM;
-    if (++m_index == m_count) m_index = 0;
+    const int64_t row0 = (m_begin + m_index) * kBlockM, bh = b * p.heads_q + head;
+    if (++m_index == m_count) {
+      m_index = 0;
+      ++head;
+    }
     // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
     const float(&lse_q)[kBlockM] = s_stats[stage][0];
     const float(&delta_q)[kBlockM] = s_stats[stage][1];
     auto query_of = [&](int i) { return accumulator_column(i, lane); };
+
+    // Dropout's decisions for the tile (bit i: register i of S^T), drawn before
+    // its GEMMs are issued, while their registers are not yet live: two
+    // Philox calls a 16 x 16 block (dropout.h), one block at a time (the seed
+    // and offset read again for each tile: registers are short).
+    KeepBits<kScoreRegs> keep;
+    if constexpr (kDropout) {
+      const DropoutState dropout = dropout_state(params.dropout, p);
+      const int64_t key0 = col0 + key_row;
+      const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, key0, p.len_q, p.len_k);
+      const uint64_t group_step = 8 * ((p.len_k + 15) / 16 * 4);  // 16 queries on (dropout_group)
+#pragma unroll 1
+      for (int j = kScoreRegs / 8 - 1; j >= 0; --j) {
+        bool block_keep[2][4];
+        dropout_keep_key_block(block_keep, dropout, group0 + j * group_step, key0);
+        keep.push_front(block_keep);
+      }
+    }
 
     // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
     float st[kScoreRegs], dpt[kScoreRegs];
@@ -309,6 +334,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) st[i] = ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
     }
+    // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
+    // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept
+    // ones: both are made once dP^T is in. dV takes P^T where kept, and is
+    // scaled by 1 / (1 - p) at the end.
+    if constexpr (kDropout) {
+      ptx::wgmma_wait<0>();
+      fence_registers(dpt);
+      const float keep_scale = static_cast<float>(dropout_keep_scale(params.dropout.p));
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) {
+        dpt[i] = st[i] * ((keep.keeps(i) ? dpt[i] * keep_scale : 0.f) - delta_q[query_of(i)]);
+      }
+      keep.apply(st);
+    }
     // P^T and dS^T as the A fragments of dV and dK.
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
     to_fragments<Elem>(st, p_frag);
@@ -327,8 +366,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
 
     // dV += P^T dO.
-    ptx::wgmma_wait<0>();
-    fence_registers(dpt);
+    if constexpr (!kDropout) {
+      ptx::wgmma_wait<0>();
+      fence_registers(dpt);
+    }
     accumulate_gradient(dv, p_frag, dout_rows_desc);
 
     // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
@@ -338,10 +379,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // reached kDsReady of tile t - 1. (With 128-query tiles registers are
     // short: P^T is read back from its rounded fragments there, so that st
     // dies with its conversion.)
+    if constexpr (!kDropout) {
 #pragma unroll
-    for (int i = 0; i < kScoreRegs; ++i) {
-      const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
-      dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
+      for (int i = 0; i < kScoreRegs; ++i) {
+        const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
+        dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
+      }
     }
     if (col0 == 0) {  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
       const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
@@ -409,8 +452,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(&bars->q_empty[stage]);
   }
 
-  // dK (times the scale) and dV of this consumer's keys.
+  // dK (times the scale) and dV (times dropout's 1 / (1 - p)) of this consumer's keys.
   const float scale = static_cast<float>(p.scale);
+  const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
   Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
   Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
   // Columns past the head dim (padded to the kernel's) are not stored (as in the forward's output).
@@ -428,13 +472,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (padded && j * 8 + cols0 >= dim) continue;
       *reinterpret_cast<uint32_t*>(dk_row + j * 8) =
           ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + j * 8) = ptx::pack2<Elem>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(dv_row + j * 8) =
+          ptx::pack2<Elem>(dv[4 * j + 2 * half] * dv_scale, dv[4 * j + 2 * half + 1] * dv_scale);
     }
   }
 #endif
 }
 
-template <typename Elem, int kHeadDim>
+template <typename Elem, int kHeadDim, bool kDropout>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim>;
   const AttentionProblem& p = params.problem;
@@ -454,7 +499,7 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   compute_delta(params, type, stream);
-  auto kernel = attention_backward_kernel<Elem, Cfg>;
+  auto kernel = attention_backward_kernel<Elem, Cfg, kDropout>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   // Q and dO of every query head of the group, streamed.
   const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
@@ -471,16 +516,18 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   // What this kernel covers; the rest runs the sm80 kernels. dq_accum's layout
   // is that of the specialized head dims 64 and 128 (dispatch_head_dim).
   const bool head_dim_covered = p.head_dim <= 64 || (p.head_dim > 96 && p.head_dim <= 128);
-  if (params.dq_accum == nullptr || params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 ||
-      !head_dim_covered || p.head_dim != p.head_dim_v || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 ||
-      p.batch == 0) {
+  if (params.dq_accum == nullptr || params.mask_kind != MaskKind::kNone || !head_dim_covered ||
+      p.head_dim != p.head_dim_v || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 || p.batch == 0) {
     return false;
   }
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    launched =
-        p.head_dim <= 64 ? launch_backward<Elem, 64>(params, stream) : launch_backward<Elem, 128>(params, stream);
+    dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+      constexpr bool kDropout = decltype(dropout)::value;
+      launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout>(params, stream)
+                                  : launch_backward<Elem, 128, kDropout>(params, stream);
+    });
   });
   return launched;
 }

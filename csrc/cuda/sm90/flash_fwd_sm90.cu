@@ -19,7 +19,8 @@
 //    the consumers take turns to issue them (ping-pong), so that one's softmax
 //    hides under the others' GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
-// masked; those tiles come last in the loop. At head dim 128 the output leaves
+// masked; those tiles come last in the loop. With dropout, the probabilities
+// are dropped after the rows' sums and before P V. At head dim 128 the output leaves
 // through shared memory and the copy engine: the consumers round it into the K
 // buffer of the tile's last stage, which the producer refills only once the
 // copy engine has read it (out_free). The log-sum-exp is written from registers.
@@ -131,7 +132,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
   return t;
 }
 
-template <typename Elem, typename Cfg>
+template <typename Elem, typename Cfg, bool kDropout>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
@@ -360,17 +361,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       }
     };
 
-    // The rows' final sums: writes the log-sum-exp and sets inv_sum to 1 / sum
-    // (rows that saw no key: -inf and 0).
+    // Dropout's decisions for key tile n_block: bit i % 32 of word i / 32 keeps
+    // register i of its scores (one Philox call a 16-key block, dropout.h).
+    // Drawn before the tile's Q K^T is issued, while its score registers are
+    // not yet live, and applied after the softmax (the rows' sums count every
+    // probability); the kept ones are scaled with the output. (The seed and
+    // offset are read again for each tile: registers are short.)
+    auto draw_keep_bits = [&](int n_block, auto keys) {
+      constexpr int kRegs = decltype(keys)::value / 2;
+      const DropoutState dropout = dropout_state(params.dropout, p);
+      KeepBits<kRegs> bits;
+      const uint64_t group0 = dropout_group(int64_t(t.batch) * p.heads_q + t.head, row0 + tile_row,
+                                            int64_t(n_block) * kBlockN + (lane % 4) * 2, p.len_q, p.len_k);
+#pragma unroll 1
+      for (int j = kRegs / 8 - 1; j >= 0; --j) {
+        bool keep[2][4];
+        dropout_keep_query_block(keep, dropout, group0 + 4 * j);
+        bits.push_front(keep);
+      }
+      return bits;
+    };
+
+    // The rows' final sums: writes the log-sum-exp and sets inv_sum to 1 / sum,
+    // times dropout's 1 / (1 - p) (rows that saw no key: -inf and 0).
     float inv_sum[2];
     auto finish_rows = [&] {
+      const float keep_scale = static_cast<float>(dropout_keep_scale(params.dropout.p));
       float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float sum = row_sum[half];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        inv_sum[half] = sum > 0.f ? 1.f / sum : 0.f;
+        inv_sum[half] = sum > 0.f ? (kDropout ? keep_scale : 1.f) / sum : 0.f;
         const int64_t row = row0 + tile_row + half * 8;
         if (lane % 4 == 0 && row < p.len_q) {
           lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
@@ -396,6 +419,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
       uint32_t pa[kBlockN / 16][4];
       {
+        KeepBits<kKeyRegs> keep;
+        if constexpr (kDropout) keep = draw_keep_bits(0, Whole{});
         float s[kKeyRegs];
         wait_k(kv);
         issue_scores<Elem, Cfg, kBlockN>(s, q_tile_desc, k_stage_desc(kv));
@@ -406,6 +431,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         if (tile_needs_mask(0)) mask_tile(s, 0);
         float rescale[2];
         softmax(s, rescale);
+        if constexpr (kDropout) keep.apply(s);
         to_fragments<Elem>(s, pa);
       }
       // Key tile n_block >= 1 (its GEMMs over its first kKeys keys): its scores
@@ -413,6 +439,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       // the scores (the first group of two).
       auto key_tile = [&](int n_block, auto keys) {
         constexpr int kKeys = decltype(keys)::value;
+        KeepBits<kKeys / 2> keep;
+        if constexpr (kDropout) keep = draw_keep_bits(n_block, keys);
         float s[kKeys / 2];
         wait_k(kv + n_block);
         wait_v(kv + n_block - 1);
@@ -431,8 +459,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         if (kKeys < kBlockN || tile_needs_mask(n_block)) {
           mask_tile(s, n_block);
           softmax(s, rescale);
+          if constexpr (kDropout) keep.apply(s);
         } else {
           softmax(s, rescale);
+          if constexpr (kDropout) keep.apply(s);
         }
         ptx::wgmma_wait<0>();
         fence_registers(o);
@@ -528,7 +558,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 // The tile scheduler counts tiles in an int (with room for the grid's last fetches past the end).
 constexpr int64_t kMaxTiles = int64_t{1} << 30;
 
-template <typename Elem, int kHeadDim, bool kCausal>
+template <typename Elem, int kHeadDim, bool kCausal, bool kDropout>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal)>;
   const AttentionProblem& p = params.problem;
@@ -544,7 +574,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
       (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.len_q, p.heads_q, 64))) {
     return false;
   }
-  auto kernel = attention_forward_kernel<Elem, Cfg>;
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;
@@ -562,8 +592,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   // What this kernel covers; the rest runs the sm80 kernels.
-  if (params.tile_counter == nullptr || params.mask_kind != MaskKind::kNone || params.dropout.p > 0.0 ||
-      !(p.scale > 0.0) ||
+  if (params.tile_counter == nullptr || params.mask_kind != MaskKind::kNone || !(p.scale > 0.0) ||
       p.head_dim != p.head_dim_v || p.head_dim > 128 || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 ||
       p.batch == 0) {
     return false;
@@ -571,12 +600,13 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    auto launch = [&](auto causal) {
-      constexpr bool kCausal = decltype(causal)::value;
-      return p.head_dim <= 64 ? launch_forward<Elem, 64, kCausal>(params, stream)
-                              : launch_forward<Elem, 128, kCausal>(params, stream);
-    };
-    launched = p.is_causal ? launch(std::true_type{}) : launch(std::false_type{});
+    dispatch_flag(p.is_causal, [&](auto causal) {
+      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+        constexpr bool kCausal = decltype(causal)::value, kDropout = decltype(dropout)::value;
+        launched = p.head_dim <= 64 ? launch_forward<Elem, 64, kCausal, kDropout>(params, stream)
+                                    : launch_forward<Elem, 128, kCausal, kDropout>(params, stream);
+      });
+    });
   });
   return launched;
 }
