@@ -273,16 +273,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto query_of = [&](int i) { return accumulator_column(i, lane); };
 
     // Dropout's decisions for the tile (bit i: register i of S^T), drawn before
-    // its GEMMs are issued, while their registers are not yet live: two
-    // Philox calls a 16 x 16 block (dropout.h), one block at a time (the seed
-    // and offset read again for each tile: registers are short).
+    // its GEMMs are issued, while their registers are not yet live: a Philox
+    // call a 16 x 16 block (dropout_keep_key_block), two blocks at a time (the
+    // seed and offset read again for each tile: registers are short).
     KeepBits<kScoreRegs> keep;
     if constexpr (kDropout) {
       const DropoutState dropout = dropout_state(params.dropout, p);
       const int64_t key0 = col0 + key_row;
       const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, key0, p.len_q, p.len_k);
       const uint64_t group_step = 8 * ((p.len_k + 15) / 16 * 4);  // 16 queries on (dropout_group)
-#pragma unroll 1
+#pragma unroll 2
       for (int j = kScoreRegs / 8 - 1; j >= 0; --j) {
         bool block_keep[2][4];
         dropout_keep_key_block(block_keep, dropout, group0 + j * group_step, key0);

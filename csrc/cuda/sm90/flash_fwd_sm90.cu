@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     };
 
     // Dropout's decisions for key tile n_block: bit i % 32 of word i / 32 keeps
-    // register i of its scores (one Philox call a 16-key block, dropout.h).
+    // register i of its scores (one Philox call a 16-key block, dropout.h; two
+    // blocks at a time).
     // Drawn before the tile's Q K^T is issued, while its score registers are
     // not yet live, and applied after the softmax (the rows' sums count every
     // probability); the kept ones are scaled with the output. (The seed and
@@ -373,7 +374,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       KeepBits<kRegs> bits;
       const uint64_t group0 = dropout_group(int64_t(t.batch) * p.heads_q + t.head, row0 + tile_row,
                                             int64_t(n_block) * kBlockN + (lane % 4) * 2, p.len_q, p.len_k);
-#pragma unroll 1
+#pragma unroll 2
       for (int j = kRegs / 8 - 1; j >= 0; --j) {
         bool keep[2][4];
         dropout_keep_query_block(keep, dropout, group0 + 4 * j);
