@@ -75,11 +75,15 @@ FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_threshold(double p) {
 // The factor of a kept score: 1 / (1 - p), as in torch's dropout; 0 when p = 1.
 FLASHATTN_EXT_HOST_DEVICE double dropout_keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
 
+// The Philox calls of one query row pair (a, a + 8) of a head: the step of
+// dropout_group from query a to a + 1.
+FLASHATTN_EXT_HOST_DEVICE int64_t dropout_key_quads(int64_t len_k) { return (len_k + 15) / 16 * 4; }
+
 // The index of the Philox call that serves the pair (query, key) of head bh
 // (batch * heads_q + head), among all calls of one attention call.
 FLASHATTN_EXT_HOST_DEVICE uint64_t dropout_group(int64_t bh, int64_t query, int64_t key, int64_t len_q,
                                                  int64_t len_k) {
-  const int64_t query_pairs = (len_q + 15) / 16 * 8, key_quads = (len_k + 15) / 16 * 4;
+  const int64_t query_pairs = (len_q + 15) / 16 * 8, key_quads = dropout_key_quads(len_k);
   const int64_t query_pair = query / 16 * 8 + query % 8, key_quad = key / 16 * 4 + key % 8 / 2;
   return static_cast<uint64_t>((bh * query_pairs + query_pair) * key_quads + key_quad);
 }

@@ -382,18 +382,17 @@ __device__ __forceinline__ void dropout_keep_query_block(bool (&keep)[2][4], con
 // The same for fragments of the transposed scores S^T: keep[half][e] for key
 // key0 + 8 * (e / 2) and query query0 + 8 * half + e % 2, where group is
 // dropout_group(bh, query0, key0). A lane's four queries of the block fall into
-// two Philox calls (the second's group key_quads further on), which the lane
+// two Philox calls (the second's group dropout_key_quads further on), which the lane
 // of key key0 ^ 1 (lane ^ 4 in a fragment) needs too: each of the two makes one
 // call, and they swap the halves of its numbers that the other uses. Every
 // lane of the warp calls it together. Along a row of blocks, the group grows
-// by 8 * key_quads a block.
+// by 8 * dropout_key_quads a block.
 __device__ __forceinline__ void dropout_keep_key_block(bool (&keep)[2][4], const DropoutState& d, uint64_t group,
                                                        int64_t key0) {
-  const int64_t key_quads = (d.len_k + 15) / 16 * 4;
   // A number's half of its 32-bit output is its key's parity (dropout_slot):
   // this lane makes the call of query query0 + parity and takes that half.
   const int parity = static_cast<int>(key0 % 2);
-  const PhiloxOutput own = dropout_numbers(d.seed, d.offset, group + parity * key_quads);
+  const PhiloxOutput own = dropout_numbers(d.seed, d.offset, group + parity * dropout_key_quads(d.len_k));
   // The partner's halves of own's four outputs, two to a word, for theirs.
   uint32_t partner[2];
 #pragma unroll

@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const DropoutState dropout = dropout_state(params.dropout, p);
       const int64_t key0 = col0 + key_row;
       const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, key0, p.len_q, p.len_k);
-      const uint64_t group_step = 8 * ((p.len_k + 15) / 16 * 4);  // 16 queries on (dropout_group)
+      const uint64_t group_step = 8 * dropout_key_quads(p.len_k);  // 16 queries on (dropout_keep_key_block)
 #pragma unroll 2
       for (int j = kScoreRegs / 8 - 1; j >= 0; --j) {
         bool block_keep[2][4];
