@@ -22,9 +22,14 @@ Usage (from the repository root):
     python3 benchmarks/bench_attention.py --dims 128 --seqlens 4096 --causal on --providers ext cudnn
     python3 benchmarks/bench_attention.py --device cpu --out /tmp/benchout   # tiny smoke test
     python3 benchmarks/bench_attention.py --quick --dropout 0 0.1 --providers ext cudnn   # dropout's cost
+    python3 benchmarks/bench_attention.py --quick --causal off --masks none padding padding_half float
 
 With --dropout, every (D, N, causal) row is measured once per dropout_p, one after the other, and the
-tables gain a dropout column (the plot shows the first value's rows only).
+tables gain a dropout column (the plot shows the first value's rows only). --masks does the same with
+attn_mask (non-causal rows only: SDPA takes no mask with is_causal): "padding", a bool (B, 1, 1, N)
+key-padding mask that hides nothing; "padding_half", the same hiding each sequence's second half of
+keys; "float", a float (N, N) mask of normal noise in the inputs' dtype. A masked cell counts the
+unmasked call's FLOPs, so that its TFLOP/s compare as speed: work a mask lets a kernel skip shows.
 """
 import argparse
 import datetime
@@ -99,6 +104,8 @@ GPU_PROVIDERS = [
     Provider("ext-sm80", "flashattn_ext sm80", ext_attention, env=("FLASHATTN_EXT_KERNELS", "sm80")),
     Provider("efficient", "SDPA mem-efficient", F.scaled_dot_product_attention, SDPBackend.EFFICIENT_ATTENTION),
     Provider("math", "SDPA math", F.scaled_dot_product_attention, SDPBackend.MATH, MATH_MAX_N),
+    # Whatever backend torch picks (with an attn_mask, not always cuDNN).
+    Provider("default", "SDPA default", F.scaled_dot_product_attention),
 ]
 CPU_PROVIDERS = [
     Provider("ext", "flashattn_ext", ext_attention),
@@ -140,6 +147,7 @@ class Row:
     causal: bool
     tflops: Dict[str, Tuple[Optional[float], Optional[float]]]  # label -> (forward, backward)
     dropout: float = 0.0
+    mask: str = "none"
 
 
 @dataclass
@@ -149,6 +157,7 @@ class Report:
     providers: List[Provider]
     memory_dtype: str
     dropout_column: bool = False  # whether the speed tables show each row's dropout_p
+    mask_column: bool = False  # and its attn_mask
     rows: List[Row] = field(default_factory=list)
     memory: Dict[int, Dict[str, Optional[float]]] = field(default_factory=dict)  # N -> label -> MiB
     notes: Dict[str, str] = field(default_factory=dict)  # first error per provider, and other notes
@@ -199,6 +208,21 @@ def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torc
     return [torch.randn(b, h, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
 
 
+MASKS = ("none", "padding", "padding_half", "float")
+
+
+def make_mask(kind: str, b: int, n: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
+    """The attn_mask that --masks names (see the module docstring); None for "none"."""
+    if kind == "float":
+        return torch.randn(n, n, dtype=dtype, device=device)
+    if kind.startswith("padding"):
+        keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device=device)
+        if kind == "padding_half":
+            keep[..., n // 2:] = False
+        return keep
+    return None
+
+
 def forward_flops(b: int, h: int, n: int, d: int, causal: bool) -> float:
     return 4 * b * h * n * n * d / (2 if causal else 1)
 
@@ -225,11 +249,11 @@ def _check_cuda_context(provider: Provider) -> None:
         raise CudaContextLost(f"after {provider.label}: {error}") from error
 
 
-def time_forward_backward(provider: Provider, q, k, v, causal: bool, dropout: float, device, budget_s: float,
-                          report: Report):
+def time_forward_backward(provider: Provider, q, k, v, causal: bool, dropout: float, mask, device,
+                          budget_s: float, report: Report):
     """(forward seconds, backward seconds) per call; None where the provider fails."""
     def forward():
-        return provider.attention(q, k, v, is_causal=causal, dropout_p=dropout)
+        return provider.attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
 
     def backward_seconds():
         out = forward()
@@ -244,25 +268,26 @@ def time_forward_backward(provider: Provider, q, k, v, causal: bool, dropout: fl
 
 
 def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal: bool, dropout: float,
-                device) -> Row:
+                mask_kind: str, device) -> Row:
     """One cell per provider: setup.rounds rounds over the providers, each in the opposite order of the
     round before (the GPU's clock drifts over a cell's seconds: whoever ran last ran slower, up to 10% a
     cell), with the budget split between them; a cell is the mean of its rounds' medians."""
     b, h = max(1, setup.tokens // n), setup.heads[d]
     q, k, v = make_inputs(b, h, n, d, DTYPES[dtype], device)
+    mask = make_mask(mask_kind, b, n, DTYPES[dtype], device)
     flops = forward_flops(b, h, n, d, causal)
     providers = [p for p in report.providers if n <= p.max_n]
     seconds: Dict[str, List[Tuple[Optional[float], Optional[float]]]] = {p.label: [] for p in providers}
     for round_index in range(setup.rounds):
         for provider in providers if round_index % 2 == 0 else providers[::-1]:
             seconds[provider.label].append(
-                time_forward_backward(provider, q, k, v, causal, dropout, device, setup.budget_s / setup.rounds,
-                                      report))
+                time_forward_backward(provider, q, k, v, causal, dropout, mask, device,
+                                      setup.budget_s / setup.rounds, report))
 
     def mean_or_none(values):
         return None if any(value is None for value in values) else statistics.mean(values)
 
-    row = Row(dtype, d, n, b, h, causal, {p.label: (None, None) for p in report.providers}, dropout)
+    row = Row(dtype, d, n, b, h, causal, {p.label: (None, None) for p in report.providers}, dropout, mask_kind)
     for provider in providers:
         fwd = mean_or_none([fwd for fwd, _ in seconds[provider.label]])
         bwd = mean_or_none([bwd for _, bwd in seconds[provider.label]])
@@ -322,13 +347,15 @@ def fmt_cell(pair: Tuple[Optional[float], Optional[float]]) -> str:
 
 def speed_table_head(report: Report) -> List[str]:
     labels = [provider.label for provider in report.providers]
-    columns = ["D", "N", "B x H", "causal", *(["dropout"] if report.dropout_column else []), *labels]
+    columns = ["D", "N", "B x H", "causal", *(["dropout"] if report.dropout_column else []),
+               *(["mask"] if report.mask_column else []), *labels]
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
 
 
 def speed_table_line(report: Report, row: Row) -> str:
     cells = [str(row.d), str(row.n), f"{row.b} x {row.h}", "yes" if row.causal else "no"]
     cells += [f"{row.dropout:g}"] if report.dropout_column else []
+    cells += [row.mask] if report.mask_column else []
     cells += [fmt_cell(row.tflops[provider.label]) for provider in report.providers]
     return "| " + " | ".join(cells) + " |"
 
@@ -380,7 +407,8 @@ def plot(report: Report, path: Path, stamp: str) -> bool:
     import matplotlib.pyplot as plt
 
     first_dtype = report.rows[0].dtype if report.rows else None
-    rows = [row for row in report.rows if row.dtype == first_dtype and row.dropout == report.rows[0].dropout]
+    rows = [row for row in report.rows if row.dtype == first_dtype and row.dropout == report.rows[0].dropout
+            and row.mask == report.rows[0].mask]
     panels = [(d, causal, direction) for d in dict.fromkeys(row.d for row in rows)
               for causal in dict.fromkeys(row.causal for row in rows) for direction in (0, 1)]
     count = len(panels) + bool(report.memory)
@@ -484,7 +512,7 @@ def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
     ]
     providers = [p for p in setup.providers if args.providers is None or p.key in args.providers]
     return Report("Attention: flashattn_ext against torch SDPA", header, providers, args.dtypes[0],
-                  dropout_column=args.dropout != [0.0])
+                  dropout_column=args.dropout != [0.0], mask_column=args.masks != ["none"])
 
 
 def run_grid(report: Report, setup: Setup, args, device: torch.device, md_path: Path) -> None:
@@ -498,14 +526,15 @@ def run_grid(report: Report, setup: Setup, args, device: torch.device, md_path: 
             for n in args.seqlens:
                 for causal in args.causal:
                     for dropout in args.dropout:
-                        if time.monotonic() > deadline:
-                            report.notes["time limit"] = (f"--time-limit {args.time_limit:g} s reached; later rows "
-                                                          "not run")
-                            return
-                        row = measure_row(report, setup, dtype, d, n, causal, dropout, device)
-                        report.rows.append(row)
-                        print(speed_table_line(report, row), flush=True)
-                        md_path.write_text(markdown(report))
+                        for mask in args.masks if not causal else ["none"]:
+                            if time.monotonic() > deadline:
+                                report.notes["time limit"] = (f"--time-limit {args.time_limit:g} s reached; later "
+                                                              "rows not run")
+                                return
+                            row = measure_row(report, setup, dtype, d, n, causal, dropout, mask, device)
+                            report.rows.append(row)
+                            print(speed_table_line(report, row), flush=True)
+                            md_path.write_text(markdown(report))
 
 
 def parse_args(argv=None):
@@ -525,6 +554,8 @@ def parse_args(argv=None):
                         help="seconds after which no new row starts (default 200); the memory table still runs")
     parser.add_argument("--dropout", nargs="+", type=float, default=[0.0],
                         help="dropout_p values, each row measured once per value (default 0)")
+    parser.add_argument("--masks", nargs="+", choices=MASKS, default=["none"],
+                        help="attn_mask kinds, each non-causal row measured once per kind (default none)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     return parser.parse_args(argv)
@@ -556,8 +587,8 @@ def main(argv=None) -> int:
     if not report.providers:
         sys.exit(f"none of --providers {' '.join(args.providers)} runs on {args.device}")
     args.out.mkdir(parents=True, exist_ok=True)
-    dropout_part = "-dropout" if report.dropout_column else ""
-    md_path = args.out / f"bench_{today}_{device_slug(device, args.quick)}{dropout_part}.md"
+    variant_part = ("-dropout" if report.dropout_column else "") + ("-masks" if report.mask_column else "")
+    md_path = args.out / f"bench_{today}_{device_slug(device, args.quick)}{variant_part}.md"
     print(f"# {report.title}\n\n" + "\n".join(report.header), flush=True)
 
     status = 0

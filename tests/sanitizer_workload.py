@@ -75,16 +75,24 @@ def run_copied_inputs(dtype):
 
 
 def run_masked(dtype):
-    """A broadcast bool mask and a float mask that requires grad, over ragged tiles with GQA."""
+    """Masks over ragged tiles with GQA: a broadcast bool key mask, a float mask that requires grad
+    (rows of 129 of 136 elements, which the Hopper forward's copy engine reads), a bool (L, S) one
+    (rows of 129 bytes, which it does not), and per-head float masks at head dims 64 and 128."""
     q = torch.randn(1, 2, 65, 64, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, 1, 129, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     bool_mask = torch.rand(1, 1, 1, 129, device="cuda") > 0.3
-    float_mask = torch.randn(65, 129, device="cuda", dtype=dtype, requires_grad=True)
-    for mask in (bool_mask, float_mask):
+    float_mask_rows = torch.randn(65, 136, device="cuda", dtype=dtype, requires_grad=True)
+    float_mask = float_mask_rows[:, :129]
+    for mask in (bool_mask, float_mask, torch.rand(65, 129, device="cuda") > 0.3):
         out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out.backward(torch.randn_like(out))
+    for dim in (64, 128):
+        q2, k2, v2 = (torch.randn(2, 2, 200, dim, device="cuda", dtype=dtype) for _ in range(3))
+        head_mask = torch.randn(2, 2, 200, 200, device="cuda", dtype=dtype)
+        if not torch.isfinite(flashattn_ext.scaled_dot_product_attention(q2, k2, v2, attn_mask=head_mask)).all():
+            raise RuntimeError(f"out is not finite for the per-head mask at head dim {dim} in {dtype}")
     torch.cuda.synchronize()
-    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dmask", float_mask.grad)):
+    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dmask", float_mask_rows.grad)):
         if not torch.isfinite(t).all():
             raise RuntimeError(f"{name} is not finite for the masked case in {dtype}")
 

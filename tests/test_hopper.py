@@ -4,8 +4,8 @@ On an H100/H200 the Hopper kernels are the default for the calls they cover; the
 through them too. These tests check what is particular to them: that they run at all (the kernel's
 name in the profiler), every covered shape (ragged lengths against the 128-row tiles, Nq != Nk, both
 causal alignments, GQA, padded head dims, sequence-major strides), every output element written
-(outputs land on memory poisoned with NaN), dropout with the mma.sync kernels' random numbers, and
-the calls they leave to the mma.sync kernels."""
+(outputs land on memory poisoned with NaN), dropout with the mma.sync kernels' random numbers,
+attn_mask tiles staged beside K, and the calls they leave to the mma.sync kernels."""
 
 import pytest
 import torch
@@ -236,16 +236,101 @@ def test_dropout_agrees_with_the_sm80_kernels(monkeypatch):
         assert relative_error(got, want) < 1e-2, name
 
 
+def attn_mask(case, shape, dtype, seed):
+    """attn_mask of one kind (bool: True takes part; float: added), in the shape the case names:
+    key padding (B, 1, 1, S) with a batch that sees no key at all (its rows: out 0, lse -inf), or
+    (L, S), (B, 1, L, S) and (B, H, L, S) masks that hide about a fifth of the pairs or add normal
+    noise with some -inf."""
+    batch, heads_q, _, len_q, len_k, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    if case.startswith("key_padding"):
+        lengths = torch.randint(1, len_k + 1, (batch,), generator=gen)
+        lengths[-1] = 0 if batch > 1 else lengths[-1]
+        keep = (torch.arange(len_k)[None, :] < lengths[:, None])[:, None, None, :]
+    else:
+        sizes = {"2d": (len_q, len_k), "per_batch": (batch, 1, len_q, len_k), "per_head": (batch, heads_q, len_q, len_k)}
+        keep = torch.rand(*sizes[case.split("_", 1)[1]], generator=gen) > 0.2
+    if case.startswith("bool") or case == "key_padding_bool":
+        return keep.cuda()
+    bias = torch.zeros(keep.shape) if case.startswith("key_padding") else torch.randn(keep.shape, generator=gen)
+    return bias.masked_fill(~keep, -float("inf")).to("cuda", dtype)
+
+
+MASK_CASES = ["key_padding_bool", "key_padding_float", "bool_2d", "float_2d", "bool_per_batch", "float_per_head"]
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim): key lengths whose rows are whole 16-byte
+# pieces of a bool mask (the copy engine's stride rule); 128-row tiles (head dim 128) and 192-row
+# ones (64), a padded head dim, GQA, ragged query blocks, one query, more tiles than SMs.
+MASK_SHAPES = [
+    (2, 4, 2, 200, 512, 64),
+    (1, 2, 2, 333, 1024, 128),
+    (3, 2, 1, 130, 128, 96),
+    (2, 4, 4, 1, 256, 128),
+    (2, 40, 8, 300, 384, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=["x".join(map(str, s)) for s in MASK_SHAPES])
+def test_forward_with_attn_mask_matches_float64(shape, case, dtype):
+    """The Hopper forward takes bool and float masks of every broadcast form, read through the copy
+    engine beside K: out and lse against float64, every element written."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 2)
+    mask = attn_mask(case, shape, dtype, seed=len(case))
+    gqa = shape[1] != shape[2]
+    call = lambda: flashattn_ext.attention_with_lse(q, k, v, attn_mask=mask, enable_gqa=gqa)  # noqa: E731
+    names = kernel_names(call)
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse = call()
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), enable_gqa=gqa,
+                                         attn_mask=mask if mask.dtype == torch.bool else mask.double())
+    group = shape[1] // shape[2]
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                          attn_mask=mask)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison) or overflowed"
+    error = relative_error(out, want_out)
+    assert error <= 2 * relative_error(torch.nan_to_num(sdpa), want_out) + ERROR_FLOOR[dtype], error
+    visible = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("lower_right", [False, True])
+def test_forward_with_attn_mask_and_causal(lower_right):
+    """The op itself takes a mask together with is_causal (the Python call, as SDPA, refuses both):
+    the kernel hides what either hides."""
+    shape = (2, 4, 4, 300, 512, 128)
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=4)
+    mask = attn_mask("float_per_batch", shape, torch.bfloat16, seed=5).expand(2, 4, 300, 512)
+    scale = 128 ** -0.5
+    call = lambda: torch.ops.flashattn_ext.attention_forward(q, k, v, mask, 0.0, True, lower_right, scale)  # noqa: E731
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
+    out, lse, _ = call()
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                         causal_lower_right=lower_right, attn_mask=mask.double())
+    assert relative_error(out, want_out) < 1e-2
+    visible = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+
+
 @pytest.mark.parametrize(
     "case",
-    ["mask", "head_dim_256", "negative_scale", "stride_zero_batch"],
+    ["mask_rows_unaligned", "mask_with_dropout", "head_dim_256", "negative_scale", "stride_zero_batch"],
 )
 def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
     q, k, v = random_inputs((2, 2, 2, 200, 300, 256 if case == "head_dim_256" else 64), torch.bfloat16, seed=3)
     kwargs = {}
-    if case == "mask":
+    if case == "mask_rows_unaligned":  # rows of 300 bools: not whole 16-byte pieces
         kwargs["attn_mask"] = torch.rand(200, 300, device="cuda") > 0.2
+    if case == "mask_with_dropout":
+        kwargs["attn_mask"] = torch.rand(200, 304, device="cuda") > 0.2
+        k, v = torch.cat([k, k[:, :, :4]], dim=2), torch.cat([v, v[:, :, :4]], dim=2)
+        names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.1, **kwargs))
+        assert not any("sm90" in n for n in names), names
+        return  # what dropout drops is checked against its mask in test_dropout
     if case == "negative_scale":
         kwargs["scale"] = -0.1
     if case == "stride_zero_batch":

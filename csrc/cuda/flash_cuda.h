@@ -65,11 +65,16 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
 // only, in a build for the 9.0a target (FLASHATTN_EXT_HAS_SM90A).
 namespace sm90 {
 
-// Runs the Hopper forward and returns true where it covers the call: float16
-// or bfloat16, head dim up to 128 (value's equal), no attn_mask (dropout
-// taken, with the sm80 kernels' numbers), a positive scale, rows the copy
-// engine can address (16-byte aligned, strides non-zero multiples of 16
-// bytes), params.tile_counter set. Else launches nothing and returns false.
+// Whether the Hopper forward takes the call, as far as its sizes and options
+// tell (float16 or bfloat16 is the caller's): head dim up to 128 (value's
+// equal), a positive scale, dropout (with the sm80 kernels' numbers) or an
+// attn_mask but not both.
+bool forward_covers(const FwdParams& params);
+
+// Runs the Hopper forward and returns true where it covers the call:
+// forward_covers, tensors the copy engine can address (rows 16-byte aligned,
+// strides non-zero multiples of 16 bytes; an attn_mask's last dim contiguous),
+// params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
 // Runs the Hopper backward (delta, the kernel, convert_dq_accum) and returns

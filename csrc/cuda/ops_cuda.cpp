@@ -127,8 +127,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     return {out, lse, rng_state};
   }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
-  // The Hopper forward takes no mask yet: no tile counter to fill for those calls.
-  const bool sm90 = use_sm90_kernels(q) && params.mask_kind == MaskKind::kNone;
+  // No tile counter to fill for calls the Hopper forward does not take.
+  const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
   const at::Tensor tile_counter = sm90 ? at::zeros({1}, q.options().dtype(at::kInt)) : at::Tensor();
   if (sm90) params.tile_counter = tile_counter.data_ptr<int>();
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {

@@ -22,34 +22,56 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encoder;
 }
 
-}  // namespace
-
-bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
-                       int64_t heads, bool bfloat16, int box_rows) {
+// Encodes a 4-d tiled tensor map (dims[0] contiguous; strides of dims 1 to 3
+// in elements), boxes of box_cols x box_rows elements of one (head, batch),
+// 128-byte swizzled, out-of-range elements read as zero.
+bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_t elem_bytes,
+                  const cuuint64_t (&dims)[4], const int64_t (&strides)[3], int box_cols, int box_rows) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
-  constexpr int64_t kElemBytes = 2;
-  const int64_t strides[3] = {t.stride_row, t.stride_head, t.stride_batch};
-  cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(rows),
-                        static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(p.batch)};
   cuuint64_t stride_bytes[3];
   for (int i = 0; i < 3; ++i) {
     // The copy engine takes strides that are positive multiples of 16 bytes below 2^40.
-    if (strides[i] <= 0 || strides[i] * kElemBytes % 16 != 0 || strides[i] * kElemBytes >= (int64_t(1) << 40)) {
+    if (strides[i] <= 0 || strides[i] * elem_bytes % 16 != 0 || strides[i] * elem_bytes >= (int64_t(1) << 40)) {
       return false;
     }
-    stride_bytes[i] = static_cast<cuuint64_t>(strides[i] * kElemBytes);
+    stride_bytes[i] = static_cast<cuuint64_t>(strides[i] * elem_bytes);
   }
   for (const cuuint64_t dim : dims) {
     if (dim == 0 || dim > (uint64_t(1) << 32)) return false;
   }
-  const cuuint32_t box[4] = {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult result =
-      encode(map, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-             t.data, dims, stride_bytes, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult result = encode(map, type, 4, data, dims, stride_bytes, box, element_strides,
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
+}
+
+}  // namespace
+
+bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
+                       int64_t heads, bool bfloat16, int box_rows) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(p.batch)};
+  return encode_tiled(map, t.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                      dims, {t.stride_row, t.stride_head, t.stride_batch}, kSwizzleCols, box_rows);
+}
+
+bool encode_mask_tensor_map(CUtensorMap* map, const TensorView4d& mask, int elem_bytes, const AttentionProblem& p,
+                            bool rows_full, bool heads_full, bool batch_full, int box_rows) {
+  if (mask.stride_col != 1) return false;
+  // A dimension the mask repeats over has size 1: its stride is never used,
+  // but must still be one the copy engine takes.
+  const int64_t unused_stride = 16 / elem_bytes;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.len_k), static_cast<cuuint64_t>(rows_full ? p.len_q : 1),
+                              static_cast<cuuint64_t>(heads_full ? p.heads_q : 1),
+                              static_cast<cuuint64_t>(batch_full ? p.batch : 1)};
+  const int64_t strides[3] = {rows_full ? mask.stride_row : unused_stride,
+                              heads_full ? mask.stride_head : unused_stride,
+                              batch_full ? mask.stride_batch : unused_stride};
+  return encode_tiled(map, mask.data, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                      elem_bytes, dims, strides, kSwizzleRowBytes / elem_bytes, box_rows);
 }
 
 }  // namespace flashattn_ext::cuda::sm90

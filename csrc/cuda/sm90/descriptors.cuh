@@ -77,4 +77,14 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
                        int64_t heads, bool bfloat16, int box_rows);
 
+// Encodes a tensor map of an attn_mask (elem_bytes 1: bool; 2: additive, 16
+// bits) seen as 4-d (key, row, head, batch), sized by the call, but with one
+// row, head or batch where rows_full, heads_full or batch_full is false (the
+// mask repeats over that dimension). Its boxes are 128 bytes of a row x
+// box_rows rows, 128-byte swizzled, out-of-range elements read as zero (for
+// a bool mask: hidden). Returns false as encode_tensor_map does, and where
+// the mask's last dim is not contiguous.
+bool encode_mask_tensor_map(CUtensorMap* map, const TensorView4d& mask, int elem_bytes, const AttentionProblem& p,
+                            bool rows_full, bool heads_full, bool batch_full, int box_rows);
+
 }  // namespace flashattn_ext::cuda::sm90

@@ -15,15 +15,21 @@ constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle pattern's period
 
 // Keys per streamed K/V tile of the forward: 176 at head dim 128 without the
-// causal mask (FlashAttention-3's choice: the per-tile costs, the consumers'
-// turn barrier, the row max and the rescale of O, spread over more keys), else
-// 128 (causal: the masked diagonal tiles stay narrow).
-constexpr int fwd_block_n(int head_dim, bool causal) { return head_dim > 64 && !causal ? 176 : 128; }
+// causal mask or an attn_mask (FlashAttention-3's choice: the per-tile costs,
+// the consumers' turn barrier, the row max and the rescale of O, spread over
+// more keys), else 128 (causal: the masked diagonal tiles stay narrow; an
+// attn_mask: its tile stages beside K and V, and 128 keys are whole 128-byte
+// rows of its shared-memory layout).
+constexpr int fwd_block_n(int head_dim, bool causal, bool masked) {
+  return head_dim > 64 && !causal && !masked ? 176 : 128;
+}
 
 // The forward: one producer warpgroup loads Q once and streams K and V tiles
 // through a ring of kStages shared-memory stages; kConsumers warpgroups of 64
 // query rows each compute on them.
-template <int kHeadDim_, int kBlockN_>
+// kMaskElemBytes: the attn_mask's element size (1: bool, 2: additive, in the
+// inputs' dtype), 0 without one.
+template <int kHeadDim_, int kBlockN_, int kMaskElemBytes_ = 0>
 struct FwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128; smaller head dims read as zero-padded
   // Three consumers at head dim 64, where the softmax's exp2 costs as much as
@@ -51,11 +57,21 @@ struct FwdTileConfig {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
-  // Q, then K and V of every stage, then the mbarriers and the scheduler's tile
-  // slots; the tiles 1024-byte aligned (the swizzle pattern repeats every 1024
-  // bytes), plus slack to align the base. Three stages where they fit (not
-  // with 176-key tiles at head dim 128).
-  static constexpr int kStageBytes = 2 * kKVBytes + 5 * 8;  // K, V and their five mbarriers
+  // The attn_mask's tile of a stage: the (kBlockM rows, or one where the mask
+  // repeats over queries) x kBlockN keys it applies to K's scores, stored as
+  // blocks of 128-byte rows (kMaskColBlockCols keys), 128-byte swizzled like
+  // the other tiles; read with K and freed with it.
+  static constexpr int kMaskElemBytes = kMaskElemBytes_;
+  static constexpr bool kMasked = kMaskElemBytes > 0;
+  static constexpr int kMaskColBlockCols = kMasked ? kSwizzleRowBytes / kMaskElemBytes : 1;
+  static constexpr int kMaskColBlocks = kMasked ? kBlockN / kMaskColBlockCols : 0;
+  static constexpr int kMaskBytes = kBlockM * kBlockN * kMaskElemBytes;  // room for a whole tile
+  // Q, then K and V of every stage, the mask tiles, then the mbarriers and the
+  // scheduler's tile slots; the tiles 1024-byte aligned (the swizzle pattern
+  // repeats every 1024 bytes), plus slack to align the base. Three stages
+  // where they fit (not with 176-key tiles at head dim 128, nor with a mask
+  // at head dim 128).
+  static constexpr int kStageBytes = 2 * kKVBytes + kMaskBytes + 5 * 8;  // K, V, the mask, five mbarriers
   static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
@@ -64,6 +80,7 @@ struct FwdTileConfig {
   // each thread stores its registers).
   static constexpr bool kOutThroughSmem = kBlockM * kHeadDim * 2 <= kKVBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
+  static_assert(!kMasked || kBlockN % kMaskColBlockCols == 0, "whole mask column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 

@@ -1,0 +1,686 @@
+// The Hopper forward kernel (sm_90a): persistent, one thread block per SM,
+// each taking (block of query rows, head, batch) tiles from a tile scheduler
+// (the first from its block index, the next from an atomic counter, in the
+// order of heaviest_first_position for causal calls), split by role into
+// warpgroups.
+//  - The producer warpgroup gives most of its registers away (setmaxnreg), and
+//    one of its threads fetches the tiles, hands each to the consumers through
+//    shared memory, and drives the copy engine: a tile's Q once, then K and V
+//    tiles into a ring of shared-memory stages, each completed on an mbarrier
+//    ("full") and handed back by the consumers on another ("empty"). The ring
+//    runs on across tiles, and the next tile's Q loads as soon as the
+//    consumers' last Q K^T of the current one is done: its first tiles are in
+//    shared memory while the consumers write the current one's output.
+//  - Consumer warpgroups of 64 query rows each (two, three at head dim 64) run
+//    the algorithm with wgmma: S = Q K^T with both operands in shared memory,
+//    the online softmax in registers, O += P V with P from registers. Each
+//    overlaps its own work: the QK^T of tile j and the P V of tile j - 1 are in
+//    flight together while the softmax of tile j waits only for the first; and
+//    the consumers take turns to issue them (ping-pong), so that one's softmax
+//    hides under the others' GEMMs.
+// Scores of tiles that cross the causal diagonal or the end of the keys are
+// masked; those tiles come last in the loop. An attn_mask's tile of each
+// key tile comes with K (one row of it where the mask repeats over queries,
+// such as a key-padding mask), and each consumer applies it to its scores as
+// soon as they are in. With dropout, the probabilities
+// are dropped after the rows' sums and before P V. At head dim 128 the output leaves
+// through shared memory and the copy engine: the consumers round it into the K
+// buffer of the tile's last stage, which the producer refills only once the
+// copy engine has read it (out_free). The log-sum-exp is written from registers.
+#include <algorithm>
+#include <cmath>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/accumulators.cuh"
+#include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
+
+// The kernel template and its launch, instantiated by flash_fwd_sm90.cu
+// (no attn_mask) and flash_fwd_sm90_masked.cu, which compile in parallel.
+namespace flashattn_ext::cuda::sm90 {
+namespace forward_kernel {
+
+// Which tile of an attn_mask goes with a (row block, head, batch) tile: the
+// mask's rows of the block (rows_full) or only its first row (a mask that
+// repeats over queries, such as a key-padding mask); its head and batch, or
+// the first where it repeats over those (step 0).
+struct MaskTileShape {
+  bool rows_full = true;
+  int head_step = 1, batch_step = 1;
+};
+
+// What the kernel reads: the call, and tensor maps of q, k, v, out and the
+// attn_mask. Passed as a __grid_constant__ parameter: the copy engine reads
+// the maps in place.
+struct FwdKernelParams {
+  FwdParams call;
+  CUtensorMap q_map, k_map, v_map, out_map, mask_map;
+  int tiles;         // (block of query rows, head, batch) tiles
+  int order_chunks;  // causal: heaviest_first_position's chunks
+  MaskTileShape mask;
+};
+
+// Where a tile of the forward lies, and how many key tiles its rows see;
+// n_blocks < 0: no tile is left. The producer works it out (integer divisions)
+// and hands it to the consumers.
+struct FwdTile {
+  int row0, head, kv_head, batch, n_blocks;
+};
+
+// The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
+template <int kStages>
+struct FwdSharedState {
+  uint64_t q_full, q_empty;
+  uint64_t k_full[kStages], v_full[kStages];    // the copy engine filled the stage
+  uint64_t k_empty[kStages], v_empty[kStages];  // every consumer thread is done reading it
+  uint64_t out_free[kStages];  // the copy engine has read the output in the stage's K buffer (one arrival a consumer)
+  uint64_t tile_full[2], tile_empty[2];         // tile[slot] was written / read by every consumer thread
+  FwdTile tile[2];  // the producer runs at most one tile ahead: two slots
+};
+
+// Rescales (with the row's factor) and adds: the two rows of a thread are
+// e / 2 == 0 and e / 2 == 1 of each 4-register accumulator tile.
+template <int kRegs>
+__device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&factor)[2]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
+}
+
+// S = Q K^T over keys [kBegin, kEnd) of a tile, into those keys' registers of
+// s (a narrower accumulator's layout is a prefix of the wider one's).
+template <typename Elem, typename Cfg, int kBegin, int kEnd, int kRegs>
+__device__ __forceinline__ void issue_score_keys(float (&s)[kRegs], uint64_t q_desc, uint64_t k_desc) {
+  auto& s_keys = *reinterpret_cast<float(*)[(kEnd - kBegin) / 2]>(&s[kBegin / 2]);
+  const uint64_t keys_desc = desc_advance(k_desc, kBegin * kSwizzleRowBytes);
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    ptx::wgmma_ss<Elem, kEnd - kBegin>(s_keys, desc_advance(q_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
+                                       desc_advance(keys_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
+  }
+}
+
+// O += P V over keys [kBegin, kEnd) of a tile.
+template <typename Elem, typename Cfg, int kBegin, int kEnd>
+__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                              uint64_t v_desc) {
+#pragma unroll
+  for (int kk = kBegin / 16; kk < kEnd / 16; ++kk) {
+    ptx::wgmma_rs<Elem, Cfg::kHeadDim, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+  }
+}
+
+// A tile's two GEMMs over its first kKeys keys, issued as one wgmma group
+// each (not waited for).
+template <typename Elem, typename Cfg, int kKeys>
+__device__ __forceinline__ void issue_scores(float (&s)[kKeys / 2], uint64_t q_desc, uint64_t k_desc) {
+  ptx::wgmma_fence();
+  if constexpr (kKeys == Cfg::kBlockN) {
+    issue_score_keys<Elem, Cfg, 0, kKeys>(s, q_desc, k_desc);
+  } else {  // narrow: 48 keys, and the rest (64 of 112) in a second width
+    issue_score_keys<Elem, Cfg, 0, 48>(s, q_desc, k_desc);
+    if constexpr (kKeys > 48) issue_score_keys<Elem, Cfg, 48, kKeys>(s, q_desc, k_desc);
+  }
+  ptx::wgmma_commit();
+}
+template <typename Elem, typename Cfg, int kKeys>
+__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+                                         uint64_t v_desc) {
+  ptx::wgmma_fence();
+  issue_pv_keys<Elem, Cfg, 0, kKeys>(o, pa, v_desc);
+  ptx::wgmma_commit();
+}
+
+template <typename Cfg>
+__device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
+  const AttentionProblem& p = kp.call.problem;
+  const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
+  const int pairs = kp.tiles / m_blocks;
+  const GridPosition position =
+      p.is_causal ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
+                  : grid_position(tile, m_blocks, heads);
+  FwdTile t;
+  t.row0 = static_cast<int>((m_blocks - 1 - position.block) * Cfg::kBlockM);  // longest causal rows first
+  t.head = static_cast<int>(position.head);
+  t.kv_head = t.head / static_cast<int>(p.heads_q / p.heads_kv);
+  t.batch = static_cast<int>(position.batch);
+  t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
+  return t;
+}
+
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
+  static_assert(Cfg::kMasked == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
+  constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
+  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem;
+  constexpr int kOutBoxBytes = 64 * kSwizzleRowBytes;  // the out map's box: 64 rows x 64 columns
+  const FwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = swizzle_aligned(smem_raw);
+  unsigned char* s_q = smem;
+  unsigned char* s_k = s_q + Cfg::kQBytes;
+  unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
+  unsigned char* s_mask = s_v + kStages * Cfg::kKVBytes;
+  auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(s_mask + kStages * Cfg::kMaskBytes);
+  static_assert(Cfg::kQBytes + kStages * (2 * Cfg::kKVBytes + Cfg::kMaskBytes) + sizeof(FwdSharedState<kStages>) +
+                        1024 <=
+                    Cfg::kSmemBytes,
+                "the shared state fits after the tiles");
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
+  // The attn_mask's tile of a key tile: kMaskColBlocks boxes of mask_box_rows
+  // rows, mask_block_bytes apart (one-row boxes each start a swizzle period).
+  const int mask_box_rows = kp.mask.rows_full ? kBlockM : 1;
+  const int mask_block_bytes = kp.mask.rows_full ? kBlockM * kSwizzleRowBytes : kSwizzleAtomBytes;
+
+  // Read from lane 0: the compiler then knows it is the same across the warp
+  // and keeps what derives from it (the wgmma descriptors) in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(&shared->q_full, 1);
+    ptx::mbarrier_init(&shared->q_empty, kConsumerThreads);
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&shared->k_full[s], 1);
+      ptx::mbarrier_init(&shared->v_full[s], 1);
+      ptx::mbarrier_init(&shared->k_empty[s], kConsumerThreads);
+      ptx::mbarrier_init(&shared->v_empty[s], kConsumerThreads);
+      ptx::mbarrier_init(&shared->out_free[s], Cfg::kConsumers);
+    }
+    for (int slot = 0; slot < 2; ++slot) {
+      ptx::mbarrier_init(&shared->tile_full[slot], 1);
+      ptx::mbarrier_init(&shared->tile_empty[slot], kConsumerThreads);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  // Producer and consumers step through the same sequence of tiles (round r's
+  // in slot r % 2) and the same ring of K/V stages (the kv-th tile loaded or
+  // read overall in stage kv % kStages). A fresh barrier's preceding phase
+  // counts as complete, so the first waits for an "empty" pass at once.
+  if (warpgroup == 0) {
+    // Producer.
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    ptx::prefetch_tensor_map(&kp.q_map);
+    ptx::prefetch_tensor_map(&kp.k_map);
+    ptx::prefetch_tensor_map(&kp.v_map);
+    if constexpr (Cfg::kMasked) ptx::prefetch_tensor_map(&kp.mask_map);
+    const int mask_tile_bytes = Cfg::kMasked ? mask_box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
+    int tile = blockIdx.x;
+    // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
+    // parity of its next out_free phase).
+    uint32_t out_held = 0, out_waits = 0;
+    for (int round = 0, kv = 0, q_round = 0;; ++round) {
+      const int slot = round % 2;
+      const FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
+      ptx::mbarrier_wait(&shared->tile_empty[slot], ((round / 2) & 1) ^ 1);
+      shared->tile[slot] = t;
+      ptx::mbarrier_arrive(&shared->tile_full[slot]);
+      if (t.n_blocks < 0) return;
+      const int next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
+      const int head = t.head, kv_head = t.kv_head, batch = t.batch;
+      if (t.n_blocks > 0) {
+        ptx::mbarrier_wait(&shared->q_empty, (q_round++ & 1) ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&shared->q_full, Cfg::kQBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * kSwizzleCols,
+                           t.row0, head, batch);
+        }
+      }
+      for (int n_block = 0; n_block < t.n_blocks; ++n_block, ++kv) {
+        const int stage = kv % kStages;
+        const uint32_t parity = (kv / kStages) & 1;
+        const int key_row = n_block * kBlockN;
+        ptx::mbarrier_wait(&shared->k_empty[stage], parity ^ 1);
+        if (out_held >> stage & 1) {
+          ptx::mbarrier_wait(&shared->out_free[stage], out_waits >> stage & 1);
+          out_held ^= 1u << stage;
+          out_waits ^= 1u << stage;
+        }
+        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + mask_tile_bytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
+                           c * kSwizzleCols, key_row, kv_head, batch);
+        }
+        if constexpr (Cfg::kMasked) {
+          for (int c = 0; c < Cfg::kMaskColBlocks; ++c) {
+            ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * mask_block_bytes, &kp.mask_map,
+                             &shared->k_full[stage], key_row + c * Cfg::kMaskColBlockCols,
+                             kp.mask.rows_full ? t.row0 : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
+          }
+        }
+        ptx::mbarrier_wait(&shared->v_empty[stage], parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&shared->v_full[stage], Cfg::kKVBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
+                           c * kSwizzleCols, key_row, kv_head, batch);
+        }
+      }
+      if (kOutThroughSmem && t.n_blocks > 0) out_held |= 1u << ((kv - 1) % kStages);
+      tile = next_tile;
+    }
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % kWarpSize;
+  // This thread's two query rows in the tile: r and r + 8.
+  const int tile_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;
+
+  // Descriptors of this warpgroup's 64 rows of Q, of stage 0's K (both
+  // K-major) and V (N-major), at their first k16 step; a stage and a step move
+  // them by constant offsets.
+  const uint64_t q_tile_desc = k_major_desc(ptx::smem_addr(s_q) + consumer * 64 * kSwizzleRowBytes);
+  const uint64_t k_tile_desc = k_major_desc(ptx::smem_addr(s_k));
+  const uint64_t v_tile_desc = n_major_desc(ptx::smem_addr(s_v), Cfg::kKVColBlockBytes);
+
+  // kv: the K/V tile's place in the ring (see above).
+  auto wait_k = [&](int kv) { ptx::mbarrier_wait(&shared->k_full[kv % kStages], (kv / kStages) & 1); };
+  auto wait_v = [&](int kv) { ptx::mbarrier_wait(&shared->v_full[kv % kStages], (kv / kStages) & 1); };
+  auto release_v = [&](int kv) { ptx::mbarrier_arrive(&shared->v_empty[kv % kStages]); };
+  // Where stage kv % kStages's K or V tile starts.
+  auto k_stage_desc = [&](int kv) { return desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKVBytes); };
+  auto v_stage_desc = [&](int kv) { return desc_advance(v_tile_desc, (kv % kStages) * Cfg::kKVBytes); };
+
+  // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
+  // The kernel takes positive scales only, so the max of the unscaled scores
+  // times the scale is the max of the scaled ones: scaling and subtracting the
+  // max fold into one fma.
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  // An additive attn_mask is added to the scaled scores: the kernel scales
+  // them as it adds it, and the softmax then takes them as they are.
+  const float softmax_scale = kMask == MaskKind::kAdditive ? 1.f : scale_log2;
+  const int64_t offset = causal_offset(p);
+
+  // attn_mask: this thread's values in a stage's mask tile are those of its
+  // two rows (r and r + 8; in a one-row tile, both row 0) at its columns 8 j
+  // + 2 (lane % 4) and the next (as its score registers 4 j + 2 half and the
+  // next), in 128-byte rows whose 16-byte chunk c lies at chunk c ^ (row % 8).
+  // Each column block of a one-row tile starts a 1024-byte swizzle period.
+  const unsigned char* mask_thread = s_mask + (kp.mask.rows_full ? tile_row * kSwizzleRowBytes : 0) +
+                                     (lane % 4) * 2 * Cfg::kMaskElemBytes;
+  const int mask_half_bytes = kp.mask.rows_full ? 8 * kSwizzleRowBytes : 0;
+  const int mask_swizzle_row = kp.mask.rows_full ? lane / 4 : 0;
+  // Applies the mask tile of the kv-th K/V tile to s, in log2 units: a bool
+  // mask sets the hidden scores to -inf; an additive one's scaled scores plus
+  // its values.
+  auto apply_attn_mask = [&](auto& s, int kv) {
+    constexpr int kRegs = sizeof(s) / sizeof(float);
+    constexpr int kEb = Cfg::kMaskElemBytes;
+    const unsigned char* stage_mask = mask_thread + (kv % kStages) * Cfg::kMaskBytes;
+#pragma unroll
+    for (int j = 0; j < kRegs / 4; ++j) {
+      const int col_byte = 8 * j * kEb;  // the 8-key group's first byte
+      const int block = col_byte / kSwizzleRowBytes, chunk = col_byte % kSwizzleRowBytes / 16;
+      const unsigned char* pair = stage_mask + block * mask_block_bytes +
+                                  ((chunk ^ mask_swizzle_row) * 16 + col_byte % 16);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float& s0 = s[4 * j + 2 * half];
+        float& s1 = s[4 * j + 2 * half + 1];
+        if constexpr (kMask == MaskKind::kBool) {
+          const uint32_t keep = *reinterpret_cast<const uint16_t*>(pair + half * mask_half_bytes);
+          if (!(keep & 0xff)) s0 = -INFINITY;
+          if (!(keep >> 8)) s1 = -INFINITY;
+        } else {
+          const float2 bias = ptx::unpack2<Elem>(*reinterpret_cast<const uint32_t*>(pair + half * mask_half_bytes));
+          s0 = fmaf(s0, scale_log2, bias.x * float(M_LOG2E));
+          s1 = fmaf(s1, scale_log2, bias.y * float(M_LOG2E));
+        }
+      }
+    }
+  };
+
+  // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
+  // (named barrier 1 + c is consumer c's turn; the one before grants it), so
+  // that one's softmax runs while the tensor cores work for the others. The
+  // order runs on across tiles (a consumer that is done with a tile must not
+  // take two turns before the next one's last): consumer 0 grants itself the
+  // first turn, and takes one more at the end that no GEMM follows, so every
+  // arrival is waited for.
+  constexpr int kTurnThreads = 2 * kWarpgroupThreads;  // the waiting consumer and the granting one
+  auto wait_turn = [&] { ptx::named_barrier_sync(1 + consumer, kTurnThreads); };
+  auto grant_turn = [&] { ptx::named_barrier_arrive(1 + (consumer + 1) % Cfg::kConsumers, kTurnThreads); };
+  if (consumer == 0) ptx::named_barrier_arrive(1, kTurnThreads);
+
+  // Thread 0 of each consumer: the stage whose K buffer holds this consumer's
+  // output of the previous tile while the copy engine reads it (-1: none).
+  int out_stage = -1;
+  auto hand_back_out_stage = [&] {
+    if (out_stage >= 0) {
+      ptx::bulk_wait_group_read<0>();
+      ptx::mbarrier_arrive(&shared->out_free[out_stage]);
+      out_stage = -1;
+    }
+  };
+
+  for (int round = 0, kv = 0, q_round = 0;; ++round) {
+    const int slot = round % 2;
+    ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
+    const FwdTile t = shared->tile[slot];
+    ptx::mbarrier_arrive(&shared->tile_empty[slot]);
+    if (t.n_blocks < 0) {
+      if (consumer == 0) wait_turn();
+      hand_back_out_stage();  // shared memory must outlive the copy engine's reads
+      break;
+    }
+    const int64_t row0 = t.row0;
+    const int n_blocks = t.n_blocks;
+
+    // The tile's last Q K^T is its last read of Q: the next tile's may load.
+    auto release_k = [&](int n_block) {
+      ptx::mbarrier_arrive(&shared->k_empty[(kv + n_block) % kStages]);
+      if (n_block == n_blocks - 1) ptx::mbarrier_arrive(&shared->q_empty);
+    };
+    // Masks keys past the end and above the causal diagonal (to -inf): only the
+    // tiles for which tile_needs_mask holds have any.
+    auto crosses_diagonal = [&](int n_block) {
+      return p.is_causal && int64_t(n_block) * kBlockN + kBlockN - 1 > row0 + offset;
+    };
+    auto tile_needs_mask = [&](int n_block) {
+      return int64_t(n_block) * kBlockN + kBlockN > p.len_k || crosses_diagonal(n_block);
+    };
+    // In 32-bit tile coordinates: key c of the tile is past the end when c >=
+    // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
+    // when c - r > diagonal.
+    auto mask_tile = [&](auto& s, int n_block) {
+      const int64_t col0 = int64_t(n_block) * kBlockN;
+      const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+      const int diagonal =
+          crosses_diagonal(n_block) ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+#pragma unroll
+      for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) {
+        const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
+        if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
+      }
+    };
+
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    // The online softmax of one tile: turns s into unnormalized probabilities
+    // and returns each row's rescale factor for the output so far.
+    auto softmax = [&](auto& s, float (&rescale)[2]) {
+      constexpr int kRegs = sizeof(s) / sizeof(float);  // kBlockN / 2, less in a narrow tile
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+          tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+        }
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+        const float new_max = fmaxf(row_max[half], tile_max * softmax_scale);
+        // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+        // that exp2(-inf - max) stays 0 rather than NaN.
+        const float max_used = new_max == -INFINITY ? 0.f : new_max;
+        rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
+        row_max[half] = new_max;
+        float tile_sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kRegs / 4; ++j) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], softmax_scale, -max_used));
+            tile_sum += s[4 * j + e];
+          }
+        }
+        row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
+      }
+    };
+
+    // Dropout's decisions for key tile n_block: bit i % 32 of word i / 32 keeps
+    // register i of its scores (one Philox call a 16-key block, dropout.h; two
+    // blocks at a time).
+    // Drawn before the tile's Q K^T is issued, while its score registers are
+    // not yet live, and applied after the softmax (the rows' sums count every
+    // probability); the kept ones are scaled with the output. (The seed and
+    // offset are read again for each tile: registers are short.)
+    auto draw_keep_bits = [&](int n_block, auto keys) {
+      constexpr int kRegs = decltype(keys)::value / 2;
+      const DropoutState dropout = dropout_state(params.dropout, p);
+      KeepBits<kRegs> bits;
+      const uint64_t group0 = dropout_group(int64_t(t.batch) * p.heads_q + t.head, row0 + tile_row,
+                                            int64_t(n_block) * kBlockN + (lane % 4) * 2, p.len_q, p.len_k);
+#pragma unroll 2
+      for (int j = kRegs / 8 - 1; j >= 0; --j) {
+        bool keep[2][4];
+        dropout_keep_query_block(keep, dropout, group0 + 4 * j);
+        bits.push_front(keep);
+      }
+      return bits;
+    };
+
+    // The rows' final sums: writes the log-sum-exp and sets inv_sum to 1 / sum,
+    // times dropout's 1 / (1 - p) (rows that saw no key: -inf and 0).
+    float inv_sum[2];
+    auto finish_rows = [&] {
+      const float keep_scale = static_cast<float>(dropout_keep_scale(params.dropout.p));
+      float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float sum = row_sum[half];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        inv_sum[half] = sum > 0.f ? (kDropout ? keep_scale : 1.f) / sum : 0.f;
+        const int64_t row = row0 + tile_row + half * 8;
+        if (lane % 4 == 0 && row < p.len_q) {
+          lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+        }
+      }
+    };
+
+    float o[kOutRegs];
+#pragma unroll
+    for (int i = 0; i < kOutRegs; ++i) o[i] = 0.f;
+
+    if (n_blocks > 0) {
+      // The keys of the tile's last key tile: their GEMMs run narrow where
+      // they fit (not in a first tile: a call of a few keys).
+      const int last_keys = static_cast<int>(visible_key_end(p, offset, row0, kBlockM) - (n_blocks - 1) * kBlockN);
+      const int last_width = !Cfg::kNarrowLastTile || n_blocks == 1 ? kBlockN
+                             : last_keys <= Cfg::kNarrowKeys0     ? Cfg::kNarrowKeys0
+                             : last_keys <= Cfg::kNarrowKeys1     ? Cfg::kNarrowKeys1
+                                                                  : kBlockN;
+      using Whole = std::integral_constant<int, kBlockN>;
+      using Narrow0 = std::integral_constant<int, Cfg::kNarrowKeys0>;
+      using Narrow1 = std::integral_constant<int, Cfg::kNarrowKeys1>;
+      ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
+      uint32_t pa[kBlockN / 16][4];
+      {
+        KeepBits<kKeyRegs> keep;
+        if constexpr (kDropout) keep = draw_keep_bits(0, Whole{});
+        float s[kKeyRegs];
+        wait_k(kv);
+        issue_scores<Elem, Cfg, kBlockN>(s, q_tile_desc, k_stage_desc(kv));
+        hand_back_out_stage();
+        ptx::wgmma_wait<0>();
+        fence_registers(s);
+        if constexpr (Cfg::kMasked) apply_attn_mask(s, kv);
+        release_k(0);
+        if (tile_needs_mask(0)) mask_tile(s, 0);
+        float rescale[2];
+        softmax(s, rescale);
+        if constexpr (kDropout) keep.apply(s);
+        to_fragments<Elem>(s, pa);
+      }
+      // Key tile n_block >= 1 (its GEMMs over its first kKeys keys): its scores
+      // and the P V of the previous one run together; the softmax needs only
+      // the scores (the first group of two).
+      auto key_tile = [&](int n_block, auto keys) {
+        constexpr int kKeys = decltype(keys)::value;
+        KeepBits<kKeys / 2> keep;
+        if constexpr (kDropout) keep = draw_keep_bits(n_block, keys);
+        float s[kKeys / 2];
+        wait_k(kv + n_block);
+        wait_v(kv + n_block - 1);
+        wait_turn();
+        issue_scores<Elem, Cfg, kKeys>(s, q_tile_desc, k_stage_desc(kv + n_block));
+        issue_pv<Elem, Cfg, kBlockN>(o, pa, v_stage_desc(kv + n_block - 1));
+        grant_turn();
+        ptx::wgmma_wait<1>();
+        fence_registers(s);
+        if constexpr (Cfg::kMasked) apply_attn_mask(s, kv + n_block);
+        release_k(n_block);
+        // The softmax sits in the branches of its own if: the compiler schedules
+        // each basic block on its own, and in one shared with the wait for P V
+        // below it hoists that wait (a free instruction to it) above the
+        // softmax, which then no longer runs under P V.
+        float rescale[2];
+        if (kKeys < kBlockN || tile_needs_mask(n_block)) {
+          mask_tile(s, n_block);
+          softmax(s, rescale);
+          if constexpr (kDropout) keep.apply(s);
+        } else {
+          softmax(s, rescale);
+          if constexpr (kDropout) keep.apply(s);
+        }
+        ptx::wgmma_wait<0>();
+        fence_registers(o);
+        release_v(kv + n_block - 1);
+        scale_rows(o, rescale);
+        to_fragments<Elem>(s, *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa));
+      };
+      const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;
+      for (int n_block = 1; n_block < whole_tiles; ++n_block) key_tile(n_block, Whole{});
+      if constexpr (Cfg::kNarrowLastTile) {
+        if (last_width == Narrow0::value) key_tile(n_blocks - 1, Narrow0{});
+        if (last_width == Narrow1::value) key_tile(n_blocks - 1, Narrow1{});
+      }
+      wait_v(kv + n_blocks - 1);
+      const uint64_t last_v_desc = v_stage_desc(kv + n_blocks - 1);
+      if (Cfg::kNarrowLastTile && last_width == Narrow0::value) {
+        issue_pv<Elem, Cfg, Narrow0::value>(o, pa, last_v_desc);
+      } else if (Cfg::kNarrowLastTile && last_width == Narrow1::value) {
+        issue_pv<Elem, Cfg, Narrow1::value>(o, pa, last_v_desc);
+      } else {
+        issue_pv<Elem, Cfg, kBlockN>(o, pa, last_v_desc);
+      }
+      finish_rows();  // under the last P V
+      ptx::wgmma_wait<0>();
+      fence_registers(o);
+      release_v(kv + n_blocks - 1);
+      kv += n_blocks;
+    } else {
+      finish_rows();
+    }
+
+    if (kOutThroughSmem && n_blocks > 0) {
+      // Once every consumer's last Q K^T has read the last stage's K buffer
+      // (its "empty" phase completed), each rounds its 64 rows into it,
+      // 128-byte swizzled as the out map's boxes, and one thread has the copy
+      // engine store them (clipping rows past the end and columns past the head
+      // dim). That thread hands the buffer back when the copy engine has read
+      // it, after the next tile's first Q K^T is issued.
+      const int last = kv - 1;
+      ptx::mbarrier_wait(&shared->k_empty[last % kStages], (last / kStages) & 1);
+      unsigned char* s_out = s_k + (last % kStages) * Cfg::kKVBytes + consumer * Cfg::kColBlocks * kOutBoxBytes;
+      const uint32_t out_addr = ptx::smem_addr(s_out);
+      // stmatrix of 16 columns (two 8-column pieces) by this warp's 16 rows:
+      // lane group m = lane / 8 addresses matrix m: rows + 8 (m % 2), piece + m / 2.
+      const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
+#pragma unroll
+      for (int j = 0; j < kOutRegs / 8; ++j) {
+        const uint32_t frag[4] = {ptx::pack2<Elem>(o[8 * j] * inv_sum[0], o[8 * j + 1] * inv_sum[0]),
+                                  ptx::pack2<Elem>(o[8 * j + 2] * inv_sum[1], o[8 * j + 3] * inv_sum[1]),
+                                  ptx::pack2<Elem>(o[8 * j + 4] * inv_sum[0], o[8 * j + 5] * inv_sum[0]),
+                                  ptx::pack2<Elem>(o[8 * j + 6] * inv_sum[1], o[8 * j + 7] * inv_sum[1])};
+        const int piece = 2 * j + m / 2;  // the row's 16-byte piece
+        ptx::stmatrix_x4(out_addr + (piece / 8) * kOutBoxBytes + row * kSwizzleRowBytes + ((piece % 8) ^ (row % 8)) * 16,
+                         frag);
+      }
+      ptx::fence_proxy_async();
+      ptx::named_barrier_sync(1 + Cfg::kConsumers + consumer, kWarpgroupThreads);
+      if (tid == 0) {
+        const int out_row = static_cast<int>(row0) + consumer * 64;
+        if (out_row < p.len_q) {
+          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+            ptx::tma_store_4d(&kp.out_map, s_out + c * kOutBoxBytes, c * kSwizzleCols, out_row, t.head, t.batch);
+          }
+        }
+        ptx::bulk_commit_group();
+        out_stage = last % kStages;
+      }
+    } else {
+      // Each thread stores its registers (with no key seen, zeros). Columns past
+      // the head dim (padded to the kernel's) are not stored; the check is per
+      // thread, so it is made only where there are such columns.
+      const int dim = static_cast<int>(p.head_dim);
+      const bool padded = dim < kHeadDim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + tile_row + half * 8;
+        if (row >= p.len_q) continue;
+        const int cols0 = (lane % 4) * 2;  // this thread's columns of the row: 8 j + cols0 and the next
+        Elem* out_row = head_ptr<Elem>(params.out, t.batch, t.head) + row * params.out.stride_row + cols0;
+#pragma unroll
+        for (int j = 0; j < kOutRegs / 4; ++j) {
+          if (!padded || j * 8 + cols0 < dim) {
+            *reinterpret_cast<uint32_t*>(out_row + j * 8) =
+                ptx::pack2<Elem>(o[4 * j + 2 * half] * inv_sum[half], o[4 * j + 2 * half + 1] * inv_sum[half]);
+          }
+        }
+      }
+    }
+  }
+#endif
+}
+
+// The tile scheduler counts tiles in an int (with room for the grid's last fetches past the end).
+constexpr int64_t kMaxTiles = int64_t{1} << 30;
+
+template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask>
+bool launch_forward(const FwdParams& params, cudaStream_t stream) {
+  constexpr bool kMasked = kMask != MaskKind::kNone;
+  constexpr int kMaskElemBytes = kMask == MaskKind::kBool ? 1 : kMasked ? 2 : 0;
+  using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal, kMasked), kMaskElemBytes>;
+  const AttentionProblem& p = params.problem;
+  FwdKernelParams kp;
+  kp.call = params;
+  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
+    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
+  };
+  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.len_q, p.heads_q, 64))) {
+    return false;
+  }
+  if constexpr (kMasked) {
+    // A dimension of one is one the mask repeats over, whatever its stride.
+    const TensorView4d& mask = params.mask;
+    const bool heads_full = mask.stride_head != 0 && p.heads_q > 1, batch_full = mask.stride_batch != 0 && p.batch > 1;
+    kp.mask.rows_full = mask.stride_row != 0 && p.len_q > 1;
+    kp.mask.head_step = heads_full ? 1 : 0;
+    kp.mask.batch_step = batch_full ? 1 : 0;
+    if (!encode_mask_tensor_map(&kp.mask_map, mask, kMaskElemBytes, p, kp.mask.rows_full, heads_full, batch_full,
+                                kp.mask.rows_full ? Cfg::kBlockM : 1)) {
+      return false;
+    }
+  }
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
+  if (tiles > kMaxTiles) return false;
+  const int sms = multiprocessor_count();
+  kp.tiles = static_cast<int>(tiles);
+  const int64_t kv_bytes_per_head = p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)};  // K and V, streamed
+  kp.order_chunks = heaviest_first_chunks(p.heads_q * p.batch, m_blocks, kv_bytes_per_head, sms);
+  const int64_t blocks = std::min<int64_t>(tiles, sms);  // one block an SM (shared memory)
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+  return true;
+}
+
+// The masked instantiations' dispatch (flash_fwd_sm90_masked.cu): a call
+// with an attn_mask and without dropout that forward_covers.
+bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+
+}  // namespace forward_kernel
+}  // namespace flashattn_ext::cuda::sm90

@@ -1,0 +1,25 @@
+// The Hopper forward's instantiations with an attn_mask (bool or additive),
+// without dropout: a translation unit of their own, so that they compile in
+// parallel with the rest.
+#include "cuda/sm90/flash_fwd_sm90.cuh"
+
+namespace flashattn_ext::cuda::sm90::forward_kernel {
+
+bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    dispatch_flag(p.is_causal, [&](auto causal) {
+      dispatch_flag(params.mask_kind == MaskKind::kBool, [&](auto bool_mask) {
+        constexpr bool kCausal = decltype(causal)::value;
+        constexpr MaskKind kMask = decltype(bool_mask)::value ? MaskKind::kBool : MaskKind::kAdditive;
+        launched = p.head_dim <= 64 ? launch_forward<Elem, 64, kCausal, false, kMask>(params, stream)
+                                    : launch_forward<Elem, 128, kCausal, false, kMask>(params, stream);
+      });
+    });
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90::forward_kernel
