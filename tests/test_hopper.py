@@ -236,16 +236,16 @@ def test_dropout_agrees_with_the_sm80_kernels(monkeypatch):
         assert relative_error(got, want) < 1e-2, name
 
 
-def attn_mask(case, shape, dtype, seed):
+def attn_mask(case, shape, dtype, seed, empty_batch=True):
     """attn_mask of one kind (bool: True takes part; float: added), in the shape the case names:
-    key padding (B, 1, 1, S) with a batch that sees no key at all (its rows: out 0, lse -inf), or
-    (L, S), (B, 1, L, S) and (B, H, L, S) masks that hide about a fifth of the pairs or add normal
-    noise with some -inf."""
+    key padding (B, 1, 1, S), with (empty_batch) a batch that sees no key at all (its rows: out 0,
+    lse -inf), or (L, S), (B, 1, L, S) and (B, H, L, S) masks that hide about a fifth of the pairs
+    or add normal noise with some -inf."""
     batch, heads_q, _, len_q, len_k, _ = shape
     gen = torch.Generator().manual_seed(seed)
     if case.startswith("key_padding"):
         lengths = torch.randint(1, len_k + 1, (batch,), generator=gen)
-        lengths[-1] = 0 if batch > 1 else lengths[-1]
+        lengths[-1] = 0 if batch > 1 and empty_batch else lengths[-1]
         keep = (torch.arange(len_k)[None, :] < lengths[:, None])[:, None, None, :]
     else:
         sizes = {"2d": (len_q, len_k), "per_batch": (batch, 1, len_q, len_k), "per_head": (batch, heads_q, len_q, len_k)}
@@ -294,6 +294,49 @@ def test_forward_with_attn_mask_matches_float64(shape, case, dtype):
     visible = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), visible)
     assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+
+
+# Head dims 128 and 112 (padded) run the Hopper backward with a mask; 64 the sm80 one (no room for
+# the mask's tiles beside its 128-query tiles).
+MASK_BACKWARD_SHAPES = [
+    (1, 2, 2, 333, 1024, 128),
+    (2, 4, 2, 200, 512, 112),
+    (2, 24, 8, 130, 384, 128),
+    (2, 4, 2, 200, 512, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("shape", MASK_BACKWARD_SHAPES, ids=["x".join(map(str, s)) for s in MASK_BACKWARD_SHAPES])
+def test_backward_with_attn_mask_matches_float64(shape, case, dtype):
+    """dq, dk, dv with a mask of every broadcast form within twice SDPA's own error of float64, the
+    Hopper backward running where it takes the mask."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 3)
+    mask = attn_mask(case, shape, dtype, seed=len(case) + 1, empty_batch=False)
+    gen = torch.Generator().manual_seed(8)
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda", dtype)
+    gqa = shape[1] != shape[2]
+
+    def grads(fn, q, k, v, mask):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, attn_mask=mask)
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
+
+    ours = lambda *args, **kwargs: flashattn_ext.scaled_dot_product_attention(*args, enable_gqa=gqa, **kwargs)  # noqa: E731
+    names = kernel_names(lambda: grads(ours, q, k, v, mask))
+    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
+    assert hopper_backward == (shape[5] > 96), names
+    poison_cuda_allocator(POISON_BYTES)
+    got = grads(ours, q, k, v, mask)
+    sdpa = expanded(F.scaled_dot_product_attention)
+    want = grads(sdpa, q.double(), k.double(), v.double(), mask if mask.dtype == torch.bool else mask.double())
+    base = grads(sdpa, q, k, v, mask)
+    scale = max(w.abs().max().item() for w in want[1:])
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
+        assert torch.isfinite(g).all(), f"{name}: not every element written, or not finite"
+        ours_error, sdpa_error = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
 
 
 @pytest.mark.parametrize("lower_right", [False, True])

@@ -58,9 +58,16 @@ bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionP
                       dims, {t.stride_row, t.stride_head, t.stride_batch}, kSwizzleCols, box_rows);
 }
 
-bool encode_mask_tensor_map(CUtensorMap* map, const TensorView4d& mask, int elem_bytes, const AttentionProblem& p,
-                            bool rows_full, bool heads_full, bool batch_full, int box_rows) {
+bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,
+                       const AttentionProblem& p, int tile_rows) {
   if (mask.stride_col != 1) return false;
+  const bool rows_full = mask.stride_row != 0 && p.len_q > 1, heads_full = mask.stride_head != 0 && p.heads_q > 1,
+             batch_full = mask.stride_batch != 0 && p.batch > 1;
+  shape->rows_full = rows_full;
+  shape->head_step = heads_full ? 1 : 0;
+  shape->batch_step = batch_full ? 1 : 0;
+  shape->box_rows = rows_full ? tile_rows : 1;
+  shape->block_bytes = rows_full ? tile_rows * kSwizzleRowBytes : kSwizzleAtomBytes;
   // A dimension the mask repeats over has size 1: its stride is never used,
   // but must still be one the copy engine takes.
   const int64_t unused_stride = 16 / elem_bytes;
@@ -71,7 +78,7 @@ bool encode_mask_tensor_map(CUtensorMap* map, const TensorView4d& mask, int elem
                               heads_full ? mask.stride_head : unused_stride,
                               batch_full ? mask.stride_batch : unused_stride};
   return encode_tiled(map, mask.data, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                      elem_bytes, dims, strides, kSwizzleRowBytes / elem_bytes, box_rows);
+                      elem_bytes, dims, strides, kSwizzleRowBytes / elem_bytes, shape->box_rows);
 }
 
 }  // namespace flashattn_ext::cuda::sm90

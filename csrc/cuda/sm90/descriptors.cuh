@@ -77,14 +77,27 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
                        int64_t heads, bool bfloat16, int box_rows);
 
+// Which tile of an attn_mask goes with a tile of queries (tile_rows of them
+// from row0, of one head and batch): the mask's rows of those queries
+// (rows_full) or only its first row (a mask that repeats over queries, such
+// as a key-padding mask); its head and batch, or the first where it repeats
+// over those (step 0). In shared memory the tile is stored as blocks of
+// 128-byte rows (128 / element size keys), 128-byte swizzled, block_bytes
+// apart: a one-row tile's blocks each start a swizzle period.
+struct MaskTileShape {
+  bool rows_full = true;
+  int head_step = 1, batch_step = 1;
+  int box_rows = 0;     // rows of the tile: tile_rows, or 1
+  int block_bytes = 0;  // from one block of the tile to the next
+};
+
 // Encodes a tensor map of an attn_mask (elem_bytes 1: bool; 2: additive, 16
-// bits) seen as 4-d (key, row, head, batch), sized by the call, but with one
-// row, head or batch where rows_full, heads_full or batch_full is false (the
-// mask repeats over that dimension). Its boxes are 128 bytes of a row x
-// box_rows rows, 128-byte swizzled, out-of-range elements read as zero (for
-// a bool mask: hidden). Returns false as encode_tensor_map does, and where
-// the mask's last dim is not contiguous.
-bool encode_mask_tensor_map(CUtensorMap* map, const TensorView4d& mask, int elem_bytes, const AttentionProblem& p,
-                            bool rows_full, bool heads_full, bool batch_full, int box_rows);
+// bits) for tiles of tile_rows queries, seen as 4-d (key, row, head, batch)
+// with one row, head or batch where it repeats over that dimension (stride 0,
+// or a dimension of one), and sets *shape to match. Out-of-range elements read
+// as zero (for a bool mask: hidden). Returns false as encode_tensor_map does,
+// and where the mask's last dim is not contiguous.
+bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,
+                       const AttentionProblem& p, int tile_rows);
 
 }  // namespace flashattn_ext::cuda::sm90

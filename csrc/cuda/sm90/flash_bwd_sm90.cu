@@ -19,7 +19,9 @@
 //    dS^T halves meet in shared memory. dQ is issued before dK so that its
 //    shared-memory stores run under dK's wgmma.
 // With dropout, P^T and dP^T are dropped where the forward dropped P (the same
-// Philox numbers), before dV and dS^T.
+// Philox numbers), before dV and dS^T. An attn_mask's tile of each query tile
+// comes with Q (as in the forward, one row of it where the mask repeats over
+// queries) and is applied to S^T before P^T is made.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
@@ -37,8 +39,9 @@ namespace {
 
 struct BwdKernelParams {
   BwdParams call;
-  CUtensorMap q_map, k_map, v_map, dout_map;
+  CUtensorMap q_map, k_map, v_map, dout_map, mask_map;
   int order_chunks;  // causal: heaviest_first_position's chunks
+  MaskTileShape mask;
 };
 
 template <int kStages>
@@ -48,9 +51,10 @@ struct BwdBarriers {
   uint64_t q_empty[kStages], dout_empty[kStages];
 };
 
-template <typename Elem, typename Cfg, bool kDropout>
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
+  static_assert(Cfg::kMasked == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
@@ -65,7 +69,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_v = s_k + Cfg::kKVBytes;
   unsigned char* s_q = s_v + Cfg::kKVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
-  unsigned char* s_ds = s_dout + kStages * Cfg::kQBytes;
+  unsigned char* s_mask = s_dout + kStages * Cfg::kQBytes;
+  unsigned char* s_ds = s_mask + kStages * Cfg::kMaskBytes;
   // Each consumer's dQ block buffers, in dq_accum's layout, for the copy engine to add.
   float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
   auto dq_buffer_of = [&](int consumer, int buffer) {
@@ -179,6 +184,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                          kv_head, batch);
       }
     }
+    if (Cfg::kMasked && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
+    const int mask_tile_bytes = Cfg::kMasked ? kp.mask.box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
     int tile = 0;
     for (int head = static_cast<int>(h_kv * group); head < (h_kv + 1) * group; ++head) {
       const float* lse = static_cast<const float*>(params.lse) + (b * p.heads_q + head) * p.len_q;
@@ -188,10 +195,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const uint32_t parity = (tile / kStages) & 1;
         ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
         if (lane == 0) {
-          ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes);
+          ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
             ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
                              c * kSwizzleCols, q_row, head, batch);
+          }
+          if constexpr (Cfg::kMasked) {
+            for (int c = 0; c < Cfg::kMaskColBlocks; ++c) {
+              ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * kp.mask.block_bytes, &kp.mask_map,
+                               &bars->q_full[stage], key_row + c * Cfg::kMaskColBlockCols,
+                               kp.mask.rows_full ? q_row : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
+            }
           }
         }
         // dO's stage is released before Q's: no wait here. Both copies are
@@ -241,6 +255,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto q_step = [](uint64_t desc, int kk) { return desc_advance(desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)); };
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  // An additive attn_mask is added to the scaled scores: they are scaled as it
+  // is added, and P^T then made from them as they are.
+  const float score_scale = kMask == MaskKind::kAdditive ? 1.f : scale_log2;
+
+  // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
+  // (lane % 4) + e of the tile) reads the mask tile's row of that query (row 0
+  // of a one-row tile) at that key: 128-byte rows whose 16-byte chunk c lies at
+  // chunk c ^ (row % 8). mask_value[h][e] is where register (j = 0, h, e) of
+  // stage 0 reads; j steps it by mask_j_bytes (8 rows).
+  const unsigned char* mask_value[2][2];
+  const int mask_j_bytes = kp.mask.rows_full ? 8 * kSwizzleRowBytes : 0;
+  if constexpr (Cfg::kMasked) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key_byte = (key_row + 8 * h) * Cfg::kMaskElemBytes;
+        const int row = kp.mask.rows_full ? (lane % 4) * 2 + e : 0;  // below 8: its own swizzle row
+        const int chunk = key_byte % kSwizzleRowBytes / 16;
+        mask_value[h][e] = s_mask + key_byte / kSwizzleRowBytes * kp.mask.block_bytes + row * kSwizzleRowBytes +
+                           (chunk ^ row) * 16 + key_byte % 16;
+      }
+    }
+  }
+  // Applies the stage's mask tile to s (S^T), in log2 units: a bool mask sets
+  // the hidden scores to -inf; an additive one's scaled scores plus its values.
+  auto apply_attn_mask = [&](float (&s)[kScoreRegs], int stage) {
+#pragma unroll
+    for (int i = 0; i < kScoreRegs; ++i) {
+      const int j = i / 4, h = (i / 2) % 2, e = i % 2;
+      const unsigned char* value = mask_value[h][e] + stage * Cfg::kMaskBytes + j * mask_j_bytes;
+      if constexpr (kMask == MaskKind::kBool) {
+        if (!*value) s[i] = -INFINITY;
+      } else {
+        const float bias = ptx::to_float(*reinterpret_cast<const Elem*>(value));
+        s[i] = fmaf(s[i], scale_log2, bias * float(M_LOG2E));
+      }
+    }
+  };
+
   float dk[kGradRegs], dv[kGradRegs];
 #pragma unroll
   for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
@@ -318,6 +372,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // diagonal above the causal diagonal.
     ptx::wgmma_wait<1>();
     fence_registers(st);
+    if constexpr (Cfg::kMasked) apply_attn_mask(st, stage);
     const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
     const bool crosses_end = col0 + kBlockN > p.len_k;
     if (crosses_diagonal || crosses_end) {
@@ -328,11 +383,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0; i < kScoreRegs; ++i) {
         const int key = key_row + accumulator_row_offset(i), query = query_of(i);
         st[i] = key >= key_end || key - query > diagonal ? 0.f
-                                                         : ptx::exp2_approx(st[i] * scale_log2 - lse_q[query]);
+                                                         : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) st[i] = ptx::exp2_approx(st[i] * scale_log2 - lse_q[query_of(i)]);
+      for (int i = 0; i < kScoreRegs; ++i) st[i] = ptx::exp2_approx(st[i] * score_scale - lse_q[query_of(i)]);
     }
     // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
     // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept
@@ -479,9 +534,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #endif
 }
 
-template <typename Elem, int kHeadDim, bool kDropout>
+template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
-  using Cfg = BwdTileConfig<kHeadDim>;
+  constexpr int kMaskElemBytes = kMask == MaskKind::kBool ? 1 : kMask == MaskKind::kAdditive ? 2 : 0;
+  using Cfg = BwdTileConfig<kHeadDim, kMaskElemBytes>;
   const AttentionProblem& p = params.problem;
   BwdKernelParams kp;
   kp.call = params;
@@ -495,11 +551,14 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
       !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
     return false;
   }
+  if (Cfg::kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
+    return false;
+  }
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;
   if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   compute_delta(params, type, stream);
-  auto kernel = attention_backward_kernel<Elem, Cfg, kDropout>;
+  auto kernel = attention_backward_kernel<Elem, Cfg, kDropout, kMask>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   // Q and dO of every query head of the group, streamed.
   const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
@@ -514,20 +573,31 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   // What this kernel covers; the rest runs the sm80 kernels. dq_accum's layout
-  // is that of the specialized head dims 64 and 128 (dispatch_head_dim).
+  // is that of the specialized head dims 64 and 128 (dispatch_head_dim). With
+  // an attn_mask: head dims 97 to 128 (at 64 the 128-query tiles leave no room
+  // for its tiles), no dropout, and no gradient of the mask.
   const bool head_dim_covered = p.head_dim <= 64 || (p.head_dim > 96 && p.head_dim <= 128);
-  if (params.dq_accum == nullptr || params.mask_kind != MaskKind::kNone || !head_dim_covered ||
-      p.head_dim != p.head_dim_v || p.len_q == 0 || p.len_k == 0 || p.heads_q == 0 || p.batch == 0) {
+  const bool masked = params.mask_kind != MaskKind::kNone;
+  if (params.dq_accum == nullptr || !head_dim_covered || p.head_dim != p.head_dim_v || p.len_q == 0 ||
+      p.len_k == 0 || p.heads_q == 0 || p.batch == 0 ||
+      (masked && (p.head_dim <= 64 || params.dropout.p > 0.0 || params.dmask.data != nullptr))) {
     return false;
   }
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-      constexpr bool kDropout = decltype(dropout)::value;
-      launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout>(params, stream)
-                                  : launch_backward<Elem, 128, kDropout>(params, stream);
-    });
+    if (params.mask_kind == MaskKind::kBool) {
+      launched = launch_backward<Elem, 128, false, MaskKind::kBool>(params, stream);
+    } else if (params.mask_kind == MaskKind::kAdditive) {
+      launched = launch_backward<Elem, 128, false, MaskKind::kAdditive>(params, stream);
+    } else {
+      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+        constexpr bool kDropout = decltype(dropout)::value;
+        constexpr MaskKind kNone = MaskKind::kNone;
+        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout, kNone>(params, stream)
+                                    : launch_backward<Elem, 128, kDropout, kNone>(params, stream);
+      });
+    }
   });
   return launched;
 }

@@ -41,15 +41,6 @@
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {
 
-// Which tile of an attn_mask goes with a (row block, head, batch) tile: the
-// mask's rows of the block (rows_full) or only its first row (a mask that
-// repeats over queries, such as a key-padding mask); its head and batch, or
-// the first where it repeats over those (step 0).
-struct MaskTileShape {
-  bool rows_full = true;
-  int head_step = 1, batch_step = 1;
-};
-
 // What the kernel reads: the call, and tensor maps of q, k, v, out and the
 // attn_mask. Passed as a __grid_constant__ parameter: the copy engine reads
 // the maps in place.
@@ -172,10 +163,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                     Cfg::kSmemBytes,
                 "the shared state fits after the tiles");
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
-  // The attn_mask's tile of a key tile: kMaskColBlocks boxes of mask_box_rows
-  // rows, mask_block_bytes apart (one-row boxes each start a swizzle period).
-  const int mask_box_rows = kp.mask.rows_full ? kBlockM : 1;
-  const int mask_block_bytes = kp.mask.rows_full ? kBlockM * kSwizzleRowBytes : kSwizzleAtomBytes;
 
   // Read from lane 0: the compiler then knows it is the same across the warp
   // and keeps what derives from it (the wgmma descriptors) in uniform registers.
@@ -210,7 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::prefetch_tensor_map(&kp.k_map);
     ptx::prefetch_tensor_map(&kp.v_map);
     if constexpr (Cfg::kMasked) ptx::prefetch_tensor_map(&kp.mask_map);
-    const int mask_tile_bytes = Cfg::kMasked ? mask_box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
+    const int mask_tile_bytes = Cfg::kMasked ? kp.mask.box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
     int tile = blockIdx.x;
     // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
     // parity of its next out_free phase).
@@ -249,7 +236,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         }
         if constexpr (Cfg::kMasked) {
           for (int c = 0; c < Cfg::kMaskColBlocks; ++c) {
-            ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * mask_block_bytes, &kp.mask_map,
+            ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * kp.mask.block_bytes, &kp.mask_map,
                              &shared->k_full[stage], key_row + c * Cfg::kMaskColBlockCols,
                              kp.mask.rows_full ? t.row0 : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
           }
@@ -319,7 +306,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     for (int j = 0; j < kRegs / 4; ++j) {
       const int col_byte = 8 * j * kEb;  // the 8-key group's first byte
       const int block = col_byte / kSwizzleRowBytes, chunk = col_byte % kSwizzleRowBytes / 16;
-      const unsigned char* pair = stage_mask + block * mask_block_bytes +
+      const unsigned char* pair = stage_mask + block * kp.mask.block_bytes +
                                   ((chunk ^ mask_swizzle_row) * 16 + col_byte % 16);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -653,17 +640,8 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
       (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.len_q, p.heads_q, 64))) {
     return false;
   }
-  if constexpr (kMasked) {
-    // A dimension of one is one the mask repeats over, whatever its stride.
-    const TensorView4d& mask = params.mask;
-    const bool heads_full = mask.stride_head != 0 && p.heads_q > 1, batch_full = mask.stride_batch != 0 && p.batch > 1;
-    kp.mask.rows_full = mask.stride_row != 0 && p.len_q > 1;
-    kp.mask.head_step = heads_full ? 1 : 0;
-    kp.mask.batch_step = batch_full ? 1 : 0;
-    if (!encode_mask_tensor_map(&kp.mask_map, mask, kMaskElemBytes, p, kp.mask.rows_full, heads_full, batch_full,
-                                kp.mask.rows_full ? Cfg::kBlockM : 1)) {
-      return false;
-    }
+  if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
+    return false;
   }
   auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);

@@ -89,7 +89,9 @@ struct FwdTileConfig {
 // query head of the group through kStages stages; kConsumers warpgroups of 64
 // keys each keep their dK and dV in registers, and each computes one 64 x 64
 // block of every tile's dQ = dS K from the dS^T of both.
-template <int kHeadDim_>
+// kMaskElemBytes: the attn_mask's element size (1: bool, 2: additive), 0
+// without one.
+template <int kHeadDim_, int kMaskElemBytes_ = 0>
 struct BwdTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
   static constexpr int kConsumers = 2;
@@ -105,9 +107,18 @@ struct BwdTileConfig {
   // dS^T buffers: tile t's is written while the other consumer may still read
   // t - 1's (see the kernel's kDsReady).
   static constexpr int kDsBuffers = 2;
+  // The attn_mask's tile of a stage: kBlockM queries (or one, where the mask
+  // repeats over queries) x kBlockN keys, stored as the forward stores its own
+  // (blocks of 128-byte rows, 128-byte swizzled), loaded with Q and freed with it.
+  static constexpr int kMaskElemBytes = kMaskElemBytes_;
+  static constexpr bool kMasked = kMaskElemBytes > 0;
+  static constexpr int kMaskColBlockCols = kMasked ? kSwizzleRowBytes / kMaskElemBytes : 1;
+  static constexpr int kMaskColBlocks = kMasked ? kBlockN / kMaskColBlockCols : 0;
+  static constexpr int kMaskBytes = kBlockM * kBlockN * kMaskElemBytes;  // room for a whole tile
   // dQ block buffers of each consumer for the bulk reduce: with two, the copy
-  // engine has a whole tile's time to read one (one where shared memory is short).
-  static constexpr int kDqBuffers = kBlockM > 64 ? 1 : 2;
+  // engine has a whole tile's time to read one (one where shared memory is
+  // short: 128-query tiles, or room for the mask tiles).
+  static constexpr int kDqBuffers = kBlockM > 64 || kMasked ? 1 : 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -122,8 +133,9 @@ struct BwdTileConfig {
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
-  // K, V, the stages of Q and dO, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to align the base.
-  static constexpr int kSmemBytes = 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
+  // K, V, the stages of Q, dO and the mask, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to
+  // align the base.
+  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * (2 * kQBytes + kMaskBytes) + kDsBuffers * kDsBytes +
                                     kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes +
                                     1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
