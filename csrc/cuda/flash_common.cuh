@@ -65,6 +65,13 @@ struct GridPosition {
 __device__ __forceinline__ GridPosition grid_position(int64_t index, int64_t blocks_per_head, int64_t heads) {
   return {index % blocks_per_head, (index / blocks_per_head) % heads, index / (blocks_per_head * heads)};
 }
+// The same grid ordered (head, block, batch), heads fastest: the tiles that
+// run together are the same few blocks of every head (they share an attn_mask
+// that repeats over heads, read once from memory and then from L2).
+__device__ __forceinline__ GridPosition grid_position_heads_first(int64_t index, int64_t blocks_per_head,
+                                                                  int64_t heads) {
+  return {(index / heads) % blocks_per_head, index % heads, index / (blocks_per_head * heads)};
+}
 
 // The same grid in the order for causal calls, whose block 0 of a head has the
 // most work: the (batch, head) pairs in `chunks` chunks of consecutive pairs,

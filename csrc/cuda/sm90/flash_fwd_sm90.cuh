@@ -50,6 +50,10 @@ struct FwdKernelParams {
   int tiles;         // (block of query rows, head, batch) tiles
   int order_chunks;  // causal: heaviest_first_position's chunks
   MaskTileShape mask;
+  // Not causal: the tiles in grid_position_heads_first's order (an attn_mask
+  // with rows of its own that every head shares, such as an (L, S) mask),
+  // else in grid_position's.
+  bool heads_first;
 };
 
 // Where a tile of the forward lies, and how many key tiles its rows see;
@@ -127,9 +131,9 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
   const AttentionProblem& p = kp.call.problem;
   const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
   const int pairs = kp.tiles / m_blocks;
-  const GridPosition position =
-      p.is_causal ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
-                  : grid_position(tile, m_blocks, heads);
+  const GridPosition position = p.is_causal    ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
+                                : kp.heads_first ? grid_position_heads_first(tile, m_blocks, heads)
+                                                 : grid_position(tile, m_blocks, heads);
   FwdTile t;
   t.row0 = static_cast<int>((m_blocks - 1 - position.block) * Cfg::kBlockM);  // longest causal rows first
   t.head = static_cast<int>(position.head);
@@ -643,6 +647,9 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
     return false;
   }
+  // Tiles that run together then read the mask's rows once from memory, not once
+  // a head: at N = 16384 an (L, S) bfloat16 mask is 512 MiB, read 16 times at 16 heads.
+  kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
   auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
