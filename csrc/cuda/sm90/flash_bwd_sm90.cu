@@ -536,7 +536,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
-  constexpr int kMaskElemBytes = kMask == MaskKind::kBool ? 1 : kMask == MaskKind::kAdditive ? 2 : 0;
+  constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
   using Cfg = BwdTileConfig<kHeadDim, kMaskElemBytes>;
   const AttentionProblem& p = params.problem;
   BwdKernelParams kp;

@@ -629,7 +629,7 @@ constexpr int64_t kMaxTiles = int64_t{1} << 30;
 template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
-  constexpr int kMaskElemBytes = kMask == MaskKind::kBool ? 1 : kMasked ? 2 : 0;
+  constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
   using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal, kMasked), kMaskElemBytes>;
   const AttentionProblem& p = params.problem;
   FwdKernelParams kp;

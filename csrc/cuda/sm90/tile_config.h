@@ -7,6 +7,12 @@ namespace flashattn_ext::cuda::sm90 {
 
 constexpr int kWarpgroupThreads = 128;  // four warps: the unit that issues wgmma
 
+// The bytes of an attn_mask element in shared memory: 1 for a bool mask, 2 for
+// an additive one (the inputs' 16-bit type), 0 without a mask.
+constexpr int mask_elem_bytes(MaskKind kind) {
+  return kind == MaskKind::kBool ? 1 : kind == MaskKind::kAdditive ? 2 : 0;
+}
+
 // Shared-memory tiles are stored as column blocks of 64 16-bit elements (128
 // bytes a row, the width of the copy engine's 128-byte swizzle), one after
 // another, so every wgmma operand is a canonical 128-byte-swizzled layout.
