@@ -5,9 +5,11 @@
 // accumulator_column(i, lane).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/ptx.cuh"
+#include "flash_params.h"
 
 namespace flashattn_ext::cuda::sm90 {
 
@@ -47,6 +49,22 @@ __device__ __forceinline__ float from_fragments(const uint32_t (&frag)[kSteps][4
   const uint32_t pair = frag[i / 8][(i % 8) / 2];
   const auto bits = static_cast<uint16_t>(i % 2 ? pair >> 16 : pair & 0xffffu);
   return ptx::to_float(*reinterpret_cast<const Elem*>(&bits));
+}
+
+// attn_mask on one raw score s (Q K^T, not yet scaled), as both kernels apply
+// it before their exp2: where a bool mask hides the pair, s becomes -inf (the
+// other scores stay as they are, for the softmax to scale); an additive
+// mask's value is added to the scaled score in log2 units, after which s needs
+// no more scaling (masked_scores_scale).
+__device__ __forceinline__ void mask_score(float& s, bool keep) {
+  if (!keep) s = -INFINITY;
+}
+__device__ __forceinline__ void mask_score(float& s, float bias, float scale_log2) {
+  s = fmaf(s, scale_log2, bias * float(M_LOG2E));
+}
+// The scale (log2 units) the softmax applies to scores that mask_score saw.
+__device__ __forceinline__ float masked_scores_scale(MaskKind kind, float scale_log2) {
+  return kind == MaskKind::kAdditive ? 1.f : scale_log2;
 }
 
 // Dropout's decisions for the kRegs registers of an accumulator, a bit each

@@ -89,6 +89,9 @@ struct MaskTileShape {
   int head_step = 1, batch_step = 1;
   int box_rows = 0;     // rows of the tile: tile_rows, or 1
   int block_bytes = 0;  // from one block of the tile to the next
+
+  // The bytes the copy engine writes for a tile of col_blocks blocks (0 without a mask).
+  __host__ __device__ int tile_bytes(int col_blocks) const { return box_rows * kSwizzleRowBytes * col_blocks; }
 };
 
 // Encodes a tensor map of an attn_mask (elem_bytes 1: bool; 2: additive, 16

@@ -54,7 +54,7 @@ struct BwdBarriers {
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
-  static_assert(Cfg::kMasked == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
+  static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   unsigned char* s_q = s_v + Cfg::kKVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
   unsigned char* s_mask = s_dout + kStages * Cfg::kQBytes;
-  unsigned char* s_ds = s_mask + kStages * Cfg::kMaskBytes;
+  unsigned char* s_ds = s_mask + kStages * Cfg::Mask::kBytes;
   // Each consumer's dQ block buffers, in dq_accum's layout, for the copy engine to add.
   float* s_dq = reinterpret_cast<float*>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
   auto dq_buffer_of = [&](int consumer, int buffer) {
@@ -184,8 +184,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                          kv_head, batch);
       }
     }
-    if (Cfg::kMasked && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
-    const int mask_tile_bytes = Cfg::kMasked ? kp.mask.box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
+    if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
+    const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
     int tile = 0;
     for (int head = static_cast<int>(h_kv * group); head < (h_kv + 1) * group; ++head) {
       const float* lse = static_cast<const float*>(params.lse) + (b * p.heads_q + head) * p.len_q;
@@ -200,10 +200,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
                              c * kSwizzleCols, q_row, head, batch);
           }
-          if constexpr (Cfg::kMasked) {
-            for (int c = 0; c < Cfg::kMaskColBlocks; ++c) {
-              ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * kp.mask.block_bytes, &kp.mask_map,
-                               &bars->q_full[stage], key_row + c * Cfg::kMaskColBlockCols,
+          if constexpr (Cfg::Mask::kPresent) {
+            for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
+              ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
+                               &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
                                kp.mask.rows_full ? q_row : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
             }
           }
@@ -255,9 +255,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto q_step = [](uint64_t desc, int kk) { return desc_advance(desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)); };
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  // An additive attn_mask is added to the scaled scores: they are scaled as it
-  // is added, and P^T then made from them as they are.
-  const float score_scale = kMask == MaskKind::kAdditive ? 1.f : scale_log2;
+  const float score_scale = masked_scores_scale(kMask, scale_log2);
 
   // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
   // (lane % 4) + e of the tile) reads the mask tile's row of that query (row 0
@@ -266,12 +264,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // stage 0 reads; j steps it by mask_j_bytes (8 rows).
   const unsigned char* mask_value[2][2];
   const int mask_j_bytes = kp.mask.rows_full ? 8 * kSwizzleRowBytes : 0;
-  if constexpr (Cfg::kMasked) {
+  if constexpr (Cfg::Mask::kPresent) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int key_byte = (key_row + 8 * h) * Cfg::kMaskElemBytes;
+        const int key_byte = (key_row + 8 * h) * Cfg::Mask::kElemBytes;
         const int row = kp.mask.rows_full ? (lane % 4) * 2 + e : 0;  // below 8: its own swizzle row
         const int chunk = key_byte % kSwizzleRowBytes / 16;
         mask_value[h][e] = s_mask + key_byte / kSwizzleRowBytes * kp.mask.block_bytes + row * kSwizzleRowBytes +
@@ -285,12 +283,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < kScoreRegs; ++i) {
       const int j = i / 4, h = (i / 2) % 2, e = i % 2;
-      const unsigned char* value = mask_value[h][e] + stage * Cfg::kMaskBytes + j * mask_j_bytes;
+      const unsigned char* value = mask_value[h][e] + stage * Cfg::Mask::kBytes + j * mask_j_bytes;
       if constexpr (kMask == MaskKind::kBool) {
-        if (!*value) s[i] = -INFINITY;
+        mask_score(s[i], *value != 0);
       } else {
-        const float bias = ptx::to_float(*reinterpret_cast<const Elem*>(value));
-        s[i] = fmaf(s[i], scale_log2, bias * float(M_LOG2E));
+        mask_score(s[i], ptx::to_float(*reinterpret_cast<const Elem*>(value)), scale_log2);
       }
     }
   };
@@ -372,7 +369,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // diagonal above the causal diagonal.
     ptx::wgmma_wait<1>();
     fence_registers(st);
-    if constexpr (Cfg::kMasked) apply_attn_mask(st, stage);
+    if constexpr (Cfg::Mask::kPresent) apply_attn_mask(st, stage);
     const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
     const bool crosses_end = col0 + kBlockN > p.len_k;
     if (crosses_diagonal || crosses_end) {
@@ -551,7 +548,7 @@ bool launch_backward(const BwdParams& params, cudaStream_t stream) {
       !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
     return false;
   }
-  if (Cfg::kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
+  if (Cfg::Mask::kPresent && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
     return false;
   }
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;

@@ -19,12 +19,11 @@
 //    the consumers take turns to issue them (ping-pong), so that one's softmax
 //    hides under the others' GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
-// masked; those tiles come last in the loop. An attn_mask's tile of each
-// key tile comes with K (one row of it where the mask repeats over queries,
-// such as a key-padding mask), and each consumer applies it to its scores as
-// soon as they are in. With dropout, the probabilities
-// are dropped after the rows' sums and before P V. At head dim 128 the output leaves
-// through shared memory and the copy engine: the consumers round it into the K
+// masked; those tiles come last in the loop. An attn_mask's tile of each key
+// tile comes with K (one row of it where the mask repeats over queries, such
+// as a key-padding mask), and each consumer applies it to its scores as soon
+// as they are in. With dropout, the probabilities are dropped after the rows'
+// sums and before P V. At head dim 128 the output leaves through shared memory and the copy engine: the consumers round it into the K
 // buffer of the tile's last stage, which the producer refills only once the
 // copy engine has read it (out_free). The log-sum-exp is written from registers.
 #include <algorithm>
@@ -145,7 +144,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
-  static_assert(Cfg::kMasked == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
+  static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
@@ -161,8 +160,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   unsigned char* s_k = s_q + Cfg::kQBytes;
   unsigned char* s_v = s_k + kStages * Cfg::kKVBytes;
   unsigned char* s_mask = s_v + kStages * Cfg::kKVBytes;
-  auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(s_mask + kStages * Cfg::kMaskBytes);
-  static_assert(Cfg::kQBytes + kStages * (2 * Cfg::kKVBytes + Cfg::kMaskBytes) + sizeof(FwdSharedState<kStages>) +
+  auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(s_mask + kStages * Cfg::Mask::kBytes);
+  static_assert(Cfg::kQBytes + kStages * (2 * Cfg::kKVBytes + Cfg::Mask::kBytes) + sizeof(FwdSharedState<kStages>) +
                         1024 <=
                     Cfg::kSmemBytes,
                 "the shared state fits after the tiles");
@@ -200,8 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::prefetch_tensor_map(&kp.q_map);
     ptx::prefetch_tensor_map(&kp.k_map);
     ptx::prefetch_tensor_map(&kp.v_map);
-    if constexpr (Cfg::kMasked) ptx::prefetch_tensor_map(&kp.mask_map);
-    const int mask_tile_bytes = Cfg::kMasked ? kp.mask.box_rows * kSwizzleRowBytes * Cfg::kMaskColBlocks : 0;
+    if constexpr (Cfg::Mask::kPresent) ptx::prefetch_tensor_map(&kp.mask_map);
+    const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
     int tile = blockIdx.x;
     // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
     // parity of its next out_free phase).
@@ -238,10 +237,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
           ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
                            c * kSwizzleCols, key_row, kv_head, batch);
         }
-        if constexpr (Cfg::kMasked) {
-          for (int c = 0; c < Cfg::kMaskColBlocks; ++c) {
-            ptx::tma_load_4d(s_mask + stage * Cfg::kMaskBytes + c * kp.mask.block_bytes, &kp.mask_map,
-                             &shared->k_full[stage], key_row + c * Cfg::kMaskColBlockCols,
+        if constexpr (Cfg::Mask::kPresent) {
+          for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
+            ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
+                             &shared->k_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
                              kp.mask.rows_full ? t.row0 : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
           }
         }
@@ -285,9 +284,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // times the scale is the max of the scaled ones: scaling and subtracting the
   // max fold into one fma.
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  // An additive attn_mask is added to the scaled scores: the kernel scales
-  // them as it adds it, and the softmax then takes them as they are.
-  const float softmax_scale = kMask == MaskKind::kAdditive ? 1.f : scale_log2;
+  const float softmax_scale = masked_scores_scale(kMask, scale_log2);
   const int64_t offset = causal_offset(p);
 
   // attn_mask: this thread's values in a stage's mask tile are those of its
@@ -296,7 +293,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // next), in 128-byte rows whose 16-byte chunk c lies at chunk c ^ (row % 8).
   // Each column block of a one-row tile starts a 1024-byte swizzle period.
   const unsigned char* mask_thread = s_mask + (kp.mask.rows_full ? tile_row * kSwizzleRowBytes : 0) +
-                                     (lane % 4) * 2 * Cfg::kMaskElemBytes;
+                                     (lane % 4) * 2 * Cfg::Mask::kElemBytes;
   const int mask_half_bytes = kp.mask.rows_full ? 8 * kSwizzleRowBytes : 0;
   const int mask_swizzle_row = kp.mask.rows_full ? lane / 4 : 0;
   // Applies the mask tile of the kv-th K/V tile to s, in log2 units: a bool
@@ -304,26 +301,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // its values.
   auto apply_attn_mask = [&](auto& s, int kv) {
     constexpr int kRegs = sizeof(s) / sizeof(float);
-    constexpr int kEb = Cfg::kMaskElemBytes;
-    const unsigned char* stage_mask = mask_thread + (kv % kStages) * Cfg::kMaskBytes;
+    constexpr int kEb = Cfg::Mask::kElemBytes;
+    const unsigned char* stage_mask = mask_thread + (kv % kStages) * Cfg::Mask::kBytes;
 #pragma unroll
     for (int j = 0; j < kRegs / 4; ++j) {
       const int col_byte = 8 * j * kEb;  // the 8-key group's first byte
       const int block = col_byte / kSwizzleRowBytes, chunk = col_byte % kSwizzleRowBytes / 16;
-      const unsigned char* pair = stage_mask + block * kp.mask.block_bytes +
-                                  ((chunk ^ mask_swizzle_row) * 16 + col_byte % 16);
+      const int pair_offset = block * kp.mask.block_bytes + (chunk ^ mask_swizzle_row) * 16 + col_byte % 16;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float& s0 = s[4 * j + 2 * half];
         float& s1 = s[4 * j + 2 * half + 1];
+        const unsigned char* pair = stage_mask + pair_offset + half * mask_half_bytes;
         if constexpr (kMask == MaskKind::kBool) {
-          const uint32_t keep = *reinterpret_cast<const uint16_t*>(pair + half * mask_half_bytes);
-          if (!(keep & 0xff)) s0 = -INFINITY;
-          if (!(keep >> 8)) s1 = -INFINITY;
+          const uint32_t keep = *reinterpret_cast<const uint16_t*>(pair);
+          mask_score(s0, (keep & 0xff) != 0);
+          mask_score(s1, (keep >> 8) != 0);
         } else {
-          const float2 bias = ptx::unpack2<Elem>(*reinterpret_cast<const uint32_t*>(pair + half * mask_half_bytes));
-          s0 = fmaf(s0, scale_log2, bias.x * float(M_LOG2E));
-          s1 = fmaf(s1, scale_log2, bias.y * float(M_LOG2E));
+          const float2 bias = ptx::unpack2<Elem>(*reinterpret_cast<const uint32_t*>(pair));
+          mask_score(s0, bias.x, scale_log2);
+          mask_score(s1, bias.y, scale_log2);
         }
       }
     }
@@ -493,7 +490,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         hand_back_out_stage();
         ptx::wgmma_wait<0>();
         fence_registers(s);
-        if constexpr (Cfg::kMasked) apply_attn_mask(s, kv);
+        if constexpr (Cfg::Mask::kPresent) apply_attn_mask(s, kv);
         release_k(0);
         if (tile_needs_mask(0)) mask_tile(s, 0);
         float rescale[2];
@@ -517,7 +514,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         grant_turn();
         ptx::wgmma_wait<1>();
         fence_registers(s);
-        if constexpr (Cfg::kMasked) apply_attn_mask(s, kv + n_block);
+        if constexpr (Cfg::Mask::kPresent) apply_attn_mask(s, kv + n_block);
         release_k(n_block);
         // The softmax sits in the branches of its own if: the compiler schedules
         // each basic block on its own, and in one shared with the wait for P V

@@ -20,6 +20,22 @@ constexpr int kSwizzleCols = 64;
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle pattern's period
 
+// An attn_mask's tile of a stage, as both kernels stage it beside their
+// streamed tiles: kRows query rows (only the first used where the mask
+// repeats over queries) x kKeys keys, stored as blocks of 128-byte rows
+// (kColBlockCols keys each), 128-byte swizzled like the other tiles.
+// kElemBytes: the mask's element size (mask_elem_bytes), 0 without a mask:
+// no tile.
+template <int kRows, int kKeys, int kElemBytes_>
+struct MaskTile {
+  static constexpr int kElemBytes = kElemBytes_;
+  static constexpr bool kPresent = kElemBytes > 0;
+  static constexpr int kColBlockCols = kPresent ? kSwizzleRowBytes / kElemBytes : 1;
+  static constexpr int kColBlocks = kPresent ? kKeys / kColBlockCols : 0;
+  static constexpr int kBytes = kRows * kKeys * kElemBytes;  // room for a whole tile
+  static_assert(!kPresent || kKeys % kColBlockCols == 0, "whole mask column blocks");
+};
+
 // Keys per streamed K/V tile of the forward: 176 at head dim 128 without the
 // causal mask or an attn_mask (FlashAttention-3's choice: the per-tile costs,
 // the consumers' turn barrier, the row max and the rescale of O, spread over
@@ -63,21 +79,14 @@ struct FwdTileConfig {
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
-  // The attn_mask's tile of a stage: the (kBlockM rows, or one where the mask
-  // repeats over queries) x kBlockN keys it applies to K's scores, stored as
-  // blocks of 128-byte rows (kMaskColBlockCols keys), 128-byte swizzled like
-  // the other tiles; read with K and freed with it.
-  static constexpr int kMaskElemBytes = kMaskElemBytes_;
-  static constexpr bool kMasked = kMaskElemBytes > 0;
-  static constexpr int kMaskColBlockCols = kMasked ? kSwizzleRowBytes / kMaskElemBytes : 1;
-  static constexpr int kMaskColBlocks = kMasked ? kBlockN / kMaskColBlockCols : 0;
-  static constexpr int kMaskBytes = kBlockM * kBlockN * kMaskElemBytes;  // room for a whole tile
+  // The attn_mask's tile of a stage, for K's scores: read with K and freed with it.
+  using Mask = MaskTile<kBlockM, kBlockN, kMaskElemBytes_>;
   // Q, then K and V of every stage, the mask tiles, then the mbarriers and the
   // scheduler's tile slots; the tiles 1024-byte aligned (the swizzle pattern
   // repeats every 1024 bytes), plus slack to align the base. Three stages
   // where they fit (not with 176-key tiles at head dim 128, nor with a mask
   // at head dim 128).
-  static constexpr int kStageBytes = 2 * kKVBytes + kMaskBytes + 5 * 8;  // K, V, the mask, five mbarriers
+  static constexpr int kStageBytes = 2 * kKVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
   static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
@@ -86,7 +95,6 @@ struct FwdTileConfig {
   // each thread stores its registers).
   static constexpr bool kOutThroughSmem = kBlockM * kHeadDim * 2 <= kKVBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
-  static_assert(!kMasked || kBlockN % kMaskColBlockCols == 0, "whole mask column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
@@ -113,18 +121,12 @@ struct BwdTileConfig {
   // dS^T buffers: tile t's is written while the other consumer may still read
   // t - 1's (see the kernel's kDsReady).
   static constexpr int kDsBuffers = 2;
-  // The attn_mask's tile of a stage: kBlockM queries (or one, where the mask
-  // repeats over queries) x kBlockN keys, stored as the forward stores its own
-  // (blocks of 128-byte rows, 128-byte swizzled), loaded with Q and freed with it.
-  static constexpr int kMaskElemBytes = kMaskElemBytes_;
-  static constexpr bool kMasked = kMaskElemBytes > 0;
-  static constexpr int kMaskColBlockCols = kMasked ? kSwizzleRowBytes / kMaskElemBytes : 1;
-  static constexpr int kMaskColBlocks = kMasked ? kBlockN / kMaskColBlockCols : 0;
-  static constexpr int kMaskBytes = kBlockM * kBlockN * kMaskElemBytes;  // room for a whole tile
+  // The attn_mask's tile of a stage, for its queries' scores: loaded with Q and freed with it.
+  using Mask = MaskTile<kBlockM, kBlockN, kMaskElemBytes_>;
   // dQ block buffers of each consumer for the bulk reduce: with two, the copy
   // engine has a whole tile's time to read one (one where shared memory is
   // short: 128-query tiles, or room for the mask tiles).
-  static constexpr int kDqBuffers = kBlockM > 64 || kMasked ? 1 : 2;
+  static constexpr int kDqBuffers = kBlockM > 64 || Mask::kPresent ? 1 : 2;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
@@ -141,7 +143,7 @@ struct BwdTileConfig {
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
   // K, V, the stages of Q, dO and the mask, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to
   // align the base.
-  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * (2 * kQBytes + kMaskBytes) + kDsBuffers * kDsBytes +
+  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * (2 * kQBytes + Mask::kBytes) + kDsBuffers * kDsBytes +
                                     kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes +
                                     1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
