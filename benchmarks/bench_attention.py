@@ -127,9 +127,9 @@ class Setup:
     rounds: int = 2  # rounds over the providers per cell (see measure_row)
 
 
-GPU = Setup(GPU_PROVIDERS, 16384, {64: 32, 128: 16}, (64, 128), (512, 1024, 2048, 4096, 8192, 16384),
+GPU = Setup(GPU_PROVIDERS, 16384, {64: 32, 128: 16, 256: 8}, (64, 128), (512, 1024, 2048, 4096, 8192, 16384),
             (1024, 4096, 16384), 0.15)
-CPU = Setup(CPU_PROVIDERS, 512, {64: 2, 128: 2}, (64, 128), (128, 256), (), 0.05)
+CPU = Setup(CPU_PROVIDERS, 512, {64: 2, 128: 2, 256: 2}, (64, 128), (128, 256), (), 0.05)
 QUICK = dict(dtypes=["bf16"], dims=[128], seqlens=[4096, 16384])
 
 
@@ -542,7 +542,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="bf16, D=128, N in {4096, 16384}")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: bf16 fp16")
-    parser.add_argument("--dims", nargs="+", type=int, choices=[64, 128], help="head dims; default: 64 128")
+    parser.add_argument("--dims", nargs="+", type=int, choices=[64, 128, 256], help="head dims; default: 64 128")
     parser.add_argument("--seqlens", nargs="+", type=int, help="sequence lengths N")
     parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
     parser.add_argument("--providers", nargs="+", choices=sorted({p.key for p in GPU_PROVIDERS + CPU_PROVIDERS}),

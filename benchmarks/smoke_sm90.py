@@ -1,6 +1,6 @@
 """A minute's check that the Hopper kernels run and finish (a hang shows as a timeout, not a lost device call).
 
-Forward and backward of a few shapes (causal and not, head dims 64 and 128, a ragged length, GQA)
+Forward and backward of a few shapes (causal and not, head dims 64, 128 and 256, a ragged length, GQA)
 against SDPA's math backend in float32, printing the largest error of each.
     timeout -s KILL 120 python3 benchmarks/smoke_sm90.py   (SIGKILL: a process waiting on a hung kernel ignores SIGTERM)
 """
@@ -11,7 +11,8 @@ import flashattn_ext
 
 SHAPES = [  # batch, heads_q, heads_kv, len_q, len_k, head_dim, causal
     (2, 4, 4, 1024, 1024, 128, False), (2, 4, 4, 1024, 1024, 128, True), (1, 8, 2, 777, 777, 64, True),
-    (1, 4, 4, 4096, 4096, 64, False), (3, 2, 1, 300, 1000, 128, True),
+    (1, 4, 4, 4096, 4096, 64, False), (3, 2, 1, 300, 1000, 128, True), (2, 4, 2, 1000, 1000, 256, True),
+    (1, 2, 2, 517, 2000, 192, False),
 ]
 
 for b, hq, hkv, nq, nk, d, causal in SHAPES:

@@ -50,6 +50,14 @@ SHAPES = [
     # The last 176-key tile of a non-causal row block runs its GEMMs over 48 or 112 keys where it holds
     # no more: 112 of 112 here (48 of 48 at 4096 keys above, masked ones at 384, 257 and 256 keys).
     (1, 4, 2, 333, 2048, 128),
+    # Head dim 256 (80-key tiles, two stages; its backward is the mma.sync kernels'): a ragged last
+    # key tile with GQA, head dims 160 and 192 padded to it, one query, more tiles than SMs, and a
+    # long ring of key tiles.
+    (2, 4, 2, 200, 517, 256),
+    (2, 3, 3, 129, 257, 160),
+    (1, 2, 1, 1, 1000, 192),
+    (2, 40, 8, 300, 300, 256),
+    (1, 1, 1, 4096, 4096, 256),
 ]
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
 MODES = ["full", "causal", "causal_lower_right"]
@@ -174,16 +182,17 @@ def kernel_names(fn):
     return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypatch):
-    """On sm_90 the forward and the backward launch the sm90 kernels; FLASHATTN_EXT_KERNELS=sm80
-    selects the mma.sync kernels, and both agree to rounding."""
+    """On sm_90 the forward and the backward launch the sm90 kernels (head dim 256: the forward
+    only); FLASHATTN_EXT_KERNELS=sm80 selects the mma.sync kernels, and both agree to rounding."""
     q, k, v = random_inputs((1, 4, 4, 512, 512, head_dim), torch.bfloat16, seed=2)
     q.requires_grad_()
     run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     names = kernel_names(lambda: run().sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
+    assert hopper_backward == (head_dim <= 128), names
     monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
     names_sm80 = kernel_names(lambda: run().sum().backward())
     assert not any("sm90" in n for n in names_sm80) and any("sm80" in n for n in names_sm80), names_sm80
@@ -194,13 +203,15 @@ def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypat
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim): the forward's 176-key tiles with a narrow
 # last one (112 and 48 keys), 128-key tiles (causal), three consumers (head dim 64), GQA, more
-# tiles than SMs, the backward's 128-query tiles (head dim 64), a padded head dim.
+# tiles than SMs, the backward's 128-query tiles (head dim 64), a padded head dim, head dim 256's
+# 80-key tiles (a forward only: its backward is the mma.sync kernels').
 DROPOUT_SHAPES = [
     (1, 4, 2, 333, 2048, 128),
     (1, 2, 1, 64, 4096, 128),
     (2, 4, 2, 200, 517, 64),
     (2, 24, 8, 520, 520, 128),
     (1, 2, 2, 300, 300, 112),
+    (1, 4, 2, 300, 700, 256),
 ]
 
 
@@ -216,7 +227,8 @@ def test_dropout_matches_reference_built_from_its_mask(shape, mode):
     names = kernel_names(
         lambda: flashattn_ext.scaled_dot_product_attention(*leaves, dropout_p=0.2, **kwargs).sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
+    assert hopper_backward == (dim <= 128), names
     _, keep = check_against_mask_reference(q, k, v, 0.2, seed=11, **kwargs)
     assert 0.75 < keep.float().mean().item() < 0.85
 
@@ -360,17 +372,18 @@ def test_forward_with_attn_mask_and_causal(lower_right):
 
 @pytest.mark.parametrize(
     "case",
-    ["mask_rows_unaligned", "mask_with_dropout", "head_dim_256", "negative_scale", "stride_zero_batch"],
+    ["mask_rows_unaligned", "mask_with_dropout", "mask_head_dim_256", "negative_scale", "stride_zero_batch"],
 )
 def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
-    q, k, v = random_inputs((2, 2, 2, 200, 300, 256 if case == "head_dim_256" else 64), torch.bfloat16, seed=3)
+    q, k, v = random_inputs((2, 2, 2, 200, 300, 256 if case == "mask_head_dim_256" else 64), torch.bfloat16, seed=3)
     kwargs = {}
     if case == "mask_rows_unaligned":  # rows of 300 bools: not whole 16-byte pieces
         kwargs["attn_mask"] = torch.rand(200, 300, device="cuda") > 0.2
-    if case == "mask_with_dropout":
+    if case in ("mask_with_dropout", "mask_head_dim_256"):  # rows of 304 bools: whole 16-byte pieces
         kwargs["attn_mask"] = torch.rand(200, 304, device="cuda") > 0.2
         k, v = torch.cat([k, k[:, :, :4]], dim=2), torch.cat([v, v[:, :, :4]], dim=2)
+    if case == "mask_with_dropout":
         names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.1, **kwargs))
         assert not any("sm90" in n for n in names), names
         return  # what dropout drops is checked against its mask in test_dropout

@@ -1,6 +1,7 @@
 // The Hopper forward's entry point: which calls it covers, and the kernel's
-// instantiations without an attn_mask (flash_fwd_sm90.cuh has the kernel;
-// flash_fwd_sm90_masked.cu the instantiations with a mask).
+// instantiations without an attn_mask at head dims up to 128
+// (flash_fwd_sm90.cuh has the kernel; flash_fwd_sm90_masked.cu the
+// instantiations with a mask, flash_fwd_sm90_hdim256.cu those of head dim 256).
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
@@ -8,7 +9,9 @@ namespace flashattn_ext::cuda::sm90 {
 bool forward_covers(const FwdParams& params) {
   const AttentionProblem& p = params.problem;
   const bool masked = params.mask_kind != MaskKind::kNone;
-  return !(masked && params.dropout.p > 0.0) && p.scale > 0.0 && p.head_dim == p.head_dim_v && p.head_dim <= 128 &&
+  // Head dims up to 256, up to 128 with a mask (no room for its tiles at 256).
+  return !(masked && params.dropout.p > 0.0) && p.scale > 0.0 && p.head_dim == p.head_dim_v &&
+         p.head_dim <= (masked ? 128 : 256) &&
          p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;
 }
 
@@ -16,6 +19,7 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   if (params.tile_counter == nullptr || !forward_covers(params)) return false;
   if (params.mask_kind != MaskKind::kNone) return forward_kernel::launch_masked_forward(params, type, stream);
   const AttentionProblem& p = params.problem;
+  if (p.head_dim > 128) return forward_kernel::launch_hdim256_forward(params, type, stream);
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);

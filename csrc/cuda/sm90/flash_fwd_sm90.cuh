@@ -23,9 +23,11 @@
 // tile comes with K (one row of it where the mask repeats over queries, such
 // as a key-padding mask), and each consumer applies it to its scores as soon
 // as they are in. With dropout, the probabilities are dropped after the rows'
-// sums and before P V. At head dim 128 the output leaves through shared memory and the copy engine: the consumers round it into the K
-// buffer of the tile's last stage, which the producer refills only once the
-// copy engine has read it (out_free). The log-sum-exp is written from registers.
+// sums and before P V. At head dim 128 the output leaves through shared
+// memory and the copy engine: the consumers round it into the K buffer of the
+// tile's last stage, which the producer refills only once the copy engine has
+// read it (out_free); at 64 and 256 each thread stores its registers. The
+// log-sum-exp is written from registers.
 #include <algorithm>
 #include <cmath>
 
@@ -663,6 +665,9 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
 // The masked instantiations' dispatch (flash_fwd_sm90_masked.cu): a call
 // with an attn_mask and without dropout that forward_covers.
 bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+// Head dim 256's dispatch (flash_fwd_sm90_hdim256.cu): a call of head dim
+// 129 to 256 without an attn_mask that forward_covers.
+bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace forward_kernel
 }  // namespace flashattn_ext::cuda::sm90

@@ -41,9 +41,11 @@ struct MaskTile {
 // the consumers' turn barrier, the row max and the rescale of O, spread over
 // more keys), else 128 (causal: the masked diagonal tiles stay narrow; an
 // attn_mask: its tile stages beside K and V, and 128 keys are whole 128-byte
-// rows of its shared-memory layout).
+// rows of its shared-memory layout). At head dim 256, 80: two stages of K and
+// V beside Q then fill shared memory, and the output (128 registers a thread)
+// leaves room for 40 score registers only.
 constexpr int fwd_block_n(int head_dim, bool causal, bool masked) {
-  return head_dim > 64 && !causal && !masked ? 176 : 128;
+  return head_dim > 128 ? 80 : head_dim > 64 && !causal && !masked ? 176 : 128;
 }
 
 // The forward: one producer warpgroup loads Q once and streams K and V tiles
@@ -53,7 +55,7 @@ constexpr int fwd_block_n(int head_dim, bool causal, bool masked) {
 // inputs' dtype), 0 without one.
 template <int kHeadDim_, int kBlockN_, int kMaskElemBytes_ = 0>
 struct FwdTileConfig {
-  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128; smaller head dims read as zero-padded
+  static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256; smaller head dims read as zero-padded
   // Three consumers at head dim 64, where the softmax's exp2 costs as much as
   // the two GEMMs: with three taking turns, two hide the third's softmax.
   static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
@@ -85,14 +87,14 @@ struct FwdTileConfig {
   // scheduler's tile slots; the tiles 1024-byte aligned (the swizzle pattern
   // repeats every 1024 bytes), plus slack to align the base. Three stages
   // where they fit (not with 176-key tiles at head dim 128, nor with a mask
-  // at head dim 128).
+  // at head dim 128, nor at 256).
   static constexpr int kStageBytes = 2 * kKVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
   static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   // Whether a tile's output fits in one K buffer, through which the copy engine
-  // stores it (at head dim 128; at 64 the three consumers' rows do not, and
-  // each thread stores its registers).
+  // stores it (at head dim 128; at 64 and 256 it does not, and each thread
+  // stores its registers).
   static constexpr bool kOutThroughSmem = kBlockM * kHeadDim * 2 <= kKVBytes;
   static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");

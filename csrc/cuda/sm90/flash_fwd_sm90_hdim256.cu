@@ -1,0 +1,22 @@
+// The Hopper forward's instantiations at head dim 256 (head dims 129 to 256,
+// zero-padded), without an attn_mask: a translation unit of their own, so that
+// they compile in parallel with the rest.
+#include "cuda/sm90/flash_fwd_sm90.cuh"
+
+namespace flashattn_ext::cuda::sm90::forward_kernel {
+
+bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    dispatch_flag(params.problem.is_causal, [&](auto causal) {
+      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+        constexpr bool kCausal = decltype(causal)::value, kDropout = decltype(dropout)::value;
+        launched = launch_forward<Elem, 256, kCausal, kDropout, MaskKind::kNone>(params, stream);
+      });
+    });
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90::forward_kernel
