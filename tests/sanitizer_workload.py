@@ -36,6 +36,8 @@ CASES = [
     # The Hopper forward's last 176-key tile run narrow: over 48 keys of 48, and 112 keys of which 104 are real.
     (1, 2, 2, 65, 400, 128, "full"),
     (1, 2, 1, 130, 280, 96, "full"),
+    # Head dim 256's kernels: a padded head dim, ragged key tiles and blocks, two query heads a key head.
+    (1, 4, 2, 200, 333, 160, "causal_lower_right"),
 ]
 DTYPES = (torch.float16, torch.bfloat16)
 DROPOUT_CASES = (CASES[1], CASES[3], CASES[4])  # run again in bfloat16 with dropout_p = 0.3

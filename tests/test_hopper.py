@@ -50,13 +50,15 @@ SHAPES = [
     # The last 176-key tile of a non-causal row block runs its GEMMs over 48 or 112 keys where it holds
     # no more: 112 of 112 here (48 of 48 at 4096 keys above, masked ones at 384, 257 and 256 keys).
     (1, 4, 2, 333, 2048, 128),
-    # Head dim 256 (80-key tiles, two stages; its backward is the mma.sync kernels'): a ragged last
-    # key tile with GQA, head dims 160 and 192 padded to it, one query, more tiles than SMs, and a
-    # long ring of key tiles.
+    # Head dim 256 (the forward's 80-key tiles in two stages; the backward's 64-key blocks, both
+    # consumers on the same keys): a ragged last key tile with GQA, head dims 160 and 192 padded to
+    # it, one query, more tiles than SMs, a causal diagonal through ragged tiles, and a long ring of
+    # key tiles.
     (2, 4, 2, 200, 517, 256),
     (2, 3, 3, 129, 257, 160),
     (1, 2, 1, 1, 1000, 192),
     (2, 40, 8, 300, 300, 256),
+    (1, 2, 2, 1000, 1000, 256),
     (1, 1, 1, 4096, 4096, 256),
 ]
 SHAPE_IDS = ["x".join(map(str, s)) for s in SHAPES]
@@ -184,15 +186,14 @@ def kernel_names(fn):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypatch):
-    """On sm_90 the forward and the backward launch the sm90 kernels (head dim 256: the forward
-    only); FLASHATTN_EXT_KERNELS=sm80 selects the mma.sync kernels, and both agree to rounding."""
+    """On sm_90 the forward and the backward launch the sm90 kernels; FLASHATTN_EXT_KERNELS=sm80
+    selects the mma.sync kernels, and both agree to rounding."""
     q, k, v = random_inputs((1, 4, 4, 512, 512, head_dim), torch.bfloat16, seed=2)
     q.requires_grad_()
     run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     names = kernel_names(lambda: run().sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
-    assert hopper_backward == (head_dim <= 128), names
+    assert any("sm90" in n and "attention_backward" in n for n in names), names
     monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
     names_sm80 = kernel_names(lambda: run().sum().backward())
     assert not any("sm90" in n for n in names_sm80) and any("sm80" in n for n in names_sm80), names_sm80
@@ -204,7 +205,7 @@ def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypat
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim): the forward's 176-key tiles with a narrow
 # last one (112 and 48 keys), 128-key tiles (causal), three consumers (head dim 64), GQA, more
 # tiles than SMs, the backward's 128-query tiles (head dim 64), a padded head dim, head dim 256's
-# 80-key tiles (a forward only: its backward is the mma.sync kernels').
+# 80-key tiles (a forward only: with dropout its backward is the mma.sync kernels').
 DROPOUT_SHAPES = [
     (1, 4, 2, 333, 2048, 128),
     (1, 2, 1, 64, 4096, 128),

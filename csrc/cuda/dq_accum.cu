@@ -57,9 +57,7 @@ int64_t dq_accum_floats(const AttentionProblem& p) {
   int64_t floats = 0;
   dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    if constexpr (kHeadDim <= sm80::kMaxAtomicDqHeadDim) {
-      floats = p.batch * p.heads_q * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * kHeadDim;
-    }
+    floats = p.batch * p.heads_q * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * kHeadDim;
   });
   return floats;
 }

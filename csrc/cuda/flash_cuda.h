@@ -19,8 +19,8 @@ constexpr int kMaxHeadDim = 256;
 void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // Floats of the dq_accum workspace of the atomic-dQ backwards (its
-// layout: kDqAccumRowMultiple in flash_common.cuh), or 0 where the problem has
-// none (head dim above sm80::kMaxAtomicDqHeadDim).
+// layout: kDqAccumRowMultiple in flash_common.cuh). Which calls have one:
+// attention_backward_cuda (ops_cuda.cpp).
 int64_t dq_accum_floats(const AttentionProblem& p);
 
 // How a backward laid out dq_accum (flash_common.cuh): rows with permuted
@@ -51,9 +51,10 @@ void attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 constexpr int kMaxAtomicDqHeadDim = 128;
 
 // Computes delta, then dK, dV and dQ. With params.dq_accum set (see
-// dq_accum_floats), one pass over key blocks computes all three, dQ by
-// float32 atomics; else dK and dV come from one pass over key blocks and dQ
-// from a separate one over query blocks: deterministic, no float32 accumulator.
+// dq_accum_floats) and a head dim up to kMaxAtomicDqHeadDim, one pass over key
+// blocks computes all three, dQ by float32 atomics; else dK and dV come from
+// one pass over key blocks and dQ from a separate one over query blocks:
+// deterministic, no float32 accumulator.
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // The atomic-dQ pass, after delta and before convert_dq_accum (flash_bwd_atomic.cu).
@@ -77,10 +78,15 @@ bool forward_covers(const FwdParams& params);
 // params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
+// Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
+// (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no
+// mask gradient; above 128, no dropout.
+bool backward_covers(const BwdParams& params);
+
 // Runs the Hopper backward (delta, the kernel, convert_dq_accum) and returns
-// true where it covers the call: as the forward, with params.dq_accum set (the
-// atomic-dQ mode) and a head dim whose dq_accum layout is 64 or 128 wide (up to
-// 64, or 97 to 128). Else launches nothing and returns false.
+// true where it covers the call: backward_covers, params.dq_accum set (the
+// atomic-dQ mode), tensors the copy engine can address. Else launches nothing
+// and returns false.
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace sm90

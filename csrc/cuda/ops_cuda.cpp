@@ -160,15 +160,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
-  // dQ by float32 atomics (faster) unless the user asked for deterministic algorithms.
+  // dQ by float32 atomics (faster) unless the user asked for deterministic
+  // algorithms: the Hopper kernels' wherever they run, the sm80 kernels' up to
+  // head dim kMaxAtomicDqHeadDim.
+  const bool sm90 = use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
   at::Tensor dq_accum;
-  const int64_t dq_accum_floats = cuda::dq_accum_floats(params.problem);
-  if (!at::globalContext().deterministicAlgorithms() && dq_accum_floats > 0) {
-    dq_accum = at::empty({dq_accum_floats}, q.options().dtype(at::kFloat));  // the delta pass zeroes it
+  if (!at::globalContext().deterministicAlgorithms() &&
+      (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
+    // (The delta pass zeroes it.)
+    dq_accum = at::empty({cuda::dq_accum_floats(params.problem)}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!(use_sm90_kernels(q) && cuda::sm90::attention_backward(params, element_type(q), stream))) {
+  if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

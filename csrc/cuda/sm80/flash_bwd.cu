@@ -407,7 +407,7 @@ void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
 
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
   compute_delta(params, type, stream);
-  if (params.dq_accum != nullptr) {
+  if (params.dq_accum != nullptr && params.problem.head_dim <= kMaxAtomicDqHeadDim) {
     attention_backward_atomic_dq(params, type, stream);
     convert_dq_accum(params, type, DqAccumLayout::kRows, stream);
     return;

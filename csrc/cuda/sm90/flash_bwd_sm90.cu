@@ -26,30 +26,12 @@
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
 #include <cmath>
-#include <limits>
 
-#include "cuda/flash_common.cuh"
-#include "cuda/flash_cuda.h"
-#include "cuda/sm90/accumulators.cuh"
-#include "cuda/sm90/descriptors.cuh"
-#include "cuda/sm90/tile_config.h"
+#include "cuda/sm90/flash_bwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
+namespace backward_kernel {
 namespace {
-
-struct BwdKernelParams {
-  BwdParams call;
-  CUtensorMap q_map, k_map, v_map, dout_map, mask_map;
-  int order_chunks;  // causal: heaviest_first_position's chunks
-  MaskTileShape mask;
-};
-
-template <int kStages>
-struct BwdBarriers {
-  uint64_t kv_full;
-  uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
-  uint64_t q_empty[kStages], dout_empty[kStages];
-};
 
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -80,20 +62,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_buffer_of(Cfg::kConsumers, 0));
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
-  const int64_t n_blocks = ceil_div(p.len_k, kBlockN);
-  const int64_t group = p.heads_q / p.heads_kv;
-  const GridPosition position =
-      p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
-                                            static_cast<int>(p.heads_kv * p.batch), kp.order_chunks)
-                  : grid_position(blockIdx.x, n_blocks, p.heads_kv);
-  const int64_t n_block = position.block;  // causal: the first key blocks have the most queries
-  const int64_t h_kv = position.head, b = position.batch;
-  const int64_t col0 = n_block * kBlockN;
+  const BwdBlock block = backward_block<Cfg>(kp);
+  const int64_t h_kv = block.h_kv, b = block.b, col0 = block.col0, group = block.group, m_begin = block.m_begin;
+  const int m_count = block.m_count, tiles = block.tiles;
   const int64_t offset = causal_offset(p);
-  const int64_t m_blocks = ceil_div(p.len_q, kBlockM);
-  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockM;
-  const int m_count = static_cast<int>(m_blocks - m_begin);
-  const int tiles = static_cast<int>(group) * m_count;  // (query head of the group, query block) pairs
 
   // Named barriers (0 is __syncthreads). kDsReady: both consumers' dS^T of a
   // tile are in shared memory. Consumer c hands its dQ block buffer i to the dQ
@@ -120,16 +92,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Read from lane 0: the compiler then knows it is the same across the warp
   // and keeps what derives from it (the wgmma descriptors) in uniform registers.
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_init(&bars->kv_full, 1);
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&bars->q_full[s], 1 + kWarpSize);
-      ptx::mbarrier_init(&bars->dout_full[s], 1);
-      ptx::mbarrier_init(&bars->q_empty[s], Cfg::kConsumers * kWarpgroupThreads);
-      ptx::mbarrier_init(&bars->dout_empty[s], Cfg::kConsumers * kWarpgroupThreads);
-    }
-    ptx::fence_barrier_init();
-  }
+  if (threadIdx.x == 0) init_backward_barriers<Cfg>(bars);
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -174,57 +137,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (lane == 0) ptx::bulk_wait_group();
       return;
     }
-    const int batch = static_cast<int>(b), kv_head = static_cast<int>(h_kv), key_row = static_cast<int>(col0);
-    if (lane == 0) {
-      ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(s_k + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->kv_full, c * kSwizzleCols, key_row,
-                         kv_head, batch);
-        ptx::tma_load_4d(s_v + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->kv_full, c * kSwizzleCols, key_row,
-                         kv_head, batch);
-      }
-    }
-    if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
-    const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
-    int tile = 0;
-    for (int head = static_cast<int>(h_kv * group); head < (h_kv + 1) * group; ++head) {
-      const float* lse = static_cast<const float*>(params.lse) + (b * p.heads_q + head) * p.len_q;
-      const float* delta = static_cast<const float*>(params.delta) + (b * p.heads_q + head) * p.len_q;
-      for (int q_row = static_cast<int>(m_begin * kBlockM); q_row < p.len_q; q_row += kBlockM, ++tile) {
-        const int stage = tile % kStages;
-        const uint32_t parity = (tile / kStages) & 1;
-        ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
-        if (lane == 0) {
-          ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
-          for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
-                             c * kSwizzleCols, q_row, head, batch);
-          }
-          if constexpr (Cfg::Mask::kPresent) {
-            for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
-              ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
-                               &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
-                               kp.mask.rows_full ? q_row : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
-            }
-          }
-        }
-        // dO's stage is released before Q's: no wait here. Both copies are
-        // under way before the stats' plain loads.
-        if (lane == 0) {
-          ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
-          ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
-          for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
-                             &bars->dout_full[stage], c * kSwizzleCols, q_row, head, batch);
-          }
-        }
-        for (int i = lane; i < kBlockM; i += kWarpSize) {
-          s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
-          s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
-        }
-        ptx::mbarrier_arrive(&bars->q_full[stage]);
-      }
-    }
+    load_backward_tiles<Cfg>(kp, block, s_k, s_v, s_q, s_dout, s_mask, s_stats, bars, lane);
     return;
   }
 
@@ -504,82 +417,40 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::mbarrier_arrive(&bars->q_empty[stage]);
   }
 
-  // dK (times the scale) and dV (times dropout's 1 / (1 - p)) of this consumer's keys.
-  const float scale = static_cast<float>(p.scale);
   const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
-  Elem* dk_head = head_ptr<Elem>(params.dk, b, h_kv);
-  Elem* dv_head = head_ptr<Elem>(params.dv, b, h_kv);
-  // Columns past the head dim (padded to the kernel's) are not stored (as in the forward's output).
-  const int dim = static_cast<int>(p.head_dim);
-  const bool padded = dim < kHeadDim;
-  const int cols0 = (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int64_t key = col0 + key_row + half * 8;
-    if (key >= p.len_k) continue;
-    Elem* dk_row = dk_head + key * params.dk.stride_row + cols0;
-    Elem* dv_row = dv_head + key * params.dv.stride_row + cols0;
-#pragma unroll
-    for (int j = 0; j < kGradRegs / 4; ++j) {
-      if (padded && j * 8 + cols0 >= dim) continue;
-      *reinterpret_cast<uint32_t*>(dk_row + j * 8) =
-          ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + j * 8) =
-          ptx::pack2<Elem>(dv[4 * j + 2 * half] * dv_scale, dv[4 * j + 2 * half + 1] * dv_scale);
-    }
-  }
+  store_key_gradients<Elem>(params, block, key_row, 0, lane, dk, dv, dv_scale);
 #endif
 }
 
 template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
-  constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
-  using Cfg = BwdTileConfig<kHeadDim, kMaskElemBytes>;
-  const AttentionProblem& p = params.problem;
-  BwdKernelParams kp;
-  kp.call = params;
-  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
-  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
-  };
-  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.dout_map, params.dout, p.len_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
-    return false;
-  }
-  if (Cfg::Mask::kPresent && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
-    return false;
-  }
-  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;
-  if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
-  const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
-  compute_delta(params, type, stream);
-  auto kernel = attention_backward_kernel<Elem, Cfg, kDropout, kMask>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  // Q and dO of every query head of the group, streamed.
-  const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
-  kp.order_chunks = heaviest_first_chunks(p.heads_kv * p.batch, n_blocks, q_bytes_per_head, multiprocessor_count());
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
-  convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
-  return true;
+  using Cfg = BwdTileConfig<kHeadDim, mask_elem_bytes(kMask)>;
+  return launch_backward_kernel<Elem, Cfg>(params, attention_backward_kernel<Elem, Cfg, kDropout, kMask>, stream);
 }
 
 }  // namespace
+}  // namespace backward_kernel
+
+bool backward_covers(const BwdParams& params) {
+  const AttentionProblem& p = params.problem;
+  // Head dims 65 to 96 run the sm80 kernels (dq_accum's layout is that of the
+  // specialized head dim, dispatch_head_dim, and this kernel's are 64, 128 and
+  // 256). With an attn_mask: head dims 97 to 128 (at 64 the 128-query tiles
+  // leave no room for its tiles), no dropout, and no gradient of the mask;
+  // head dim 256 without dropout.
+  const bool head_dim_covered = p.head_dim <= 64 || p.head_dim > 96;
+  const bool masked = params.mask_kind != MaskKind::kNone;
+  return head_dim_covered && p.head_dim == p.head_dim_v && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
+         p.batch > 0 && !(masked && (p.head_dim <= 64 || p.head_dim > 128 || params.dropout.p > 0.0 ||
+                                     params.dmask.data != nullptr)) &&
+         !(p.head_dim > 128 && params.dropout.p > 0.0);
+}
 
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  if (params.dq_accum == nullptr || !backward_covers(params)) return false;
   const AttentionProblem& p = params.problem;
-  // What this kernel covers; the rest runs the sm80 kernels. dq_accum's layout
-  // is that of the specialized head dims 64 and 128 (dispatch_head_dim). With
-  // an attn_mask: head dims 97 to 128 (at 64 the 128-query tiles leave no room
-  // for its tiles), no dropout, and no gradient of the mask.
-  const bool head_dim_covered = p.head_dim <= 64 || (p.head_dim > 96 && p.head_dim <= 128);
-  const bool masked = params.mask_kind != MaskKind::kNone;
-  if (params.dq_accum == nullptr || !head_dim_covered || p.head_dim != p.head_dim_v || p.len_q == 0 ||
-      p.len_k == 0 || p.heads_q == 0 || p.batch == 0 ||
-      (masked && (p.head_dim <= 64 || params.dropout.p > 0.0 || params.dmask.data != nullptr))) {
-    return false;
-  }
+  if (p.head_dim > 128) return backward_kernel::launch_hdim256_backward(params, type, stream);
+  using backward_kernel::launch_backward;
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);

@@ -153,4 +153,42 @@ struct BwdTileConfig {
   static_assert(kDqRowBlocks * (kHeadDim / kDqAccumSliceCols) == kConsumers, "one dQ block a consumer");
 };
 
+// The backward at head dim 256, where a consumer cannot keep both dK and dV of
+// 64 keys in registers (256 a thread): one block per kBlockN = 64 keys, and both
+// consumers on the same keys, each with half of the columns of dK, dV and dQ.
+// Consumer 0 computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T;
+// they hand P^T and dS^T to each other through shared memory. dQ goes to
+// dq_accum by float32 atomics from registers (no room for its blocks).
+template <int kHeadDim_>
+struct BwdSplitTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockN = 64;  // keys per block
+  static constexpr int kBlockM = 64;  // queries per streamed tile
+  static constexpr int kGradCols = kHeadDim / kConsumers;  // a consumer's columns of dK, dV and dQ
+  static constexpr int kStages = 2;
+  static constexpr int kDsBuffers = 2;  // as in BwdTileConfig
+  using Mask = MaskTile<kBlockM, kBlockN, 0>;  // no attn_mask
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
+  // The P^T buffer and each dS^T buffer: kBlockN rows (keys) of kBlockM queries, one 64-column block.
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
+  static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  // K, V, the stages of Q and dO, P^T, the dS^T buffers, the stats, the barriers; slack to align the base.
+  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * 2 * kQBytes + (1 + kDsBuffers) * kDsBytes +
+                                    kStatsBytes + kBarrierBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+  static_assert(kBlockM == kSwizzleCols && kBlockM == kDqAccumRowMultiple, "a tile: one dS^T column block, one dq_accum tile");
+  static_assert(kGradCols % kDqAccumSliceCols == 0, "whole dq_accum slices a consumer");
+};
+
 }  // namespace flashattn_ext::cuda::sm90

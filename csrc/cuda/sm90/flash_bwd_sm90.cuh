@@ -1,0 +1,212 @@
+// What the Hopper backward kernels share (flash_bwd_sm90.cu: head dims up to
+// 128; flash_bwd_sm90_hdim256.cu: head dim 256): the kernel parameters, the
+// block's place in the grid, the producer's loads of K and V and of the
+// streamed Q and dO tiles, the final stores of dK and dV, and the launch.
+#pragma once
+
+#include <limits>
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/accumulators.cuh"
+#include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
+
+namespace flashattn_ext::cuda::sm90::backward_kernel {
+
+// What the kernels read: the call, and tensor maps of q, k, v, dout and the
+// attn_mask (a __grid_constant__ parameter: the copy engine reads the maps in place).
+struct BwdKernelParams {
+  BwdParams call;
+  CUtensorMap q_map, k_map, v_map, dout_map, mask_map;
+  int order_chunks;  // causal: heaviest_first_position's chunks
+  MaskTileShape mask;
+};
+
+template <int kStages>
+struct BwdBarriers {
+  uint64_t kv_full;
+  uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
+  uint64_t q_empty[kStages], dout_empty[kStages];
+};
+
+// A block's keys and the query tiles it streams: kBlockN keys from col0 of key
+// head h_kv of batch b; the query blocks from m_begin on (those that see any
+// of the keys) of each of the group's query heads: tiles of them in all.
+struct BwdBlock {
+  int64_t h_kv, b, col0, group, m_begin;
+  int m_count, tiles;
+};
+
+template <typename Cfg>
+__device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
+  const AttentionProblem& p = kp.call.problem;
+  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN);
+  const GridPosition position =
+      p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
+                                            static_cast<int>(p.heads_kv * p.batch), kp.order_chunks)
+                  : grid_position(blockIdx.x, n_blocks, p.heads_kv);
+  BwdBlock block;
+  block.h_kv = position.head;
+  block.b = position.batch;
+  block.col0 = position.block * Cfg::kBlockN;  // causal: the first key blocks have the most queries
+  block.group = p.heads_q / p.heads_kv;
+  block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
+  block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
+  block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
+  return block;
+}
+
+// By thread 0, before the block's first __syncthreads.
+template <typename Cfg>
+__device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>* bars) {
+  ptx::mbarrier_init(&bars->kv_full, 1);
+  for (int s = 0; s < Cfg::kStages; ++s) {
+    ptx::mbarrier_init(&bars->q_full[s], 1 + kWarpSize);
+    ptx::mbarrier_init(&bars->dout_full[s], 1);
+    ptx::mbarrier_init(&bars->q_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+    ptx::mbarrier_init(&bars->dout_empty[s], Cfg::kConsumers * kWarpgroupThreads);
+  }
+  ptx::fence_barrier_init();
+}
+
+// The producer's loader warp: its first lane drives the copy engine, loading
+// K and V once, then each query tile's Q (with its attn_mask tile) and dO into
+// the ring of stages; every lane stages lse and delta of the tile's queries
+// (plain loads: their rows are not 16-byte aligned for the copy engine).
+template <typename Cfg>
+__device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, const BwdBlock& block,
+                                                    unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
+                                                    unsigned char* s_dout, unsigned char* s_mask,
+                                                    float (*s_stats)[2][Cfg::kBlockM],
+                                                    BwdBarriers<Cfg::kStages>* bars, int lane) {
+  constexpr int kBlockM = Cfg::kBlockM, kStages = Cfg::kStages;
+  const BwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  const int batch = static_cast<int>(block.b), kv_head = static_cast<int>(block.h_kv);
+  const int key_row = static_cast<int>(block.col0);
+  if (lane == 0) {
+    ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
+    for (int c = 0; c < Cfg::kColBlocks; ++c) {
+      ptx::tma_load_4d(s_k + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->kv_full, c * kSwizzleCols, key_row,
+                       kv_head, batch);
+      ptx::tma_load_4d(s_v + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->kv_full, c * kSwizzleCols, key_row,
+                       kv_head, batch);
+    }
+  }
+  if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
+  const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
+  int tile = 0;
+  for (int head = static_cast<int>(block.h_kv * block.group); head < (block.h_kv + 1) * block.group; ++head) {
+    const float* lse = static_cast<const float*>(params.lse) + (block.b * p.heads_q + head) * p.len_q;
+    const float* delta = static_cast<const float*>(params.delta) + (block.b * p.heads_q + head) * p.len_q;
+    for (int q_row = static_cast<int>(block.m_begin * kBlockM); q_row < p.len_q; q_row += kBlockM, ++tile) {
+      const int stage = tile % kStages;
+      const uint32_t parity = (tile / kStages) & 1;
+      ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
+      if (lane == 0) {
+        ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
+                           c * kSwizzleCols, q_row, head, batch);
+        }
+        if constexpr (Cfg::Mask::kPresent) {
+          for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
+            ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
+                             &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
+                             kp.mask.rows_full ? q_row : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
+          }
+        }
+      }
+      // dO's stage is released before Q's: no wait here. Both copies are
+      // under way before the stats' plain loads.
+      if (lane == 0) {
+        ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
+                           &bars->dout_full[stage], c * kSwizzleCols, q_row, head, batch);
+        }
+      }
+      for (int i = lane; i < kBlockM; i += kWarpSize) {
+        s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
+        s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
+      }
+      ptx::mbarrier_arrive(&bars->q_full[stage]);
+    }
+  }
+}
+
+// Stores a consumer's dK (times the scale) and dV (times dropout's 1 / (1 -
+// p)): its rows key_row and key_row + 8 of the block, its accumulators'
+// columns from col0 of the head dim on. Columns past the head dim (padded to
+// the kernel's) are not stored (as in the forward's output).
+template <typename Elem, int kGradRegs>
+__device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int key_row,
+                                                    int col0, int lane, const float (&dk)[kGradRegs],
+                                                    const float (&dv)[kGradRegs], float dv_scale) {
+  const AttentionProblem& p = params.problem;
+  const float scale = static_cast<float>(p.scale);
+  Elem* dk_head = head_ptr<Elem>(params.dk, block.b, block.h_kv);
+  Elem* dv_head = head_ptr<Elem>(params.dv, block.b, block.h_kv);
+  const int dim = static_cast<int>(p.head_dim);
+  const bool padded = dim < col0 + 2 * kGradRegs;
+  const int cols0 = col0 + (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t key = block.col0 + key_row + half * 8;
+    if (key >= p.len_k) continue;
+    Elem* dk_row = dk_head + key * params.dk.stride_row + cols0;
+    Elem* dv_row = dv_head + key * params.dv.stride_row + cols0;
+#pragma unroll
+    for (int j = 0; j < kGradRegs / 4; ++j) {
+      if (padded && j * 8 + cols0 >= dim) continue;
+      *reinterpret_cast<uint32_t*>(dk_row + j * 8) =
+          ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv_row + j * 8) =
+          ptx::pack2<Elem>(dv[4 * j + 2 * half] * dv_scale, dv[4 * j + 2 * half + 1] * dv_scale);
+    }
+  }
+}
+
+// Builds the tensor maps, computes delta (zeroing dq_accum), launches the
+// kernel, one block per (kBlockN keys, key/value head, batch), then scales and
+// rounds dq_accum into dq. False where a tensor map cannot describe the
+// inputs (the call goes to the sm80 kernels).
+template <typename Elem, typename Cfg, typename Kernel>
+bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  BwdKernelParams kp;
+  kp.call = params;
+  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
+    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
+  };
+  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.dout_map, params.dout, p.len_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
+    return false;
+  }
+  if (Cfg::Mask::kPresent &&
+      !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, Cfg::Mask::kElemBytes, p, Cfg::kBlockM)) {
+    return false;
+  }
+  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;
+  if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
+  const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
+  compute_delta(params, type, stream);
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  // Q and dO of every query head of the group, streamed.
+  const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
+  kp.order_chunks = heaviest_first_chunks(p.heads_kv * p.batch, n_blocks, q_bytes_per_head, multiprocessor_count());
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+  convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
+  return true;
+}
+
+// Head dim 256's dispatch (flash_bwd_sm90_hdim256.cu): a call of head dim 129
+// to 256 that backward_covers.
+bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+}  // namespace flashattn_ext::cuda::sm90::backward_kernel

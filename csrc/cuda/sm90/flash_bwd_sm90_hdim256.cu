@@ -1,0 +1,288 @@
+// The Hopper backward at head dim 256 (head dims 129 to 256, zero-padded;
+// sm_90a), with dQ accumulated in float32: one thread block per (block of 64
+// keys, key/value head, batch). The producer warp streams Q and dO tiles as in
+// the backward of smaller head dims (flash_bwd_sm90.cuh). A consumer cannot
+// keep both dK and dV of 64 keys in registers here (256 a thread), so both
+// consumer warpgroups work on the block's 64 keys, each keeping half of the
+// columns of dK and dV, and split a tile's work (BwdSplitTileConfig):
+//   consumer 0: S^T = K Q^T, P^T = exp(S^T * scale - lse); P^T to shared memory
+//   consumer 1: dP^T = V dO^T; reads P^T; dS^T = P^T * (dP^T - delta), to
+//               shared memory; consumer 0 reads it
+//   both:       dV += P^T dO and dK += dS^T Q over their columns (the A
+//               operand from registers), then dQ = dS K over their columns
+//               in two 64-column slices, each added to dq_accum by atomics
+// A last kernel scales and rounds dq_accum into dq (convert_dq_accum, layout
+// DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first.
+#include <cmath>
+
+#include "cuda/sm90/flash_bwd_sm90.cuh"
+
+namespace flashattn_ext::cuda::sm90::backward_kernel {
+namespace {
+
+template <typename Elem, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kScoreRegs = kBlockM / 2;         // a thread's share of 64 keys x kBlockM queries
+  constexpr int kGradRegs = Cfg::kGradCols / 2;   // and of its 64 x kGradCols dK or dV
+  constexpr int kDqRegs = kDqAccumSliceCols / 2;  // and of a 64 x 64 slice of dQ
+  constexpr int kSteps = kBlockM / 16;            // k16 steps of P^T and dS^T as A operands
+  const BwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = swizzle_aligned(smem_raw);
+  unsigned char* s_k = smem;
+  unsigned char* s_v = s_k + Cfg::kKVBytes;
+  unsigned char* s_q = s_v + Cfg::kKVBytes;
+  unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
+  unsigned char* s_pt = s_dout + kStages * Cfg::kQBytes;
+  unsigned char* s_ds = s_pt + Cfg::kDsBytes;
+  // Per stage: lse (in log2 units) and delta of the tile's queries.
+  auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
+  auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
+
+  const BwdBlock block = backward_block<Cfg>(kp);
+  const int64_t col0 = block.col0;
+  const int64_t offset = causal_offset(p);
+
+  // Named barriers (0 is __syncthreads), both consumers: kPtReady, consumer 0
+  // has stored the tile's P^T; kDsReady, consumer 1 its dS^T.
+  constexpr int kPtReady = 1, kDsReady = 2;
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
+
+  // Read from lane 0: the compiler then knows it is the same across the warp
+  // and keeps what derives from it (the wgmma descriptors) in uniform registers.
+  const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
+  if (threadIdx.x == 0) init_backward_barriers<Cfg>(bars);
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+    const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+    if (warp == 0 && block.tiles > 0) {
+      load_backward_tiles<Cfg>(kp, block, s_k, s_v, s_q, s_dout, nullptr, s_stats, bars, lane);
+    }
+    return;
+  }
+
+  // Consumers.
+  ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int consumer = warpgroup - 1;
+  const int tid = threadIdx.x % kWarpgroupThreads;
+  const int lane = tid % kWarpSize;
+  const int key_row = (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
+  const int grad_col0 = consumer * Cfg::kGradCols;       // this consumer's columns of dK, dV and dQ
+  // Whether this thread holds key 0's dS (flash_common.cuh: exactly 0 for rows that see key 0 alone).
+  const bool holds_first_key = col0 + key_row == 0;
+
+  const uint32_t k_addr = ptx::smem_addr(s_k), q_addr = ptx::smem_addr(s_q), dout_addr = ptx::smem_addr(s_dout);
+  // wgmma descriptors at their first k16 step; a stage, a buffer and a step
+  // move them by constant offsets. The score GEMM (K-major): consumer 0's K
+  // and Q, consumer 1's V and dO. N-major: this consumer's columns of stage
+  // 0's Q and dO as the B of dK += dS^T Q and dV += P^T dO (a step: 16 rows of
+  // queries), and of K as the B of dQ = dS K (a step: 16 keys).
+  const uint64_t keys_desc = k_major_desc(consumer == 0 ? k_addr : ptx::smem_addr(s_v));
+  const uint64_t queries_desc = k_major_desc(consumer == 0 ? q_addr : dout_addr);
+  const int grad_col_block_bytes = grad_col0 / kSwizzleCols * Cfg::kQColBlockBytes;
+  const uint64_t q_rows_desc = n_major_desc(q_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
+  const uint64_t dout_rows_desc = n_major_desc(dout_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
+  const uint64_t k_dq_desc =
+      n_major_desc(k_addr + grad_col0 / kSwizzleCols * Cfg::kKVColBlockBytes, Cfg::kKVColBlockBytes);
+  // dS as dQ's A operand: the dS^T buffer read transposed (M-major).
+  const uint64_t ds_dq_desc = n_major_desc(ptx::smem_addr(s_ds), Cfg::kDsColBlockBytes);
+
+  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+
+  // P^T and dS^T in shared memory: rows of kBlockM queries (128 bytes) a key,
+  // 128-byte swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)) as the
+  // copy engine writes tiles, so that dQ's wgmma reads dS^T as it lies.
+  // Register r of a fragment's step kk: rows +0 / +8 (r % 2), chunk 2 kk + r / 2.
+  auto store_tile = [&](unsigned char* tile, const uint32_t(&frag)[kSteps][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
+        *reinterpret_cast<uint32_t*>(tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4) =
+            frag[kk][r];
+      }
+    }
+  };
+  // The same tile read back as A fragments (ldmatrix: lane group m = lane / 8
+  // addresses matrix m, rows +8 (m % 2), chunk + m / 2).
+  auto load_tile = [&](const unsigned char* tile, uint32_t(&frag)[kSteps][4]) {
+    const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
+    const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      ptx::ldmatrix_x4(frag[kk], row_addr + (((2 * kk + m / 2) ^ (row % 8)) * 16));
+    }
+  };
+
+  // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO columns (rows_desc: stage 0's), issued.
+  auto accumulate_gradient = [&](float(&grad)[kGradRegs], uint32_t(&a)[kSteps][4], uint64_t rows_desc,
+                                 uint32_t stage_offset) {
+    const uint64_t stage_desc = desc_advance(rows_desc, stage_offset);
+    fence_registers(a);
+    fence_registers(grad);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kSteps; ++kk) {
+      ptx::wgmma_rs<Elem, Cfg::kGradCols, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
+    }
+    ptx::wgmma_commit();
+  };
+
+  float dk[kGradRegs], dv[kGradRegs];
+#pragma unroll
+  for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
+
+  if (block.tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
+  const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+
+  // tile % m_count and the tile's query head, h_kv * group + tile / m_count, counted rather than divided.
+  int m_index = 0;
+  int64_t head = block.h_kv * block.group;
+  for (int tile = 0; tile < block.tiles; ++tile) {
+    const int stage = tile % kStages;
+    const uint32_t parity = (tile / kStages) & 1;
+    const uint32_t stage_offset = stage * Cfg::kQBytes;
+    const int64_t row0 = (block.m_begin + m_index) * kBlockM, bh = block.b * p.heads_q + head;
+    if (++m_index == block.m_count) {
+      m_index = 0;
+      ++head;
+    }
+    // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
+    const float(&lse_q)[kBlockM] = s_stats[stage][0];
+    const float(&delta_q)[kBlockM] = s_stats[stage][1];
+    auto query_of = [&](int i) { return accumulator_column(i, lane); };
+
+    // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T (64 keys x kBlockM queries).
+    float s[kScoreRegs];
+    ptx::mbarrier_wait(&bars->q_full[stage], parity);
+    ptx::mbarrier_wait(&bars->dout_full[stage], parity);
+    fence_registers(s);
+    const uint64_t queries_stage_desc = desc_advance(queries_desc, stage_offset);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      ptx::wgmma_ss<Elem, kBlockM>(s, desc_advance(keys_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)),
+                                   desc_advance(queries_stage_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
+                                   kk > 0);
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    fence_registers(s);
+
+    uint32_t p_frag[kSteps][4], ds_frag[kSteps][4];
+    unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
+    if (consumer == 0) {
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)). lse_log2 is +inf
+      // for rows past the end and rows that see no key, so their P is 0. Only
+      // tiles on the causal diagonal or at the end of the keys hide pairs;
+      // there, in 32-bit tile coordinates, key >= key_end is past the end and
+      // key - query > diagonal above the causal diagonal.
+      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+      const bool crosses_end = col0 + kBlockN > p.len_k;
+      if (crosses_diagonal || crosses_end) {
+        const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
+        const int diagonal =
+            crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) {
+          const int key = key_row + accumulator_row_offset(i), query = query_of(i);
+          s[i] = key >= key_end || key - query > diagonal ? 0.f : ptx::exp2_approx(s[i] * scale_log2 - lse_q[query]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) s[i] = ptx::exp2_approx(s[i] * scale_log2 - lse_q[query_of(i)]);
+      }
+      // P^T to consumer 1. Its last reader, consumer 1's load of tile t - 1's,
+      // came before that consumer's arrival at tile t - 1's kDsReady.
+      to_fragments<Elem>(s, p_frag);
+      store_tile(s_pt, p_frag);
+      ptx::named_barrier_arrive(kPtReady, kConsumerThreads);
+      accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
+      ptx::named_barrier_sync(kDsReady, kConsumerThreads);
+      load_tile(ds_tile, ds_frag);
+    } else {
+      // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
+      ptx::named_barrier_sync(kPtReady, kConsumerThreads);
+      load_tile(s_pt, p_frag);
+#pragma unroll
+      for (int i = 0; i < kScoreRegs; ++i) s[i] = from_fragments<Elem>(p_frag, i) * (s[i] - delta_q[query_of(i)]);
+      if (col0 == 0) {  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
+        const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
+#pragma unroll
+        for (int i = 0; i < kScoreRegs; ++i) {
+          // The holder's key 0 scores are its registers at row offset 0.
+          if (accumulator_row_offset(i) == 0) s[i] = holds_first_key && alone.holds(query_of(i)) ? 0.f : s[i];
+        }
+      }
+      // dS^T to its buffer (read by both consumers' dQ wgmma: the async
+      // proxy). Its last readers, tile t - 2's dQ of both consumers and
+      // consumer 0's load, were done before consumer 0 reached tile t - 1's kDsReady.
+      to_fragments<Elem>(s, ds_frag);
+      store_tile(ds_tile, ds_frag);
+      ptx::fence_proxy_async();
+      accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
+      ptx::named_barrier_sync(kDsReady, kConsumerThreads);
+    }
+
+    // dK += dS^T Q, then the two slices of this consumer's dQ columns = dS K
+    // over the block's keys, each added to the tile's dq_accum slice (one
+    // float4 a thread and register quad: dq_accum's layout).
+    accumulate_gradient(dk, ds_frag, q_rows_desc, stage_offset);
+    const uint64_t ds_tile_desc = desc_advance(ds_dq_desc, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
+    float* dq_tile = params.dq_accum + (bh * padded_len_q + row0) * kHeadDim;
+#pragma unroll
+    for (int slice = 0; slice < Cfg::kGradCols / kDqAccumSliceCols; ++slice) {
+      float dq[kDqRegs];
+      fence_registers(dq);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(
+            dq, desc_advance(ds_tile_desc, n_major_step_bytes(kk)),
+            desc_advance(k_dq_desc, slice * Cfg::kKVColBlockBytes + n_major_step_bytes(kk)), kk > 0);
+      }
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      fence_registers(dq);
+      if (slice == 0) {  // dV and dK are done (wgmma groups complete in order): Q's and dO's stages are free
+        fence_registers(dv);
+        fence_registers(dk);
+        fence_registers(p_frag);
+        fence_registers(ds_frag);
+        ptx::mbarrier_arrive(&bars->dout_empty[stage]);
+        ptx::mbarrier_arrive(&bars->q_empty[stage]);
+      }
+      float* dq_slice = dq_tile + (grad_col0 / kDqAccumSliceCols + slice) * kDqAccumRowMultiple * kDqAccumSliceCols;
+#pragma unroll
+      for (int j = 0; j < kDqRegs / 4; ++j) {
+        ptx::red_add_v4_f32(dq_slice + (j * kWarpgroupThreads + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                            dq[4 * j + 3]);
+      }
+    }
+  }
+
+  store_key_gradients<Elem>(params, block, key_row, grad_col0, lane, dk, dv, 1.f);
+#endif
+}
+
+}  // namespace
+
+bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  using Cfg = BwdSplitTileConfig<256>;
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    launched = launch_backward_kernel<Elem, Cfg>(params, attention_backward_split_kernel<Elem, Cfg>, stream);
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90::backward_kernel
