@@ -205,9 +205,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       to_fragments<Elem>(s, p_frag);
       store_tile(s_pt, p_frag);
       ptx::named_barrier_arrive(kPtReady, kConsumerThreads);
-      accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
-      ptx::named_barrier_sync(kDsReady, kConsumerThreads);
-      load_tile(ds_tile, ds_frag);
     } else {
       // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
       ptx::named_barrier_sync(kPtReady, kConsumerThreads);
@@ -228,9 +225,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       to_fragments<Elem>(s, ds_frag);
       store_tile(ds_tile, ds_frag);
       ptx::fence_proxy_async();
-      accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
-      ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     }
+    // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
+    // (One bar.sync instruction for both consumers: bar.sync is .aligned, which
+    // asks that every thread waiting at a barrier run the same instruction.)
+    accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
+    ptx::named_barrier_sync(kDsReady, kConsumerThreads);
+    if (consumer == 0) load_tile(ds_tile, ds_frag);
 
     // dK += dS^T Q, then the two slices of this consumer's dQ columns = dS K
     // over the block's keys, each added to the tile's dq_accum slice (one
