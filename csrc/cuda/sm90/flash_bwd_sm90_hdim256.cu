@@ -49,7 +49,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int64_t offset = causal_offset(p);
 
   // Named barriers (0 is __syncthreads), both consumers: kPtReady, consumer 0
-  // has stored the tile's P^T; kDsReady, consumer 1 its dS^T.
+  // has stored the tile's P^T (and consumer 1 computed its dP^T); kDsReady,
+  // consumer 1 its dS^T.
   constexpr int kPtReady = 1, kDsReady = 2;
   constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;
 
@@ -204,10 +205,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
       store_tile(s_pt, p_frag);
-      ptx::named_barrier_arrive(kPtReady, kConsumerThreads);
-    } else {
+    }
+    // (Each barrier is one bar.sync instruction for both consumers: bar.sync
+    // is .aligned, which asks that every thread waiting at a barrier run the
+    // same instruction.)
+    ptx::named_barrier_sync(kPtReady, kConsumerThreads);
+    if (consumer == 1) {
       // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
-      ptx::named_barrier_sync(kPtReady, kConsumerThreads);
       load_tile(s_pt, p_frag);
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) s[i] = from_fragments<Elem>(p_frag, i) * (s[i] - delta_q[query_of(i)]);
@@ -227,8 +231,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_proxy_async();
     }
     // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
-    // (One bar.sync instruction for both consumers: bar.sync is .aligned, which
-    // asks that every thread waiting at a barrier run the same instruction.)
     accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     if (consumer == 0) load_tile(ds_tile, ds_frag);
