@@ -275,30 +275,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     ptx::wgmma_commit();
 
-    // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)). lse_log2 is +inf for
-    // rows past the end and rows that see no key, so their P is 0. Only tiles
-    // on the causal diagonal or at the end of the keys hide pairs; there, in
-    // 32-bit tile coordinates, key >= key_end is past the end and key - query >
-    // diagonal above the causal diagonal.
+    // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), after the attn_mask.
     ptx::wgmma_wait<1>();
     fence_registers(st);
     if constexpr (Cfg::Mask::kPresent) apply_attn_mask(st, stage);
-    const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-    const bool crosses_end = col0 + kBlockN > p.len_k;
-    if (crosses_diagonal || crosses_end) {
-      const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
-      const int diagonal =
-          crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
-#pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) {
-        const int key = key_row + accumulator_row_offset(i), query = query_of(i);
-        st[i] = key >= key_end || key - query > diagonal ? 0.f
-                                                         : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) st[i] = ptx::exp2_approx(st[i] * score_scale - lse_q[query_of(i)]);
-    }
+    transposed_probabilities<kBlockN>(st, p, col0, row0, offset, key_row, lane, lse_q, score_scale);
     // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
     // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept
     // ones: both are made once dP^T is in. dV takes P^T where kept, and is
@@ -317,25 +298,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
     to_fragments<Elem>(st, p_frag);
 
-    // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO (rows_desc: stage 0's), issued.
-    auto accumulate_gradient = [&](float (&grad)[kGradRegs], uint32_t (&a)[kBlockM / 16][4], uint64_t rows_desc) {
-      const uint64_t stage_desc = desc_advance(rows_desc, stage_offset);
-      fence_registers(a);
-      fence_registers(grad);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        ptx::wgmma_rs<Elem, kHeadDim, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
-      }
-      ptx::wgmma_commit();
-    };
-
     // dV += P^T dO.
     if constexpr (!kDropout) {
       ptx::wgmma_wait<0>();
       fence_registers(dpt);
     }
-    accumulate_gradient(dv, p_frag, dout_rows_desc);
+    accumulate_key_gradient<Elem>(dv, p_frag, dout_rows_desc, stage_offset);
 
     // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer
     // (rows of kBlockM queries in blocks of 64 columns, 128-byte swizzled like
@@ -351,27 +319,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
       }
     }
-    if (col0 == 0) {  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
-      const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
-#pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) {
-        // The holder's key 0 scores are its registers at row offset 0.
-        if (accumulator_row_offset(i) == 0) dpt[i] = holds_first_key && alone.holds(query_of(i)) ? 0.f : dpt[i];
-      }
-    }
+    zero_first_key_alone<kBlockM>(dpt, p, col0, row0, offset, holds_first_key, lane);
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
-    unsigned char* ds_tile = s_ds + ds_buffer * Cfg::kDsBytes;
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        // Register r of a fragment: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
-        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;  // chunk: 8 queries
-        *reinterpret_cast<uint32_t*>(ds_tile + (chunk / 8) * Cfg::kDsColBlockBytes + row * kSwizzleRowBytes +
-                                     (((chunk % 8) ^ (row % 8)) * 16) + (lane % 4) * 4) = ds_frag[kk][r];
-      }
-    }
+    store_transposed_tile<Cfg::kDsColBlockBytes>(s_ds + ds_buffer * Cfg::kDsBytes, ds_frag, key_row, lane);
     ptx::fence_proxy_async();
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
 
@@ -389,7 +340,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_commit();
 
     // dK += dS^T Q.
-    accumulate_gradient(dk, ds_frag, q_rows_desc);
+    accumulate_key_gradient<Elem>(dk, ds_frag, q_rows_desc, stage_offset);
 
     // dV and dQ are done: dO's stage is free, and the dQ block goes to a
     // buffer (in dq_accum's layout: one float4 a thread and register quad,

@@ -137,6 +137,86 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   }
 }
 
+// A consumer's 64 keys x kBlockM queries of a tile's scores S^T become P^T =
+// exp2(S^T * score_scale - lse) (lse_q: the tile's queries' lse in log2
+// units, +inf for rows past the end and rows that see no key, whose P is then
+// 0). Only tiles on the causal diagonal or at the end of the keys hide pairs;
+// there, in 32-bit tile coordinates, key >= key_end is past the end and key -
+// query > diagonal above the causal diagonal. key_row: the thread's first key
+// in the block (the other is key_row + 8); its queries are its accumulator's
+// columns.
+template <int kBlockN, int kBlockM, int kRegs>
+__device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], const AttentionProblem& p, int64_t col0,
+                                                         int64_t row0, int64_t offset, int key_row, int lane,
+                                                         const float (&lse_q)[kBlockM], float score_scale) {
+  const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+  const bool crosses_end = col0 + kBlockN > p.len_k;
+  if (crosses_diagonal || crosses_end) {
+    const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
+    const int diagonal =
+        crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) {
+      const int key = key_row + accumulator_row_offset(i), query = accumulator_column(i, lane);
+      st[i] = key >= key_end || key - query > diagonal ? 0.f : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kRegs; ++i) st[i] = ptx::exp2_approx(st[i] * score_scale - lse_q[accumulator_column(i, lane)]);
+  }
+}
+
+// In the first key block (col0 == 0), zeroes the dS^T of key 0 for the
+// tile's queries that see key 0 alone, exactly 0 there (flash_common.cuh):
+// the holder's key 0 scores are its registers at row offset 0.
+template <int kBlockM, int kRegs>
+__device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const AttentionProblem& p, int64_t col0,
+                                                     int64_t row0, int64_t offset, bool holds_first_key, int lane) {
+  if (col0 != 0) return;  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
+  const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    if (accumulator_row_offset(i) != 0) continue;
+    dst[i] = holds_first_key && alone.holds(accumulator_column(i, lane)) ? 0.f : dst[i];
+  }
+}
+
+// Stores a consumer's 64 keys x (16 kSteps) queries of A fragments (P^T or
+// dS^T) into a tile of rows of queries, a key a row, in blocks of 64 columns
+// (kColBlockBytes apart), 128-byte swizzled like the tiles the copy engine
+// writes (16-byte chunk c of row r at chunk c ^ (r % 8)), so that wgmma reads
+// it as it lies. Register r of step kk: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
+template <int kColBlockBytes, int kSteps>
+__device__ __forceinline__ void store_transposed_tile(unsigned char* tile, const uint32_t (&frag)[kSteps][4],
+                                                      int key_row, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;  // chunk: 8 queries
+      *reinterpret_cast<uint32_t*>(tile + (chunk / 8) * kColBlockBytes + row * kSwizzleRowBytes +
+                                   (((chunk % 8) ^ (row % 8)) * 16) + (lane % 4) * 4) = frag[kk][r];
+    }
+  }
+}
+
+// grad (64 keys x N columns) += A (a 64 x 16 kSteps fragment of P^T or dS^T)
+// times the stage's rows of dO or Q (rows_desc: N-major, stage 0's; a step: 16
+// rows), issued as one wgmma group (not waited for).
+template <typename Elem, int kRegs, int kSteps>
+__device__ __forceinline__ void accumulate_key_gradient(float (&grad)[kRegs], uint32_t (&a)[kSteps][4],
+                                                        uint64_t rows_desc, uint32_t stage_offset) {
+  const uint64_t stage_desc = desc_advance(rows_desc, stage_offset);
+  fence_registers(a);
+  fence_registers(grad);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    ptx::wgmma_rs<Elem, 2 * kRegs, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
+  }
+  ptx::wgmma_commit();
+}
+
 // Stores a consumer's dK (times the scale) and dV (times dropout's 1 / (1 -
 // p)): its rows key_row and key_row + 8 of the block, its accumulators'
 // columns from col0 of the head dim on. Columns past the head dim (padded to

@@ -97,23 +97,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
-  // P^T and dS^T in shared memory: rows of kBlockM queries (128 bytes) a key,
-  // 128-byte swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)) as the
-  // copy engine writes tiles, so that dQ's wgmma reads dS^T as it lies.
-  // Register r of a fragment's step kk: rows +0 / +8 (r % 2), chunk 2 kk + r / 2.
-  auto store_tile = [&](unsigned char* tile, const uint32_t(&frag)[kSteps][4]) {
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;
-        *reinterpret_cast<uint32_t*>(tile + row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16) + (lane % 4) * 4) =
-            frag[kk][r];
-      }
-    }
-  };
-  // The same tile read back as A fragments (ldmatrix: lane group m = lane / 8
-  // addresses matrix m, rows +8 (m % 2), chunk + m / 2).
+  // P^T and dS^T lie in shared memory as store_transposed_tile writes them:
+  // rows of kBlockM queries (128 bytes) a key, 128-byte swizzled, so that
+  // dQ's wgmma reads dS^T as it lies. load_tile reads one back as A fragments
+  // (ldmatrix: lane group m = lane / 8 addresses matrix m, rows +8 (m % 2),
+  // chunk + m / 2).
   auto load_tile = [&](const unsigned char* tile, uint32_t(&frag)[kSteps][4]) {
     const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
     const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
@@ -121,20 +109,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     for (int kk = 0; kk < kSteps; ++kk) {
       ptx::ldmatrix_x4(frag[kk], row_addr + (((2 * kk + m / 2) ^ (row % 8)) * 16));
     }
-  };
-
-  // grad += A (a 64 x kBlockM fragment) times the stage's Q or dO columns (rows_desc: stage 0's), issued.
-  auto accumulate_gradient = [&](float(&grad)[kGradRegs], uint32_t(&a)[kSteps][4], uint64_t rows_desc,
-                                 uint32_t stage_offset) {
-    const uint64_t stage_desc = desc_advance(rows_desc, stage_offset);
-    fence_registers(a);
-    fence_registers(grad);
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-      ptx::wgmma_rs<Elem, Cfg::kGradCols, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
-    }
-    ptx::wgmma_commit();
   };
 
   float dk[kGradRegs], dv[kGradRegs];
@@ -181,30 +155,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     uint32_t p_frag[kSteps][4], ds_frag[kSteps][4];
     unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
     if (consumer == 0) {
-      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)). lse_log2 is +inf
-      // for rows past the end and rows that see no key, so their P is 0. Only
-      // tiles on the causal diagonal or at the end of the keys hide pairs;
-      // there, in 32-bit tile coordinates, key >= key_end is past the end and
-      // key - query > diagonal above the causal diagonal.
-      const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
-      const bool crosses_end = col0 + kBlockN > p.len_k;
-      if (crosses_diagonal || crosses_end) {
-        const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
-        const int diagonal =
-            crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
-#pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) {
-          const int key = key_row + accumulator_row_offset(i), query = query_of(i);
-          s[i] = key >= key_end || key - query > diagonal ? 0.f : ptx::exp2_approx(s[i] * scale_log2 - lse_q[query]);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) s[i] = ptx::exp2_approx(s[i] * scale_log2 - lse_q[query_of(i)]);
-      }
+      // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)).
+      transposed_probabilities<kBlockN>(s, p, col0, row0, offset, key_row, lane, lse_q, scale_log2);
       // P^T to consumer 1. Its last reader, consumer 1's load of tile t - 1's,
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
-      store_tile(s_pt, p_frag);
+      store_transposed_tile<Cfg::kDsColBlockBytes>(s_pt, p_frag, key_row, lane);
     }
     // (Each barrier is one bar.sync instruction for both consumers: bar.sync
     // is .aligned, which asks that every thread waiting at a barrier run the
@@ -215,30 +171,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       load_tile(s_pt, p_frag);
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) s[i] = from_fragments<Elem>(p_frag, i) * (s[i] - delta_q[query_of(i)]);
-      if (col0 == 0) {  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
-        const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
-#pragma unroll
-        for (int i = 0; i < kScoreRegs; ++i) {
-          // The holder's key 0 scores are its registers at row offset 0.
-          if (accumulator_row_offset(i) == 0) s[i] = holds_first_key && alone.holds(query_of(i)) ? 0.f : s[i];
-        }
-      }
+      zero_first_key_alone<kBlockM>(s, p, col0, row0, offset, holds_first_key, lane);
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
       // proxy). Its last readers, tile t - 2's dQ of both consumers and
       // consumer 0's load, were done before consumer 0 reached tile t - 1's kDsReady.
       to_fragments<Elem>(s, ds_frag);
-      store_tile(ds_tile, ds_frag);
+      store_transposed_tile<Cfg::kDsColBlockBytes>(ds_tile, ds_frag, key_row, lane);
       ptx::fence_proxy_async();
     }
     // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
-    accumulate_gradient(dv, p_frag, dout_rows_desc, stage_offset);
+    accumulate_key_gradient<Elem>(dv, p_frag, dout_rows_desc, stage_offset);
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     if (consumer == 0) load_tile(ds_tile, ds_frag);
 
     // dK += dS^T Q, then the two slices of this consumer's dQ columns = dS K
     // over the block's keys, each added to the tile's dq_accum slice (one
     // float4 a thread and register quad: dq_accum's layout).
-    accumulate_gradient(dk, ds_frag, q_rows_desc, stage_offset);
+    accumulate_key_gradient<Elem>(dk, ds_frag, q_rows_desc, stage_offset);
     const uint64_t ds_tile_desc = desc_advance(ds_dq_desc, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
     float* dq_tile = params.dq_accum + (bh * padded_len_q + row0) * kHeadDim;
 #pragma unroll

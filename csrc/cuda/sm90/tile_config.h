@@ -187,7 +187,8 @@ struct BwdSplitTileConfig {
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * 2 * kQBytes + (1 + kDsBuffers) * kDsBytes +
                                     kStatsBytes + kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-  static_assert(kBlockM == kSwizzleCols && kBlockM == kDqAccumRowMultiple, "a tile: one dS^T column block, one dq_accum tile");
+  static_assert(kBlockM == kSwizzleCols && kBlockM == kDqAccumRowMultiple,
+                "a tile: one dS^T column block, one dq_accum tile");
   static_assert(kGradCols % kDqAccumSliceCols == 0, "whole dq_accum slices a consumer");
 };
 
