@@ -45,7 +45,8 @@ SHAPES = [
     # among tiles whose output is still being stored from shared memory.
     (2, 40, 40, 600, 100, 96),
     # Causal calls take tiles heaviest first in chunks of (batch, head) pairs: here 602 pairs of
-    # 2-block heads, in chunks of unequal sizes (three, of 201, 201 and 200 pairs, on 132 SMs).
+    # 2-block heads, in chunks of unequal sizes (on 132 SMs, the forward's three of 201, 201 and
+    # 200 pairs, the backward's ten of 61 or 60).
     (2, 301, 301, 256, 256, 128),
     # The last 176-key tile of a non-causal row block runs its GEMMs over 48 or 112 keys where it holds
     # no more: 112 of 112 here (48 of 48 at 4096 keys above, masked ones at 384, 257 and 256 keys).

@@ -277,9 +277,7 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   compute_delta(params, type, stream);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  // Q and dO of every query head of the group, streamed.
-  const int64_t q_bytes_per_head = p.heads_q / p.heads_kv * p.len_q * p.head_dim * 2 * int64_t{sizeof(Elem)};
-  kp.order_chunks = heaviest_first_chunks(p.heads_kv * p.batch, n_blocks, q_bytes_per_head, multiprocessor_count());
+  kp.order_chunks = one_wave_chunks(p.heads_kv * p.batch, n_blocks, multiprocessor_count());
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
   convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
   return true;
