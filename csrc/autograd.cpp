@@ -81,10 +81,14 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
         {q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     ctx->mark_non_differentiable({lse, rng_state});
+    // lse and rng_state get no gradient: without this the engine would fill
+    // a tensor of zeros for each, every backward.
+    ctx->set_materialize_grads(false);
     return {out, lse, rng_state};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(12);  // no gradient reached out: none for the inputs
     const variable_list saved = ctx->get_saved_variables();
     const Tensor& q = saved[0];
     const Tensor& k = saved[1];

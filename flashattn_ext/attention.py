@@ -165,9 +165,9 @@ def attention_with_lse(
     flat_batch = math.prod(batch)
     len_q, len_k, head_dim, head_dim_v = q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1]
 
-    q = q.expand(*batch, heads_q, len_q, head_dim).reshape(flat_batch, heads_q, len_q, head_dim)
-    k = k.expand(*batch, heads_kv, len_k, head_dim).reshape(flat_batch, heads_kv, len_k, head_dim)
-    v = v.expand(*batch, heads_kv, len_k, head_dim_v).reshape(flat_batch, heads_kv, len_k, head_dim_v)
+    q = _flattened(q, batch, heads_q, len_q, head_dim)
+    k = _flattened(k, batch, heads_kv, len_k, head_dim)
+    v = _flattened(v, batch, heads_kv, len_k, head_dim_v)
     if attn_mask is not None:
         # Broadcast to (*batch, heads, L, S) as a stride-0 view: the kernels read it in place.
         try:
@@ -188,7 +188,9 @@ def attention_with_lse(
         window_left, window_right, softcap_value(softcap), slopes,
     )
 
-    # SDPA's output has the broadcast rank of its inputs.
+    # SDPA's output has the broadcast rank of its inputs (the op's own shape where that is 4-d).
+    if len(batch) == 1 and max(query.dim(), key.dim(), value.dim()) == 4:
+        return out, lse
     lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
     return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
 
@@ -247,7 +249,19 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
 
 
+def _flattened(t: Tensor, batch: Tuple[int, ...], heads: int, length: int, dim: int) -> Tensor:
+    """t broadcast to (*batch, heads, length, dim) and flattened to (prod(batch), heads, length, dim): t
+    itself where it has that shape (an expand or reshape would add a view, and its autograd node, to every
+    call)."""
+    shape = (math.prod(batch), heads, length, dim)
+    if t.shape == shape:
+        return t
+    return t.expand(*batch, heads, length, dim).reshape(shape)
+
+
 def _broadcast(what: str, *shapes) -> torch.Size:
+    if all(shape == shapes[0] for shape in shapes):
+        return torch.Size(shapes[0])
     try:
         return torch.broadcast_shapes(*shapes)
     except RuntimeError:

@@ -321,6 +321,24 @@ def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, dev
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("enable_gqa", [False, True])
+@pytest.mark.parametrize("device", DEVICES)
+def test_four_dim_inputs_reach_the_op_as_they_are(enable_gqa, device):
+    """(B, H, L, E) inputs, the usual call, go to the op without views of them: each would add an
+    autograd node to every forward and backward (host time that small calls notice); the gradients
+    still match SDPA's."""
+    heads_kv = 2 if enable_gqa else 4
+    q, k, v = random_qkv((2, 4, 5, 8), (2, heads_kv, 6, 8), (2, heads_kv, 6, 8), torch.float64, device)
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    assert "FlashAttentionFunction" in out.grad_fn.name()
+    assert [type(fn).__name__ for fn, _ in out.grad_fn.next_functions[:3]] == ["AccumulateGrad"] * 3
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    want_grads = torch.autograd.grad(want, (q, k, v), torch.ones_like(want))
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_explicit_scale_and_partial_requires_grad(device):
     q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, device)

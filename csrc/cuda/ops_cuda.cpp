@@ -129,8 +129,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
-  const at::Tensor tile_counter = sm90 ? at::zeros({1}, q.options().dtype(at::kInt)) : at::Tensor();
-  if (sm90) params.tile_counter = tile_counter.data_ptr<int>();
+  const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
+  if (sm90) {
+    params.tile_counter = tile_counter.data_ptr<int>();
+    // (A memset: at::zeros would dispatch a fill kernel, several times the host time.)
+    C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
+  }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
     cuda::sm80::attention_forward(params, element_type(q), stream);
   }
