@@ -188,11 +188,9 @@ def attention_with_lse(
         window_left, window_right, softcap_value(softcap), slopes,
     )
 
-    # SDPA's output has the broadcast rank of its inputs (the op's own shape where that is 4-d).
-    if len(batch) == 1 and max(query.dim(), key.dim(), value.dim()) == 4:
-        return out, lse
+    # SDPA's output has the broadcast rank of its inputs.
     lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
-    return out.reshape(*lead, len_q, head_dim_v), lse.reshape(*lead, len_q)
+    return _reshaped(out, (*lead, len_q, head_dim_v)), _reshaped(lse, (*lead, len_q))
 
 
 def window_bounds(window) -> Tuple[int, int]:
@@ -254,9 +252,12 @@ def _flattened(t: Tensor, batch: Tuple[int, ...], heads: int, length: int, dim: 
     itself where it has that shape (an expand or reshape would add a view, and its autograd node, to every
     call)."""
     shape = (math.prod(batch), heads, length, dim)
-    if t.shape == shape:
-        return t
-    return t.expand(*batch, heads, length, dim).reshape(shape)
+    return t if t.shape == shape else t.expand(*batch, heads, length, dim).reshape(shape)
+
+
+def _reshaped(t: Tensor, shape: Tuple[int, ...]) -> Tensor:
+    """t in shape: t itself where it has it (as _flattened)."""
+    return t if t.shape == shape else t.reshape(shape)
 
 
 def _broadcast(what: str, *shapes) -> torch.Size:
