@@ -83,6 +83,34 @@ __device__ __forceinline__ void scale_rows(float (&acc)[kRegs], const float (&fa
   for (int i = 0; i < kRegs; ++i) acc[i] *= factor[(i / 2) % 2];
 }
 
+// The max of each of a thread's two rows of a score tile (registers 4 j +
+// 2 half and 4 j + 2 half + 1), over four independent chains of fmaxf each.
+template <int kRegs>
+__device__ __forceinline__ void rows_max(const float (&s)[kRegs], float (&row_max)[2]) {
+  static_assert(kRegs % 8 == 0, "two 4-register tiles a chain to start from");
+  float chain[2][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) chain[half][c] = s[4 * (c / 2) + 2 * half + c % 2];
+  }
+#pragma unroll
+  for (int j = 2; j < kRegs / 4; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& c = chain[half][(j % 2) * 2 + e];
+        c = fmaxf(c, s[4 * j + 2 * half + e]);
+      }
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    row_max[half] = fmaxf(fmaxf(chain[half][0], chain[half][1]), fmaxf(chain[half][2], chain[half][3]));
+  }
+}
+
 // S = Q K^T over keys [kBegin, kEnd) of a tile, into those keys' registers of
 // s (a narrower accumulator's layout is a prefix of the wider one's).
 template <typename Elem, typename Cfg, int kBegin, int kEnd, int kRegs>
@@ -397,31 +425,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // and returns each row's rescale factor for the output so far.
     auto softmax = [&](auto& s, float (&rescale)[2]) {
       constexpr int kRegs = sizeof(s) / sizeof(float);  // kBlockN / 2, less in a narrow tile
+      // Both rows' maxima come first, each from independent chains: the
+      // compiler keeps the order of fmaxf and of float adds as written, and one
+      // chain through a row's kRegs / 2 scores is latency the exps wait for.
+      float tile_max[2];
+      rows_max(s, tile_max);
+#pragma unroll
+      for (int lanes = 1; lanes <= 2; lanes *= 2) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          tile_max[half] = fmaxf(tile_max[half], __shfl_xor_sync(0xffffffff, tile_max[half], lanes));
+        }
+      }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < kRegs / 4; ++j) {
-          tile_max = fmaxf(tile_max, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-        }
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-        const float new_max = fmaxf(row_max[half], tile_max * softmax_scale);
+        const float new_max = fmaxf(row_max[half], tile_max[half] * softmax_scale);
         // A row with nothing visible yet keeps max -inf; subtract 0 instead so
         // that exp2(-inf - max) stays 0 rather than NaN.
         const float max_used = new_max == -INFINITY ? 0.f : new_max;
         rescale[half] = ptx::exp2_approx(row_max[half] - max_used);
         row_max[half] = new_max;
-        float tile_sum = 0.f;
+        float tile_sum[2] = {0.f, 0.f};  // two chains, as above
 #pragma unroll
         for (int j = 0; j < kRegs / 4; ++j) {
 #pragma unroll
           for (int e = 2 * half; e < 2 * half + 2; ++e) {
             s[4 * j + e] = ptx::exp2_approx(fmaf(s[4 * j + e], softmax_scale, -max_used));
-            tile_sum += s[4 * j + e];
+            tile_sum[j % 2] += s[4 * j + e];
           }
         }
-        row_sum[half] = row_sum[half] * rescale[half] + tile_sum;  // this thread's part of the row
+        row_sum[half] = row_sum[half] * rescale[half] + (tile_sum[0] + tile_sum[1]);  // this thread's part of the row
       }
     };
 
