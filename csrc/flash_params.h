@@ -81,12 +81,17 @@ struct FwdParams {
 // dq_accum (CUDA only), when set, is a float32 workspace (its size from
 // cuda::dq_accum_floats) that the delta pass zero-fills: the dK/dV pass then
 // adds dQ into it with atomics instead of a separate, deterministic dQ pass.
+// It holds the dQ rows of dq_accum_pairs (batch, key/value head) pairs,
+// flattened as batch * heads_kv + kv head, from dq_accum_pair0 on: all of
+// them, except in the Hopper backward above head dim 128, which runs in
+// chunks of pairs over a smaller workspace (cuda::sm90::backward_chunk_pairs).
 struct BwdParams {
   AttentionProblem problem;
   TensorView4d q, k, v, out, dout, dq, dk, dv;
   const void* lse = nullptr;
   void* delta = nullptr;
   float* dq_accum = nullptr;
+  int64_t dq_accum_pair0 = 0, dq_accum_pairs = 0;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask, dmask;
   DropoutParams dropout;  // the forward's, with the same rng_state

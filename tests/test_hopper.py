@@ -152,7 +152,20 @@ def expanded(fn):
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[3] * s[4] <= 1000 * 1000], ids=lambda s: "x".join(map(str, s)))
 def test_backward_matches_float64(shape, mode, dtype):
     """dq, dk, dv within twice SDPA's own error of float64 (the atomic-dQ backward, the default)."""
-    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 1)
+    check_backward(shape, mode, dtype, seed=hash(shape) % 1000 + 1)
+
+
+@pytest.mark.parametrize("mode", ["full", "causal_lower_right"])
+def test_backward_at_head_dim_256_in_chunks_of_heads(mode):
+    """Above head dim 128 the backward takes the (batch, key/value head) pairs a chunk at a time, over a
+    float32 dQ workspace for one chunk: here, with 264 key blocks a pair, on 132 SMs, three chunks of two
+    of the six pairs (the second spans both batch elements), each through the workspace the one before
+    left."""
+    check_backward((2, 6, 3, 1024, 16896, 256), mode, torch.bfloat16, seed=11)
+
+
+def check_backward(shape, mode, dtype, seed):
+    q, k, v = random_inputs(shape, dtype, seed=seed)
     gen = torch.Generator().manual_seed(7)
     grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda")
     poison_cuda_allocator(POISON_BYTES)

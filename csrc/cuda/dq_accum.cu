@@ -56,7 +56,9 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
   }
   __syncthreads();
   const int64_t tiles_per_head = ceil_div(p.len_q, kDqAccumRowMultiple);
-  const int64_t tile = blockIdx.x / kSlicesPerTile, head = tile / tiles_per_head;  // head: b * heads_q + h
+  // head: b * heads_q + h, from the first query head of the pairs dq_accum holds on
+  const int64_t tile = blockIdx.x / kSlicesPerTile;
+  const int64_t head = params.dq_accum_pair0 * (p.heads_q / p.heads_kv) + tile / tiles_per_head;
   const int64_t row0 = (tile % tiles_per_head) * kSliceRows;
   const int col0 = static_cast<int>(blockIdx.x % kSlicesPerTile) * kSliceCols;
   Elem* dq = head_ptr<Elem>(params.dq, head / p.heads_q, head % p.heads_q);
@@ -74,11 +76,12 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
 
 }  // namespace
 
-int64_t dq_accum_floats(const AttentionProblem& p) {
+int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs) {
   int64_t floats = 0;
   dispatch_head_dim(p.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    floats = p.batch * p.heads_q * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * kHeadDim;
+    const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 0;  // query heads a pair (a call may have none)
+    floats = pairs * group * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * kHeadDim;
   });
   return floats;
 }
@@ -94,7 +97,8 @@ void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout l
                       ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
                       params, stream);
       } else if constexpr (kHeadDim % kSliceCols == 0) {  // (the Hopper backward's head dims: 64, 128, 256)
-        launch_kernel(convert_dq_accum_tiles_kernel<Elem, kHeadDim>, dq_accum_floats(p) / (kSliceRows * kSliceCols),
+        launch_kernel(convert_dq_accum_tiles_kernel<Elem, kHeadDim>,
+                      dq_accum_floats(p, params.dq_accum_pairs) / (kSliceRows * kSliceCols),
                       kConvertThreads, 0, params, stream);
       }
     });

@@ -18,16 +18,18 @@ constexpr int kMaxHeadDim = 256;
 // params.dq_accum where set. Runs before the kernels that read either.
 void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Floats of the dq_accum workspace of the atomic-dQ backwards (its
-// layout: kDqAccumRowMultiple in flash_common.cuh). Which calls have one:
+// Floats of a dq_accum workspace of the atomic-dQ backwards that holds the dQ
+// rows of `pairs` (batch, key/value head) pairs (its layout:
+// kDqAccumRowMultiple in flash_common.cuh). Which calls have one:
 // attention_backward_cuda (ops_cuda.cpp).
-int64_t dq_accum_floats(const AttentionProblem& p);
+int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs);
 
 // How a backward laid out dq_accum (flash_common.cuh): rows with permuted
 // columns (the sm80 atomics) or, within each tile, wgmma's register order (sm90).
 enum class DqAccumLayout { kRows, kWgmmaTiles };
 
-// dq = dq_accum * scale, rounded to the element type.
+// dq = dq_accum * scale, rounded to the element type, for the pairs dq_accum
+// holds (the rows layout: all of them).
 void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream);
 
 // Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
@@ -83,10 +85,17 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 // mask gradient; above 128, no dropout.
 bool backward_covers(const BwdParams& params);
 
-// Runs the Hopper backward (delta, the kernel, convert_dq_accum) and returns
-// true where it covers the call: backward_covers, params.dq_accum set (the
-// atomic-dQ mode), tensors the copy engine can address. Else launches nothing
-// and returns false.
+// How many (batch, key/value head) pairs the Hopper backward takes at most at
+// a time, and so how many pairs' rows its dq_accum must hold: all of them up
+// to head dim 128. Above, where dq_accum would add half the memory that q, k,
+// v, out, dout and the gradients take, about a quarter of them.
+int64_t backward_chunk_pairs(const AttentionProblem& p);
+
+// Runs the Hopper backward (delta, then per chunk of pairs the kernel and
+// convert_dq_accum) and returns true where it covers the call:
+// backward_covers, params.dq_accum set (the atomic-dQ mode) for
+// backward_chunk_pairs pairs, tensors the copy engine can address. Else
+// launches nothing and returns false.
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace sm90

@@ -171,8 +171,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   at::Tensor dq_accum;
   if (!at::globalContext().deterministicAlgorithms() &&
       (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
-    // (The delta pass zeroes it.)
-    dq_accum = at::empty({cuda::dq_accum_floats(params.problem)}, q.options().dtype(at::kFloat));
+    // (The delta pass zeroes it.) The Hopper backward may take the (batch,
+    // key/value head) pairs a chunk at a time, over a workspace for one chunk.
+    const AttentionProblem& p = params.problem;
+    params.dq_accum_pairs = sm90 ? cuda::sm90::backward_chunk_pairs(p) : p.batch * p.heads_kv;
+    dq_accum = at::empty({cuda::dq_accum_floats(p, params.dq_accum_pairs)}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

@@ -406,14 +406,16 @@ void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
 }  // namespace
 
 void attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
   compute_delta(params, type, stream);
-  if (params.dq_accum != nullptr && params.problem.head_dim <= kMaxAtomicDqHeadDim) {
+  // (The atomic pass adds into the rows of every pair: a chunked workspace is the Hopper backward's.)
+  if (params.dq_accum != nullptr && p.head_dim <= kMaxAtomicDqHeadDim && params.dq_accum_pairs == p.batch * p.heads_kv) {
     attention_backward_atomic_dq(params, type, stream);
     convert_dq_accum(params, type, DqAccumLayout::kRows, stream);
     return;
   }
   dispatch_element_type(type, [&](auto elem) {
-    dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
+    dispatch_head_dim(p.head_dim, [&](auto head_dim) {
       two_pass_backward<decltype(elem), decltype(head_dim)::value>(params, stream);
     });
   });
@@ -433,7 +435,7 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
            t.stride_head % kVectorElems == 0 && t.stride_row % kVectorElems == 0;
   };
   const bool vectorized = p.head_dim % kVectorElems == 0 && aligned(params.out) && aligned(params.dout);
-  const int64_t zero_floats = params.dq_accum != nullptr ? dq_accum_floats(p) : 0;
+  const int64_t zero_floats = params.dq_accum != nullptr ? dq_accum_floats(p, params.dq_accum_pairs) : 0;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(vectorized, [&](auto vector) {
       sm80::attention_delta_kernel<decltype(elem), decltype(vector)::value>

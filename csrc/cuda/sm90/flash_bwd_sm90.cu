@@ -82,10 +82,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // nullptr where all of them are past len_q.
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
   auto dq_accum_block = [&](int t, int consumer) -> float* {
-    const int64_t h = h_kv * group + t / m_count;
     const int64_t row0 = (m_begin + t % m_count) * kBlockM + 64 * (consumer % Cfg::kDqRowBlocks);
     if (row0 >= p.len_q) return nullptr;
-    return params.dq_accum + ((b * p.heads_q + h) * padded_len_q + row0) * kHeadDim +
+    return block.dq_accum + ((t / m_count) * padded_len_q + row0) * kHeadDim +
            (consumer / Cfg::kDqRowBlocks) * kDqAccumRowMultiple * kDqAccumSliceCols;
   };
 
@@ -397,8 +396,27 @@ bool backward_covers(const BwdParams& params) {
          !(p.head_dim > 128 && params.dropout.p > 0.0);
 }
 
+int64_t backward_chunk_pairs(const AttentionProblem& p) {
+  const int64_t pairs = p.batch * p.heads_kv;
+  if (p.head_dim <= 128 || pairs <= 1) return pairs;
+  // A quarter of the pairs, but at least four waves of blocks: each chunk
+  // ends with SMs idle as its last blocks finish. Measured on the H100 (bf16,
+  // N 2048 to 16384) against one chunk: a quarter of the workspace for 0 to
+  // 3% of the time; eighths of at least two waves were 1 to 5% slower, and 25%
+  // at N = 8192 causal, whose last chunk of one pair was one wave of unequal
+  // blocks. The chunks then take pairs / chunks pairs each, the first few one
+  // more (launch_backward_kernel): no more than this many.
+  const int64_t blocks_per_pair = ceil_div(p.len_k, BwdSplitTileConfig<256>::kBlockN);
+  const int64_t for_waves = ceil_div(4 * int64_t{multiprocessor_count()}, blocks_per_pair);
+  const int64_t chunks = ceil_div(pairs, std::min(pairs, std::max(ceil_div(pairs, 4), for_waves)));
+  return ceil_div(pairs, chunks);
+}
+
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
-  if (params.dq_accum == nullptr || !backward_covers(params)) return false;
+  if (params.dq_accum == nullptr || params.dq_accum_pairs != backward_chunk_pairs(params.problem) ||
+      !backward_covers(params)) {
+    return false;
+  }
   const AttentionProblem& p = params.problem;
   if (p.head_dim > 128) return backward_kernel::launch_hdim256_backward(params, type, stream);
   using backward_kernel::launch_backward;

@@ -33,24 +33,33 @@ struct BwdBarriers {
 // A block's keys and the query tiles it streams: kBlockN keys from col0 of key
 // head h_kv of batch b; the query blocks from m_begin on (those that see any
 // of the keys) of each of the group's query heads: tiles of them in all.
+// dq_accum: where the dQ rows of the group's first query head start in
+// dq_accum (the next heads' follow).
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
   int m_count, tiles;
+  float* dq_accum;
 };
 
 template <typename Cfg>
 __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
-  const AttentionProblem& p = kp.call.problem;
+  const BwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN);
+  // The grid covers the (batch, key/value head) pairs whose rows dq_accum
+  // holds (a chunk of the call's, or all), numbered from dq_accum_pair0.
   const GridPosition position =
       p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
-                                            static_cast<int>(p.heads_kv * p.batch), kp.order_chunks)
+                                            static_cast<int>(params.dq_accum_pairs), kp.order_chunks)
                   : grid_position(blockIdx.x, n_blocks, p.heads_kv);
+  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head, pair = params.dq_accum_pair0 + pair_in_chunk;
   BwdBlock block;
-  block.h_kv = position.head;
-  block.b = position.batch;
+  block.h_kv = pair % p.heads_kv;
+  block.b = pair / p.heads_kv;
   block.col0 = position.block * Cfg::kBlockN;  // causal: the first key blocks have the most queries
   block.group = p.heads_q / p.heads_kv;
+  const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+  block.dq_accum = params.dq_accum + pair_in_chunk * block.group * padded_len_q * Cfg::kHeadDim;
   block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
   block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
@@ -249,10 +258,13 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& params, con
   }
 }
 
-// Builds the tensor maps, computes delta (zeroing dq_accum), launches the
-// kernel, one block per (kBlockN keys, key/value head, batch), then scales and
-// rounds dq_accum into dq. False where a tensor map cannot describe the
-// inputs (the call goes to the sm80 kernels).
+// Builds the tensor maps, computes delta (zeroing dq_accum), then, for each
+// chunk of (batch, key/value head) pairs (as many chunks as dq_accum's room
+// for params.dq_accum_pairs of them needs, of sizes that differ by one at
+// most), launches the kernel, one block per (kBlockN keys, key/value head,
+// batch), and scales and rounds dq_accum into dq (zeroing it again before the
+// next chunk). False where a tensor map cannot describe the inputs (the call
+// goes to the sm80 kernels).
 template <typename Elem, typename Cfg, typename Kernel>
 bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
@@ -272,14 +284,23 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
       !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, Cfg::Mask::kElemBytes, p, Cfg::kBlockM)) {
     return false;
   }
-  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), blocks = n_blocks * p.heads_kv * p.batch;
-  if (blocks > std::numeric_limits<int>::max()) return false;  // the grid's limit
+  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), pairs = p.heads_kv * p.batch;
+  if (n_blocks * params.dq_accum_pairs > std::numeric_limits<int>::max()) return false;  // the grid's limit
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   compute_delta(params, type, stream);
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  kp.order_chunks = one_wave_chunks(p.heads_kv * p.batch, n_blocks, multiprocessor_count());
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
-  convert_dq_accum(params, type, DqAccumLayout::kWgmmaTiles, stream);
+  const int sms = multiprocessor_count();
+  const int64_t chunks = ceil_div(pairs, params.dq_accum_pairs);
+  BwdParams& chunk = kp.call;
+  chunk.dq_accum_pair0 = chunk.dq_accum_pairs = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    chunk.dq_accum_pair0 += chunk.dq_accum_pairs;
+    chunk.dq_accum_pairs = pairs / chunks + (c < pairs % chunks);
+    if (c > 0) cudaMemsetAsync(chunk.dq_accum, 0, dq_accum_floats(p, chunk.dq_accum_pairs) * sizeof(float), stream);
+    kp.order_chunks = one_wave_chunks(chunk.dq_accum_pairs, n_blocks, sms);
+    kernel<<<static_cast<unsigned>(n_blocks * chunk.dq_accum_pairs), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+    convert_dq_accum(chunk, type, DqAccumLayout::kWgmmaTiles, stream);
+  }
   return true;
 }
 

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
     const uint32_t stage_offset = stage * Cfg::kQBytes;
-    const int64_t row0 = (block.m_begin + m_index) * kBlockM, bh = block.b * p.heads_q + head;
+    const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
     if (++m_index == block.m_count) {
       m_index = 0;
       ++head;
@@ -189,7 +189,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // float4 a thread and register quad: dq_accum's layout).
     accumulate_key_gradient<Elem>(dk, ds_frag, q_rows_desc, stage_offset);
     const uint64_t ds_tile_desc = desc_advance(ds_dq_desc, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
-    float* dq_tile = params.dq_accum + (bh * padded_len_q + row0) * kHeadDim;
+    float* dq_tile = block.dq_accum + (head_in_group * padded_len_q + row0) * kHeadDim;
 #pragma unroll
     for (int slice = 0; slice < Cfg::kGradCols / kDqAccumSliceCols; ++slice) {
       float dq[kDqRegs];
