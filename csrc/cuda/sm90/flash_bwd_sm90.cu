@@ -401,8 +401,8 @@ int64_t backward_chunk_pairs(const AttentionProblem& p) {
   if (p.head_dim <= 128 || pairs <= 1) return pairs;
   // A quarter of the pairs, but at least four waves of blocks: each chunk
   // ends with SMs idle as its last blocks finish. Measured on the H100 (bf16,
-  // N 2048 to 16384) against one chunk: a quarter of the workspace for 0 to
-  // 3% of the time; eighths of at least two waves were 1 to 5% slower, and 25%
+  // N 2048 to 16384) against one chunk: a quarter of the workspace for up to
+  // 3.3% of the time; eighths of at least two waves were 1 to 5% slower, and 25%
   // at N = 8192 causal, whose last chunk of one pair was one wave of unequal
   // blocks. The chunks then take pairs / chunks pairs each, the first few one
   // more (launch_backward_kernel): no more than this many.
