@@ -7,6 +7,8 @@ causal alignments, GQA, padded head dims, sequence-major strides), every output 
 (outputs land on memory poisoned with NaN), dropout with the mma.sync kernels' random numbers,
 attn_mask tiles staged beside K, and the calls they leave to the mma.sync kernels."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -127,6 +129,32 @@ def test_forward_matches_float64(shape, mode, dtype):
     visible = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse), visible)
     assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_forward_with_scores_climbing_along_the_keys(head_dim, mode, dtype):
+    """Scores that climb (or fall) along the keys, by up to 200 (log2 units) over a row and at a rate
+    that differs by row: the forward moves a row's running max only where a key tile's exceeds it by
+    more than a margin, and takes the exps against the stale one otherwise. Out and lse must come out
+    as with the exact max in every tile."""
+    batch, heads, n = 1, 2, 2048
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(batch, heads, n, head_dim, generator=gen) for _ in range(3))
+    direction = torch.randn(head_dim, generator=gen)
+    direction /= direction.norm()
+    # Row i's scores gain slope_i * key / n * climb along the keys (log2 units), slope_i from -1 to 1.
+    climb = 200 / (head_dim**-0.5 * math.log2(math.e))
+    q += (torch.linspace(-1, 1, n) * climb)[:, None] * direction
+    k += (torch.arange(n) / n)[:, None] * direction
+    q, k, v = (x.to("cuda", dtype) for x in (q, k, v))
+    out, lse = forward(q, k, v, mode)
+    want_out, want_lse = reference(q, k, v, mode)
+    assert torch.isfinite(out).all()
+    error = relative_error(out, want_out)
+    assert error <= 2 * sdpa_error(q, k, v, mode, want_out) + ERROR_FLOOR[dtype], error
+    assert (lse.double() - want_lse).abs().max().item() < 1e-3
 
 
 def gradients(fn, q, k, v, mode, grad_out):
