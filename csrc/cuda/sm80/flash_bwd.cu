@@ -409,7 +409,8 @@ void attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   const AttentionProblem& p = params.problem;
   compute_delta(params, type, stream);
   // (The atomic pass adds into the rows of every pair: a chunked workspace is the Hopper backward's.)
-  if (params.dq_accum != nullptr && p.head_dim <= kMaxAtomicDqHeadDim && params.dq_accum_pairs == p.batch * p.heads_kv) {
+  if (params.dq_accum != nullptr && p.head_dim <= kMaxAtomicDqHeadDim &&
+      params.dq_accum_pairs == p.batch * p.heads_kv) {
     attention_backward_atomic_dq(params, type, stream);
     convert_dq_accum(params, type, DqAccumLayout::kRows, stream);
     return;

@@ -52,7 +52,8 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
       p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
                                             static_cast<int>(params.dq_accum_pairs), kp.order_chunks)
                   : grid_position(blockIdx.x, n_blocks, p.heads_kv);
-  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head, pair = params.dq_accum_pair0 + pair_in_chunk;
+  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head;
+  const int64_t pair = params.dq_accum_pair0 + pair_in_chunk;
   BwdBlock block;
   block.h_kv = pair % p.heads_kv;
   block.b = pair / p.heads_kv;
