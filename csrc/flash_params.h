@@ -54,6 +54,20 @@ struct AttentionProblem {
 // kAdditive is added to the scaled scores (and has the inputs' dtype).
 enum class MaskKind : int { kNone, kBool, kAdditive };
 
+// What a mask that repeats over queries (a key-padding mask) does to each block
+// of keys: hides every key (the kernels skip the block), none (they run the
+// unmasked code on it), or some.
+enum class KeyBlockVisibility : uint8_t { kHidden = 0, kWhole = 1, kPartial = 2 };
+
+// The visibility of each block of kKeyBlockKeys keys (cuda/flash_cuda.h), for
+// each (batch, head) of the mask: blocks contiguous, a stride of 0 where the
+// mask repeats over batch or heads. No map (visibility null): every block
+// counts as partial.
+struct KeyBlockMap {
+  const uint8_t* visibility = nullptr;
+  int64_t stride_batch = 0, stride_head = 0;
+};
+
 // The forward pass reads q, k, v and writes out and the per-row log-sum-exp.
 // lse is contiguous (batch, heads_q, len_q), in the accumulation type
 // (float, or double for double inputs); fully masked rows get lse = -inf and out = 0.
@@ -69,6 +83,7 @@ struct FwdParams {
   void* lse = nullptr;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask;
+  KeyBlockMap key_blocks;  // (CUDA) set by cuda::classify_key_blocks where the mask repeats over queries
   DropoutParams dropout;
   int* tile_counter = nullptr;
 };

@@ -79,7 +79,8 @@ def run_copied_inputs(dtype):
 def run_masked(dtype):
     """Masks over ragged tiles with GQA: a broadcast bool key mask, a float mask that requires grad
     (rows of 129 of 136 elements, which the Hopper forward's copy engine reads), a bool (L, S) one
-    (rows of 129 bytes, which it does not), and per-head float masks at head dims 64 and 128."""
+    (rows of 129 bytes, which it does not), per-head float masks at head dims 64 and 128, and a
+    key-padding mask with key blocks of each kind."""
     q = torch.randn(1, 2, 65, 64, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, 1, 129, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     bool_mask = torch.rand(1, 1, 1, 129, device="cuda") > 0.3
@@ -93,6 +94,16 @@ def run_masked(dtype):
         head_mask = torch.randn(2, 2, 200, 200, device="cuda", dtype=dtype)
         if not torch.isfinite(flashattn_ext.scaled_dot_product_attention(q2, k2, v2, attn_mask=head_mask)).all():
             raise RuntimeError(f"out is not finite for the per-head mask at head dim {dim} in {dtype}")
+    # A key-padding mask whose 128-key blocks the Hopper forward skips (hidden), runs unmasked (whole)
+    # or masks, and a batch element that sees no key.
+    keep = torch.zeros(2, 1, 1, 640, dtype=torch.bool, device="cuda")
+    keep[0, ..., :128] = True
+    keep[0, ..., 256:384] = torch.rand(128, device="cuda") > 0.5
+    q3 = torch.randn(2, 4, 300, 128, device="cuda", dtype=dtype)
+    k3, v3 = (torch.randn(2, 2, 640, 128, device="cuda", dtype=dtype) for _ in range(2))
+    out3 = flashattn_ext.scaled_dot_product_attention(q3, k3, v3, attn_mask=keep, enable_gqa=True)
+    if not torch.isfinite(out3).all():
+        raise RuntimeError(f"out is not finite for the key-padding mask's blocks in {dtype}")
     torch.cuda.synchronize()
     for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dmask", float_mask_rows.grad)):
         if not torch.isfinite(t).all():

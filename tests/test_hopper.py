@@ -394,6 +394,66 @@ def test_backward_with_attn_mask_matches_float64(shape, case, dtype):
         assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
 
 
+def key_block_mask(kind, mask_shape, shape, dtype, seed):
+    """A mask that repeats over queries, shaped (B, H, 1, S), (B, 1, 1, S) or (1, 1, 1, S), whose
+    128-key blocks (the Hopper forward's key tiles) each hide every key, none, or some (drawn per
+    row of the mask); the first row hides every key where there are others. bool: True takes part;
+    float: -inf where hidden, 0 in the blocks that hide none, normal noise in the others."""
+    batch, heads_q, _, _, len_k, _ = shape
+    rows = {"batch_head": (batch, heads_q), "batch": (batch, 1), "shared": (1, 1)}[mask_shape]
+    gen = torch.Generator().manual_seed(seed)
+    blocks = -(-len_k // 128)
+    visibility = torch.randint(0, 3, (*rows, blocks), generator=gen)  # 0 hidden, 1 whole, 2 partial
+    if rows != (1, 1):
+        visibility[0, 0] = 0
+    per_key = visibility.repeat_interleave(128, dim=-1)[..., :len_k]
+    keep = (per_key == 1) | ((per_key == 2) & (torch.rand(per_key.shape, generator=gen) > 0.5))
+    keep = keep[:, :, None, :]
+    if kind == "bool":
+        return keep.cuda()
+    bias = torch.where(per_key[:, :, None, :] == 2, torch.randn(keep.shape, generator=gen), torch.zeros(keep.shape))
+    return bias.masked_fill(~keep, -float("inf")).to("cuda", dtype)
+
+
+# Head dims 128 and 64 (128- and 192-query tiles), GQA, a ragged last key block (key lengths whose
+# mask rows are whole 16-byte pieces, as the copy engine takes them).
+KEY_BLOCK_SHAPES = [(2, 4, 2, 300, 1008, 128), (3, 2, 1, 500, 1280, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", KEY_BLOCK_SHAPES, ids=["x".join(map(str, s)) for s in KEY_BLOCK_SHAPES])
+def test_forward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask_shape, causal, dtype):
+    """A mask that repeats over queries is classified by 128-key blocks before the forward, which
+    skips the blocks it hides and runs the unmasked code on those it hides none of: blocks of all
+    three kinds in any order, per (batch, head), batch, or shared by all, with the causal diagonal
+    through them (the op takes both), and a row of the mask that hides every key (out 0, lse -inf)."""
+    q, k, v = random_inputs(shape, dtype, seed=11)
+    mask = key_block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal)
+    gqa = shape[1] != shape[2]
+    mask_view = mask.expand(shape[0], shape[1], shape[3], shape[4])  # as the Python call passes it
+    call = lambda: torch.ops.flashattn_ext.attention_forward(q, k, v, mask_view, 0.0, causal, False,  # noqa: E731
+                                                             shape[5] ** -0.5)
+    names = kernel_names(call)
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("classify_key_blocks" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse, _ = call()
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=gqa,
+                                         attn_mask=mask if mask.dtype == torch.bool else mask.double())
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison) or overflowed"
+    assert relative_error(out, want_out) < 1e-2
+    visible = torch.isfinite(want_lse)
+    if mask_shape != "shared":
+        assert not visible[0, 0].any(), "the mask's first row hides every key"
+    assert torch.equal(torch.isfinite(lse), visible)
+    if visible.any():  # (a shared mask may hide all that the causal rows see)
+        assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+    assert (out[~visible] == 0).all()
+
+
 @pytest.mark.parametrize("lower_right", [False, True])
 def test_forward_with_attn_mask_and_causal(lower_right):
     """The op itself takes a mask together with is_causal (the Python call, as SDPA, refuses both):

@@ -130,10 +130,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
+  // A mask that repeats over queries: which of its key blocks the Hopper forward may skip or run unmasked.
+  const int64_t key_block_map_bytes = sm90 ? cuda::key_block_map_bytes(params) : 0;
+  const at::Tensor key_block_map =
+      key_block_map_bytes > 0 ? at::empty({key_block_map_bytes}, q.options().dtype(at::kByte)) : at::Tensor();
   if (sm90) {
     params.tile_counter = tile_counter.data_ptr<int>();
     // (A memset: at::zeros would dispatch a fill kernel, several times the host time.)
     C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
+  }
+  if (key_block_map_bytes > 0) {
+    cuda::classify_key_blocks(params, element_type(q), key_block_map.data_ptr<uint8_t>(), stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
     cuda::sm80::attention_forward(params, element_type(q), stream);

@@ -57,7 +57,8 @@ struct FwdKernelParams {
   bool heads_first;
 };
 
-// Where a tile of the forward lies, and how many key tiles its rows see;
+// Where a tile of the forward lies, and how many key tiles its consumers run
+// (those its rows see, less the blocks a key-padding mask hides);
 // n_blocks < 0: no tile is left. The producer works it out (integer divisions)
 // and hands it to the consumers.
 struct FwdTile {
@@ -73,6 +74,9 @@ struct FwdSharedState {
   uint64_t out_free[kStages];  // the copy engine has read the output in the stage's K buffer (one arrival a consumer)
   uint64_t tile_full[2], tile_empty[2];         // tile[slot] was written / read by every consumer thread
   FwdTile tile[2];  // the producer runs at most one tile ahead: two slots
+  // With an attn_mask: the key block whose K the stage holds, times 2, plus 1
+  // where the mask hides none of its keys (written before k_full's arrival).
+  int stage_block[kStages];
 };
 
 // Rescales (with the row's factor) and adds: the two rows of a thread are
@@ -175,6 +179,8 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
+  static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
+                "a key-block map's blocks are the key tiles (and the tiles' places their blocks: no dropout)");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
@@ -237,7 +243,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     uint32_t out_held = 0, out_waits = 0;
     for (int round = 0, kv = 0, q_round = 0;; ++round) {
       const int slot = round % 2;
-      const FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
+      FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
+      // The tile's key blocks; the consumers are handed those that the mask
+      // does not hide (a key-padding mask's map: the other blocks are skipped).
+      const int key_blocks = t.n_blocks;
+      const KeyBlockMap& key_map = params.key_blocks;
+      const uint8_t* visibility = nullptr;
+      if (Cfg::Mask::kPresent && key_map.visibility != nullptr && t.n_blocks > 0) {
+        visibility = key_map.visibility + t.batch * key_map.stride_batch + t.head * key_map.stride_head;
+        int shown = 0;
+#pragma unroll 8
+        for (int n_block = 0; n_block < key_blocks; ++n_block) {
+          shown += visibility[n_block] != static_cast<uint8_t>(KeyBlockVisibility::kHidden);
+        }
+        t.n_blocks = shown;
+      }
       ptx::mbarrier_wait(&shared->tile_empty[slot], ((round / 2) & 1) ^ 1);
       shared->tile[slot] = t;
       ptx::mbarrier_arrive(&shared->tile_full[slot]);
@@ -252,7 +272,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                            t.row0, head, batch);
         }
       }
-      for (int n_block = 0; n_block < t.n_blocks; ++n_block, ++kv) {
+      for (int n_block = 0; n_block < key_blocks; ++n_block) {
+        const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
+                                                : KeyBlockVisibility::kPartial;
+        if (seen == KeyBlockVisibility::kHidden) continue;
+        const bool whole = seen == KeyBlockVisibility::kWhole;  // (no mask tile to load)
         const int stage = kv % kStages;
         const uint32_t parity = (kv / kStages) & 1;
         const int key_row = n_block * kBlockN;
@@ -262,12 +286,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
           out_held ^= 1u << stage;
           out_waits ^= 1u << stage;
         }
-        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + mask_tile_bytes);
+        if constexpr (Cfg::Mask::kPresent) shared->stage_block[stage] = 2 * n_block + whole;
+        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + (whole ? 0 : mask_tile_bytes));
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
                            c * kSwizzleCols, key_row, kv_head, batch);
         }
-        if constexpr (Cfg::Mask::kPresent) {
+        if (Cfg::Mask::kPresent && !whole) {
           for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
             ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
                              &shared->k_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
@@ -280,6 +305,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
           ptx::tma_load_4d(s_v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
                            c * kSwizzleCols, key_row, kv_head, batch);
         }
+        ++kv;
       }
       if (kOutThroughSmem && t.n_blocks > 0) out_held |= 1u << ((kv - 1) % kStages);
       tile = next_tile;
@@ -356,6 +382,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     }
   };
 
+  // The key block of the kv-th K/V tile, the index-th of its query tile's: with
+  // an attn_mask the producer says which (a key-padding mask's hidden blocks
+  // are skipped) and whether the mask hides none of its keys; read after K's
+  // wait and before its release.
+  struct StageBlock {
+    int n_block;
+    bool whole;
+  };
+  auto stage_block = [&](int kv, int index) {
+    if constexpr (Cfg::Mask::kPresent) {
+      const int code = shared->stage_block[kv % kStages];
+      return StageBlock{code / 2, code % 2 != 0};
+    } else {
+      return StageBlock{index, false};
+    }
+  };
+  // The attn_mask of the kv-th K/V tile on its scores: none where it hides none
+  // of the block's keys (an additive mask's scores are still scaled, as
+  // mask_score would).
+  auto apply_stage_mask = [&](auto& s, int kv, const StageBlock& block) {
+    if constexpr (Cfg::Mask::kPresent) {
+      if (!block.whole) {
+        apply_attn_mask(s, kv);
+      } else if constexpr (kMask == MaskKind::kAdditive) {
+#pragma unroll
+        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) s[i] *= scale_log2;
+      }
+    }
+  };
+
   // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
   // (named barrier 1 + c is consumer c's turn; the one before grants it), so
   // that one's softmax runs while the tensor cores work for the others. The
@@ -392,10 +448,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     const int64_t row0 = t.row0;
     const int n_blocks = t.n_blocks;
 
-    // The tile's last Q K^T is its last read of Q: the next tile's may load.
-    auto release_k = [&](int n_block) {
-      ptx::mbarrier_arrive(&shared->k_empty[(kv + n_block) % kStages]);
-      if (n_block == n_blocks - 1) ptx::mbarrier_arrive(&shared->q_empty);
+    // Frees the K of the tile's index-th key tile; its last Q K^T is its last
+    // read of Q: the next tile's may load.
+    auto release_k = [&](int index) {
+      ptx::mbarrier_arrive(&shared->k_empty[(kv + index) % kStages]);
+      if (index == n_blocks - 1) ptx::mbarrier_arrive(&shared->q_empty);
     };
     // Masks keys past the end and above the causal diagonal (to -inf): only the
     // tiles for which tile_needs_mask holds have any.
@@ -535,44 +592,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         if constexpr (kDropout) keep = draw_keep_bits(0, Whole{});
         float s[kKeyRegs];
         wait_k(kv);
+        const StageBlock block = stage_block(kv, 0);
         issue_scores<Elem, Cfg, kBlockN>(s, q_tile_desc, k_stage_desc(kv));
         hand_back_out_stage();
         ptx::wgmma_wait<0>();
         fence_registers(s);
-        if constexpr (Cfg::Mask::kPresent) apply_attn_mask(s, kv);
+        apply_stage_mask(s, kv, block);
         release_k(0);
-        if (tile_needs_mask(0)) mask_tile(s, 0);
+        if (tile_needs_mask(block.n_block)) mask_tile(s, block.n_block);
         float rescale[2];
         softmax(s, rescale);
         if constexpr (kDropout) keep.apply(s);
         to_fragments<Elem>(s, pa);
       }
-      // Key tile n_block >= 1 (its GEMMs over its first kKeys keys): its scores
-      // and the P V of the previous one run together; the softmax needs only
-      // the scores (the first group of two).
-      auto key_tile = [&](int n_block, auto keys) {
+      // The index-th key tile of the tile, index >= 1 (its GEMMs over its first
+      // kKeys keys): its scores and the P V of the previous one run together;
+      // the softmax needs only the scores (the first group of two).
+      auto key_tile = [&](int index, auto keys) {
         constexpr int kKeys = decltype(keys)::value;
         KeepBits<kKeys / 2> keep;
-        if constexpr (kDropout) keep = draw_keep_bits(n_block, keys);
+        if constexpr (kDropout) keep = draw_keep_bits(index, keys);  // (no mask: the index is the block)
         float s[kKeys / 2];
-        wait_k(kv + n_block);
-        wait_v(kv + n_block - 1);
+        wait_k(kv + index);
+        const StageBlock block = stage_block(kv + index, index);
+        wait_v(kv + index - 1);
         wait_turn();
-        issue_scores<Elem, Cfg, kKeys>(s, q_tile_desc, k_stage_desc(kv + n_block));
-        issue_pv<Elem, Cfg, kBlockN>(o, pa, v_stage_desc(kv + n_block - 1));
+        issue_scores<Elem, Cfg, kKeys>(s, q_tile_desc, k_stage_desc(kv + index));
+        issue_pv<Elem, Cfg, kBlockN>(o, pa, v_stage_desc(kv + index - 1));
         grant_turn();
         ptx::wgmma_wait<1>();
         fence_registers(s);
-        if constexpr (Cfg::Mask::kPresent) apply_attn_mask(s, kv + n_block);
-        release_k(n_block);
+        apply_stage_mask(s, kv + index, block);
+        release_k(index);
         // The softmax sits in the branches of its own if: the compiler schedules
         // each basic block on its own, and in one shared with the wait for P V
         // below it hoists that wait (a free instruction to it) above the
         // softmax, which then no longer runs under P V.
         float rescale[2];
         bool rescale_o;
-        if (kKeys < kBlockN || tile_needs_mask(n_block)) {
-          mask_tile(s, n_block);
+        if (kKeys < kBlockN || tile_needs_mask(block.n_block)) {
+          mask_tile(s, block.n_block);
           rescale_o = softmax(s, rescale);
           if constexpr (kDropout) keep.apply(s);
         } else {
@@ -581,12 +640,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         }
         ptx::wgmma_wait<0>();
         fence_registers(o);
-        release_v(kv + n_block - 1);
+        release_v(kv + index - 1);
         if (rescale_o) scale_rows(o, rescale);
         to_fragments<Elem>(s, *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa));
       };
       const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;
-      for (int n_block = 1; n_block < whole_tiles; ++n_block) key_tile(n_block, Whole{});
+      for (int index = 1; index < whole_tiles; ++index) key_tile(index, Whole{});
       if constexpr (Cfg::kNarrowLastTile) {
         if (last_width == Narrow0::value) key_tile(n_blocks - 1, Narrow0{});
         if (last_width == Narrow1::value) key_tile(n_blocks - 1, Narrow1{});
