@@ -57,7 +57,7 @@ enum class MaskKind : int { kNone, kBool, kAdditive };
 // What a mask that repeats over queries (a key-padding mask) does to each block
 // of keys: hides every key (the kernels skip the block), none (they run the
 // unmasked code on it), or some.
-enum class KeyBlockVisibility : uint8_t { kHidden = 0, kWhole = 1, kPartial = 2 };
+enum class KeyBlockVisibility : uint8_t { kHidden = 0, kVisible = 1, kPartial = 2 };
 
 // The visibility of each block of kKeyBlockKeys keys (cuda/flash_cuda.h), for
 // each (batch, head) of the mask: blocks contiguous, a stride of 0 where the

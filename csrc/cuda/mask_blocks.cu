@@ -2,7 +2,7 @@
 // mask): for each (batch, head) of the mask and each block of kKeyBlockKeys
 // keys, whether the mask hides all of its keys, none, or some
 // (KeyBlockVisibility). The Hopper kernels skip hidden blocks (no loads, no
-// GEMMs) and run the unmasked code on whole ones; one pass over the mask's
+// GEMMs) and run the unmasked code on visible ones; one pass over the mask's
 // B x H x S elements at most, before the forward.
 #include <cstdint>
 
@@ -29,23 +29,23 @@ MapShape map_shape(const FwdParams& params) {
 __global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, int64_t len_k,
                                            uint8_t* map) {
   const int64_t key = int64_t(blockIdx.x) * kKeyBlockKeys + threadIdx.x;
-  bool hidden = true, whole = true;
+  bool hidden = true, visible = true;
   if (key < len_k) {
     const int64_t offset = blockIdx.z * mask.stride_batch + blockIdx.y * mask.stride_head + key * mask.stride_col;
     if (additive) {
       const uint16_t bits = static_cast<const uint16_t*>(mask.data)[offset];
       hidden = bits == minus_infinity;
-      whole = (bits & 0x7fff) == 0;
+      visible = (bits & 0x7fff) == 0;
     } else {
       hidden = static_cast<const uint8_t*>(mask.data)[offset] == 0;
-      whole = !hidden;
+      visible = !hidden;
     }
   }
-  const bool all_hidden = __syncthreads_and(hidden), all_whole = __syncthreads_and(whole);
+  const bool all_hidden = __syncthreads_and(hidden), all_visible = __syncthreads_and(visible);
   if (threadIdx.x == 0) {
-    const KeyBlockVisibility visibility = all_hidden  ? KeyBlockVisibility::kHidden
-                                          : all_whole ? KeyBlockVisibility::kWhole
-                                                      : KeyBlockVisibility::kPartial;
+    const KeyBlockVisibility visibility = all_hidden    ? KeyBlockVisibility::kHidden
+                                          : all_visible ? KeyBlockVisibility::kVisible
+                                                        : KeyBlockVisibility::kPartial;
     map[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = static_cast<uint8_t>(visibility);
   }
 }

@@ -276,7 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
                                                 : KeyBlockVisibility::kPartial;
         if (seen == KeyBlockVisibility::kHidden) continue;
-        const bool whole = seen == KeyBlockVisibility::kWhole;  // (no mask tile to load)
+        const bool unmasked = seen == KeyBlockVisibility::kVisible;  // (no mask tile to load)
         const int stage = kv % kStages;
         const uint32_t parity = (kv / kStages) & 1;
         const int key_row = n_block * kBlockN;
@@ -286,13 +286,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
           out_held ^= 1u << stage;
           out_waits ^= 1u << stage;
         }
-        if constexpr (Cfg::Mask::kPresent) shared->stage_block[stage] = 2 * n_block + whole;
-        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + (whole ? 0 : mask_tile_bytes));
+        if constexpr (Cfg::Mask::kPresent) shared->stage_block[stage] = 2 * n_block + unmasked;
+        ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + (unmasked ? 0 : mask_tile_bytes));
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
                            c * kSwizzleCols, key_row, kv_head, batch);
         }
-        if (Cfg::Mask::kPresent && !whole) {
+        if (Cfg::Mask::kPresent && !unmasked) {
           for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
             ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
                              &shared->k_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // wait and before its release.
   struct StageBlock {
     int n_block;
-    bool whole;
+    bool unmasked;
   };
   auto stage_block = [&](int kv, int index) {
     if constexpr (Cfg::Mask::kPresent) {
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // mask_score would).
   auto apply_stage_mask = [&](auto& s, int kv, const StageBlock& block) {
     if constexpr (Cfg::Mask::kPresent) {
-      if (!block.whole) {
+      if (!block.unmasked) {
         apply_attn_mask(s, kv);
       } else if constexpr (kMask == MaskKind::kAdditive) {
 #pragma unroll
