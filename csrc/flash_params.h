@@ -55,7 +55,7 @@ struct AttentionProblem {
 enum class MaskKind : int { kNone, kBool, kAdditive };
 
 // What a mask that repeats over queries (a key-padding mask) does to each block
-// of keys: hides every key (the kernels skip the block), none (they run the
+// of keys: hides every key (the Hopper forward skips the block), none (it runs the
 // unmasked code on it), or some.
 enum class KeyBlockVisibility : uint8_t { kHidden = 0, kVisible = 1, kPartial = 2 };
 

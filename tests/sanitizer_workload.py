@@ -94,7 +94,7 @@ def run_masked(dtype):
         head_mask = torch.randn(2, 2, 200, 200, device="cuda", dtype=dtype)
         if not torch.isfinite(flashattn_ext.scaled_dot_product_attention(q2, k2, v2, attn_mask=head_mask)).all():
             raise RuntimeError(f"out is not finite for the per-head mask at head dim {dim} in {dtype}")
-    # A key-padding mask whose 128-key blocks the Hopper forward skips (hidden), runs unmasked (whole)
+    # A key-padding mask whose 128-key blocks the Hopper forward skips (hidden), runs unmasked (visible)
     # or masks, and a batch element that sees no key.
     keep = torch.zeros(2, 1, 1, 640, dtype=torch.bool, device="cuda")
     keep[0, ..., :128] = True
