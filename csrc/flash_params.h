@@ -54,6 +54,16 @@ struct AttentionProblem {
 // kAdditive is added to the scaled scores (and has the inputs' dtype).
 enum class MaskKind : int { kNone, kBool, kAdditive };
 
+// Which dims of an attn_mask, seen as (batch, heads_q, len_q, len_k), hold
+// values of their own: not those of stride 0 or size 1, where it repeats one.
+struct MaskDims {
+  bool batch, heads, rows;
+};
+inline MaskDims mask_dims(const TensorView4d& mask, const AttentionProblem& p) {
+  return {mask.stride_batch != 0 && p.batch > 1, mask.stride_head != 0 && p.heads_q > 1,
+          mask.stride_row != 0 && p.len_q > 1};
+}
+
 // What a mask that repeats over queries (a key-padding mask) does to each block
 // of keys: hides every key (the Hopper forward skips the block), none (it runs the
 // unmasked code on it), or some.

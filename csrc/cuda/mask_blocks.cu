@@ -18,9 +18,8 @@ struct MapShape {
 
 MapShape map_shape(const FwdParams& params) {
   const AttentionProblem& p = params.problem;
-  const bool batch_full = params.mask.stride_batch != 0 && p.batch > 1;
-  const bool heads_full = params.mask.stride_head != 0 && p.heads_q > 1;
-  return {batch_full ? p.batch : 1, heads_full ? p.heads_q : 1, (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
+  const MaskDims own = mask_dims(params.mask, p);
+  return {own.batch ? p.batch : 1, own.heads ? p.heads_q : 1, (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
 }
 
 // One block of kKeyBlockKeys threads a key block, a key a thread. A bool mask
@@ -53,9 +52,9 @@ __global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uin
 }  // namespace
 
 int64_t key_block_map_bytes(const FwdParams& params) {
-  const AttentionProblem& p = params.problem;
-  const bool rows_full = params.mask.stride_row != 0 && p.len_q > 1;
-  if (params.mask_kind == MaskKind::kNone || rows_full) return 0;
+  // Only a mask that repeats over queries has one: the Hopper forward reads the
+  // map beside such a mask's one-row tiles (encode_mask_tiles).
+  if (params.mask_kind == MaskKind::kNone || mask_dims(params.mask, params.problem).rows) return 0;
   const MapShape shape = map_shape(params);
   constexpr int64_t kMaxGridDim = 65535;  // the classifying grid's y (heads) and z (batches)
   if (shape.batches > kMaxGridDim || shape.heads > kMaxGridDim) return 0;

@@ -61,22 +61,21 @@ bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionP
 bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,
                        const AttentionProblem& p, int tile_rows) {
   if (mask.stride_col != 1) return false;
-  const bool rows_full = mask.stride_row != 0 && p.len_q > 1, heads_full = mask.stride_head != 0 && p.heads_q > 1,
-             batch_full = mask.stride_batch != 0 && p.batch > 1;
-  shape->rows_full = rows_full;
-  shape->head_step = heads_full ? 1 : 0;
-  shape->batch_step = batch_full ? 1 : 0;
-  shape->box_rows = rows_full ? tile_rows : 1;
-  shape->block_bytes = rows_full ? tile_rows * kSwizzleRowBytes : kSwizzleAtomBytes;
+  const MaskDims own = mask_dims(mask, p);
+  shape->rows_full = own.rows;
+  shape->head_step = own.heads ? 1 : 0;
+  shape->batch_step = own.batch ? 1 : 0;
+  shape->box_rows = own.rows ? tile_rows : 1;
+  shape->block_bytes = own.rows ? tile_rows * kSwizzleRowBytes : kSwizzleAtomBytes;
   // A dimension the mask repeats over has size 1: its stride is never used,
   // but must still be one the copy engine takes.
   const int64_t unused_stride = 16 / elem_bytes;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.len_k), static_cast<cuuint64_t>(rows_full ? p.len_q : 1),
-                              static_cast<cuuint64_t>(heads_full ? p.heads_q : 1),
-                              static_cast<cuuint64_t>(batch_full ? p.batch : 1)};
-  const int64_t strides[3] = {rows_full ? mask.stride_row : unused_stride,
-                              heads_full ? mask.stride_head : unused_stride,
-                              batch_full ? mask.stride_batch : unused_stride};
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.len_k), static_cast<cuuint64_t>(own.rows ? p.len_q : 1),
+                              static_cast<cuuint64_t>(own.heads ? p.heads_q : 1),
+                              static_cast<cuuint64_t>(own.batch ? p.batch : 1)};
+  const int64_t strides[3] = {own.rows ? mask.stride_row : unused_stride,
+                              own.heads ? mask.stride_head : unused_stride,
+                              own.batch ? mask.stride_batch : unused_stride};
   return encode_tiled(map, mask.data, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
                       elem_bytes, dims, strides, kSwizzleRowBytes / elem_bytes, shape->box_rows);
 }

@@ -398,16 +398,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       return StageBlock{index, false};
     }
   };
-  // The attn_mask of the kv-th K/V tile on its scores: none where it hides none
-  // of the block's keys (an additive mask's scores are still scaled, as
-  // mask_score would).
+  // The attn_mask of the kv-th K/V tile on its scores, not read where it hides
+  // none of the block's keys (an additive mask's values there are all 0).
   auto apply_stage_mask = [&](auto& s, int kv, const StageBlock& block) {
     if constexpr (Cfg::Mask::kPresent) {
       if (!block.unmasked) {
         apply_attn_mask(s, kv);
       } else if constexpr (kMask == MaskKind::kAdditive) {
 #pragma unroll
-        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) s[i] *= scale_log2;
+        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) mask_score(s[i], 0.f, scale_log2);
       }
     }
   };
