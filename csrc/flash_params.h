@@ -65,8 +65,8 @@ inline MaskDims mask_dims(const TensorView4d& mask, const AttentionProblem& p) {
 }
 
 // What a mask that repeats over queries (a key-padding mask) does to each block
-// of keys: hides every key (the Hopper forward skips the block), none (it runs the
-// unmasked code on it), or some.
+// of keys: hides every key (the Hopper kernels skip the block), none (they run
+// the unmasked code on it), or some.
 enum class KeyBlockVisibility : uint8_t { kHidden = 0, kVisible = 1, kPartial = 2 };
 
 // The visibility of each block of kKeyBlockKeys keys (cuda/flash_cuda.h), for
@@ -119,7 +119,8 @@ struct BwdParams {
   int64_t dq_accum_pair0 = 0, dq_accum_pairs = 0;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask, dmask;
-  DropoutParams dropout;  // the forward's, with the same rng_state
+  KeyBlockMap key_blocks;  // (CUDA) as in FwdParams
+  DropoutParams dropout;   // the forward's, with the same rng_state
 };
 
 // x clamped to [low, high] (std::clamp is not callable from device code).

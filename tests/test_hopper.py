@@ -454,6 +454,73 @@ def test_forward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask
     assert (out[~visible] == 0).all()
 
 
+# The Hopper backward takes masks at head dims 97 to 128: GQA and a ragged last key block, and a padded head dim.
+KEY_BLOCK_BACKWARD_SHAPES = [(2, 4, 2, 300, 1008, 128), (2, 3, 3, 257, 1280, 112)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared"])
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", KEY_BLOCK_BACKWARD_SHAPES, ids=["x".join(map(str, s)) for s in KEY_BLOCK_BACKWARD_SHAPES])
+def test_backward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask_shape, causal, dtype):
+    """The backward reads the same map: a block of 128 keys that the mask hides for every query head
+    of its group streams nothing and gets dk = dv = 0 exactly; one it hides none of runs unmasked; the
+    others apply the mask. dq, dk, dv within twice SDPA's error (with the mask and the causal diagonal
+    as one mask) of float64."""
+    q, k, v = random_inputs(shape, dtype, seed=12)
+    mask = key_block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal + 3)
+    batch, heads_q, heads_kv, len_q, len_k, head_dim = shape
+    gen = torch.Generator().manual_seed(9)
+    grad_out = torch.randn(batch, heads_q, len_q, head_dim, generator=gen).to("cuda", dtype)
+    mask_view = mask.expand(batch, heads_q, len_q, len_k)  # as the Python call passes it
+    scale = head_dim ** -0.5
+
+    def call():
+        out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(q, k, v, mask_view, 0.0, causal, False, scale)
+        grads = torch.ops.flashattn_ext.attention_backward(grad_out, q, k, v, out, lse, rng_state, mask_view, 0.0,
+                                                           causal, False, scale, False)
+        return (out, *grads[:3])
+
+    names = kernel_names(call)
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    assert sum("classify_key_blocks" in n for n in names) == 2, names  # the forward's and the backward's
+    poison_cuda_allocator(POISON_BYTES)
+    got = call()
+    # SDPA takes no mask with is_causal: the causal diagonal joins the mask. Rows that see no key (NaN in
+    # SDPA, 0 here) see every key there, with grad_out 0: the gradients are then those of rows that see none.
+    tril = torch.ones(len_q, len_k, dtype=torch.bool, device="cuda").tril()
+    seen = mask if kind == "bool" else mask > -math.inf
+    empty = ~(seen & tril if causal else seen).any(dim=-1, keepdim=True).expand(batch, heads_q, len_q, 1)
+    if kind == "bool":
+        full = (mask & tril if causal else mask) | empty
+    else:
+        full = (mask.masked_fill(~tril, -math.inf) if causal else mask).masked_fill(empty, 0.0)
+    sdpa = expanded(F.scaled_dot_product_attention)
+
+    def grads(q, k, v, full):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = sdpa(*leaves, attn_mask=full)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad_out.masked_fill(empty, 0).to(out.dtype))
+        return out.detach().masked_fill(empty, 0), dq, dk, dv
+
+    want = grads(q.double(), k.double(), v.double(), full if kind == "bool" else full.double())
+    base = grads(q, k, v, full)
+    scale_of_grads = max(w.abs().max().item() for w in want[1:])
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
+        assert torch.isfinite(g).all(), f"{name}: not every element written, or not finite"
+        ours_error = relative_error(g, w, zero_scale=scale_of_grads)
+        sdpa_error = relative_error(b, w, zero_scale=scale_of_grads)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
+    # Keys that no query row of their key/value head's group sees, by the mask or the diagonal. (Not
+    # the reference's zero rows of dk: those also hold keys seen only by rows that see nothing else.)
+    seen_by = ((seen & tril) if causal else seen).expand(batch, heads_q, len_q, len_k).any(dim=-2)
+    unseen = ~seen_by.view(batch, heads_kv, heads_q // heads_kv, len_k).any(dim=2)
+    assert unseen.any(), "the masks hide some keys from every query"
+    for name, g in zip(("dk", "dv"), got[2:]):
+        assert (g[unseen] == 0).all(), f"{name}: not exactly 0 at keys no query sees"
+
+
 @pytest.mark.parametrize("lower_right", [False, True])
 def test_forward_with_attn_mask_and_causal(lower_right):
     """The op itself takes a mask together with is_causal (the Python call, as SDPA, refuses both):

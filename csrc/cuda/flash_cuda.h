@@ -33,13 +33,14 @@ enum class DqAccumLayout { kRows, kWgmmaTiles };
 void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream);
 
 // Key blocks of an attn_mask that repeats over queries (mask_blocks.cu), for the
-// Hopper forward, whose masked kernel takes kKeyBlockKeys keys at a time:
-// key_block_map_bytes is the device memory the map of params' mask takes, 0
+// Hopper kernels, whose masked forward and backward take kKeyBlockKeys keys at
+// a time: key_block_map_bytes is the device memory the map of the mask takes, 0
 // where there is no map (no mask, or one with rows of its own);
-// classify_key_blocks fills that memory and points params.key_blocks at it.
+// classify_key_blocks fills that memory and returns the map over it.
 constexpr int kKeyBlockKeys = 128;
-int64_t key_block_map_bytes(const FwdParams& params);
-void classify_key_blocks(FwdParams& params, ElementType type, uint8_t* map, cudaStream_t stream);
+int64_t key_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p);
+KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p, ElementType type,
+                                uint8_t* map, cudaStream_t stream);
 
 // Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
 // decode_chunks is how many chunks of keys a call splits each sequence into;

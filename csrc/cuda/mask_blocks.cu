@@ -3,7 +3,7 @@
 // keys, whether the mask hides all of its keys, none, or some
 // (KeyBlockVisibility). The Hopper kernels skip hidden blocks (no loads, no
 // GEMMs) and run the unmasked code on visible ones; one pass over the mask's
-// B x H x S elements at most, before the forward.
+// B x H x S elements at most, before the forward and again before the backward.
 #include <cstdint>
 
 #include "cuda/flash_cuda.h"
@@ -16,9 +16,8 @@ struct MapShape {
   int64_t batches, heads, blocks;
 };
 
-MapShape map_shape(const FwdParams& params) {
-  const AttentionProblem& p = params.problem;
-  const MaskDims own = mask_dims(params.mask, p);
+MapShape map_shape(const TensorView4d& mask, const AttentionProblem& p) {
+  const MaskDims own = mask_dims(mask, p);
   return {own.batch ? p.batch : 1, own.heads ? p.heads_q : 1, (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
 }
 
@@ -51,30 +50,32 @@ __global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uin
 
 }  // namespace
 
-int64_t key_block_map_bytes(const FwdParams& params) {
-  // Only a mask that repeats over queries has one: the Hopper forward reads the
+int64_t key_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p) {
+  // Only a mask that repeats over queries has one: the Hopper kernels read the
   // map beside such a mask's one-row tiles (encode_mask_tiles).
-  if (params.mask_kind == MaskKind::kNone || mask_dims(params.mask, params.problem).rows) return 0;
-  const MapShape shape = map_shape(params);
+  if (kind == MaskKind::kNone || mask_dims(mask, p).rows) return 0;
+  const MapShape shape = map_shape(mask, p);
   constexpr int64_t kMaxGridDim = 65535;  // the classifying grid's y (heads) and z (batches)
   if (shape.batches > kMaxGridDim || shape.heads > kMaxGridDim) return 0;
   return shape.batches * shape.heads * shape.blocks;
 }
 
-void classify_key_blocks(FwdParams& params, ElementType type, uint8_t* map, cudaStream_t stream) {
-  const MapShape shape = map_shape(params);
-  TensorView4d mask = params.mask;
-  if (shape.batches == 1) mask.stride_batch = 0;
-  if (shape.heads == 1) mask.stride_head = 0;
-  const bool additive = params.mask_kind == MaskKind::kAdditive;
+KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p, ElementType type,
+                                uint8_t* map, cudaStream_t stream) {
+  const MapShape shape = map_shape(mask, p);
+  TensorView4d repeated = mask;
+  if (shape.batches == 1) repeated.stride_batch = 0;
+  if (shape.heads == 1) repeated.stride_head = 0;
+  const bool additive = kind == MaskKind::kAdditive;
   const uint16_t minus_infinity = type == ElementType::kBFloat16 ? 0xff80 : 0xfc00;
   const dim3 grid(static_cast<unsigned>(shape.blocks), static_cast<unsigned>(shape.heads),
                   static_cast<unsigned>(shape.batches));
-  classify_key_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(mask, additive, minus_infinity,
-                                                                 params.problem.len_k, map);
-  params.key_blocks.visibility = map;
-  params.key_blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.blocks : 0;
-  params.key_blocks.stride_head = shape.heads > 1 ? shape.blocks : 0;
+  classify_key_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(repeated, additive, minus_infinity, p.len_k, map);
+  KeyBlockMap blocks;
+  blocks.visibility = map;
+  blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.blocks : 0;
+  blocks.stride_head = shape.heads > 1 ? shape.blocks : 0;
+  return blocks;
 }
 
 }  // namespace flashattn_ext::cuda

@@ -105,6 +105,21 @@ at::Tensor draw_rng_state(const at::Tensor& q, double dropout_p, cudaStream_t st
   return rng_state;
 }
 
+// For the Hopper kernels, a mask that repeats over queries: which of its key
+// blocks they may skip or run unmasked (cuda::classify_key_blocks), in the
+// returned device memory, which params.key_blocks then reads; none (an empty
+// tensor) for other masks.
+template <typename Params>
+at::Tensor classify_mask_key_blocks(const at::Tensor& q, Params& params, cudaStream_t stream) {
+  const int64_t bytes = cuda::key_block_map_bytes(params.mask_kind, params.mask, params.problem);
+  if (bytes == 0) return at::Tensor();
+  at::Tensor map = at::empty({bytes}, q.options().dtype(at::kByte));
+  params.key_blocks = cuda::classify_key_blocks(params.mask_kind, params.mask, params.problem, element_type(q),
+                                                map.data_ptr<uint8_t>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return map;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
                                                                       const at::Tensor& v,
                                                                       const std::optional<at::Tensor>& attn_mask,
@@ -130,18 +145,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
-  // A mask that repeats over queries: which of its key blocks the Hopper forward may skip or run unmasked.
-  const int64_t key_block_map_bytes = sm90 ? cuda::key_block_map_bytes(params) : 0;
-  const at::Tensor key_block_map =
-      key_block_map_bytes > 0 ? at::empty({key_block_map_bytes}, q.options().dtype(at::kByte)) : at::Tensor();
+  at::Tensor key_block_map;
   if (sm90) {
     params.tile_counter = tile_counter.data_ptr<int>();
     // (A memset: at::zeros would dispatch a fill kernel, several times the host time.)
     C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
-  }
-  if (key_block_map_bytes > 0) {
-    cuda::classify_key_blocks(params, element_type(q), key_block_map.data_ptr<uint8_t>(), stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    key_block_map = classify_mask_key_blocks(q, params, stream);
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
     cuda::sm80::attention_forward(params, element_type(q), stream);
@@ -175,10 +184,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // dQ by float32 atomics (faster) unless the user asked for deterministic
   // algorithms: the Hopper kernels' wherever they run, the sm80 kernels' up to
   // head dim kMaxAtomicDqHeadDim.
-  const bool sm90 = use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  const bool sm90 = !deterministic && use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
   at::Tensor dq_accum;
-  if (!at::globalContext().deterministicAlgorithms() &&
-      (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
+  if (!deterministic && (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
     // key/value head) pairs a chunk at a time, over a workspace for one chunk.
     const AttentionProblem& p = params.problem;
@@ -187,6 +196,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor key_block_map = sm90 ? classify_mask_key_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }

@@ -21,7 +21,10 @@
 // With dropout, P^T and dP^T are dropped where the forward dropped P (the same
 // Philox numbers), before dV and dS^T. An attn_mask's tile of each query tile
 // comes with Q (as in the forward, one row of it where the mask repeats over
-// queries) and is applied to S^T before P^T is made.
+// queries) and is applied to S^T before P^T is made. Where the mask repeats
+// over queries, its key-block map lets a block whose keys it hides stream
+// nothing (its dK and dV are 0), and one whose keys it leaves visible run
+// unmasked.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
@@ -166,8 +169,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   };
   auto q_step = [](uint64_t desc, int kk) { return desc_advance(desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)); };
 
+  // The attn_mask's tiles are applied unless it hides none of the block's keys
+  // (blocks it hides all of have no tiles: backward_block).
+  const bool apply_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  const float score_scale = masked_scores_scale(kMask, scale_log2);
+  const float score_scale = apply_mask ? masked_scores_scale(kMask, scale_log2) : scale_log2;
 
   // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
   // (lane % 4) + e of the tile) reads the mask tile's row of that query (row 0
@@ -277,7 +283,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)), after the attn_mask.
     ptx::wgmma_wait<1>();
     fence_registers(st);
-    if constexpr (Cfg::Mask::kPresent) apply_attn_mask(st, stage);
+    if constexpr (Cfg::Mask::kPresent) {
+      if (apply_mask) apply_attn_mask(st, stage);
+    }
     transposed_probabilities<kBlockN>(st, p, col0, row0, offset, key_row, lane, lse_q, score_scale);
     // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
     // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept

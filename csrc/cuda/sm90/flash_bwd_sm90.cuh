@@ -34,12 +34,29 @@ struct BwdBarriers {
 // head h_kv of batch b; the query blocks from m_begin on (those that see any
 // of the keys) of each of the group's query heads: tiles of them in all.
 // dq_accum: where the dQ rows of the group's first query head start in
-// dq_accum (the next heads' follow).
+// dq_accum (the next heads' follow). keys: what the attn_mask does to the
+// keys (kVisible without a mask); where it hides them all, no tiles.
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
   int m_count, tiles;
   float* dq_accum;
+  KeyBlockVisibility keys;
 };
+
+// What an attn_mask with a key-block map (one that repeats over queries) does
+// to key block key_block for every query head of a group: hides its keys or
+// leaves them visible where it does so for each head; else, and without a map,
+// partial.
+__device__ __forceinline__ KeyBlockVisibility group_key_block_visibility(const KeyBlockMap& map, int64_t b,
+                                                                         int64_t first_head, int64_t group,
+                                                                         int64_t key_block) {
+  if (map.visibility == nullptr) return KeyBlockVisibility::kPartial;
+  const uint8_t* seen = map.visibility + b * map.stride_batch + first_head * map.stride_head + key_block;
+  for (int64_t h = 1; h < group; ++h) {
+    if (seen[h * map.stride_head] != seen[0]) return KeyBlockVisibility::kPartial;
+  }
+  return static_cast<KeyBlockVisibility>(seen[0]);
+}
 
 template <typename Cfg>
 __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
@@ -64,6 +81,13 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
   block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
+  block.keys = KeyBlockVisibility::kVisible;
+  if constexpr (Cfg::Mask::kPresent) {
+    static_assert(Cfg::kBlockN == kKeyBlockKeys, "a block's keys are one block of the key-block map");
+    block.keys = group_key_block_visibility(params.key_blocks, block.b, block.h_kv * block.group, block.group,
+                                            position.block);
+    if (block.keys == KeyBlockVisibility::kHidden) block.m_count = block.tiles = 0;  // dK = dV = 0, and no dQ
+  }
   return block;
 }
 
@@ -81,9 +105,10 @@ __device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>
 }
 
 // The producer's loader warp: its first lane drives the copy engine, loading
-// K and V once, then each query tile's Q (with its attn_mask tile) and dO into
-// the ring of stages; every lane stages lse and delta of the tile's queries
-// (plain loads: their rows are not 16-byte aligned for the copy engine).
+// K and V once, then each query tile's Q (with its attn_mask tile, unless the
+// mask hides none of the block's keys) and dO into the ring of stages; every
+// lane stages lse and delta of the tile's queries (plain loads: their rows are
+// not 16-byte aligned for the copy engine).
 template <typename Cfg>
 __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, const BwdBlock& block,
                                                     unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
@@ -104,8 +129,9 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
                        kv_head, batch);
     }
   }
-  if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
-  const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
+  const bool load_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
+  if (load_mask && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
+  const int mask_tile_bytes = load_mask ? kp.mask.tile_bytes(Cfg::Mask::kColBlocks) : 0;
   int tile = 0;
   for (int head = static_cast<int>(block.h_kv * block.group); head < (block.h_kv + 1) * block.group; ++head) {
     const float* lse = static_cast<const float*>(params.lse) + (block.b * p.heads_q + head) * p.len_q;
@@ -120,7 +146,7 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
           ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
                            c * kSwizzleCols, q_row, head, batch);
         }
-        if constexpr (Cfg::Mask::kPresent) {
+        if (Cfg::Mask::kPresent && load_mask) {
           for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
             ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
                              &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
