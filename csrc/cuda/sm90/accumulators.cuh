@@ -54,17 +54,16 @@ __device__ __forceinline__ float from_fragments(const uint32_t (&frag)[kSteps][4
 // attn_mask on one raw score s (Q K^T, not yet scaled), as both kernels apply
 // it before their exp2: where a bool mask hides the pair, s becomes -inf (the
 // other scores stay as they are, for the softmax to scale); an additive
-// mask's value is added to the scaled score in log2 units, after which s needs
-// no more scaling (masked_scores_scale).
+// mask's value is added to the scaled score (natural-log units, one fma), and
+// the softmax's own scale then only turns s into log2 units
+// (masked_scores_scale).
 __device__ __forceinline__ void mask_score(float& s, bool keep) {
   if (!keep) s = -INFINITY;
 }
-__device__ __forceinline__ void mask_score(float& s, float bias, float scale_log2) {
-  s = fmaf(s, scale_log2, bias * float(M_LOG2E));
-}
-// The scale (log2 units) the softmax applies to scores that mask_score saw.
+__device__ __forceinline__ void mask_score(float& s, float bias, float scale) { s = fmaf(s, scale, bias); }
+// The scale (to log2 units) the softmax applies to scores that mask_score saw.
 __device__ __forceinline__ float masked_scores_scale(MaskKind kind, float scale_log2) {
-  return kind == MaskKind::kAdditive ? 1.f : scale_log2;
+  return kind == MaskKind::kAdditive ? float(M_LOG2E) : scale_log2;
 }
 
 // Dropout's decisions for the kRegs registers of an accumulator, a bit each

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // The attn_mask's tiles are applied unless it hides none of the block's keys
   // (blocks it hides all of have no tiles: backward_block).
   const bool apply_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const float score_scale = apply_mask ? masked_scores_scale(kMask, scale_log2) : scale_log2;
 
   // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (kMask == MaskKind::kBool) {
         mask_score(s[i], *value != 0);
       } else {
-        mask_score(s[i], ptx::to_float(*reinterpret_cast<const Elem*>(value)), scale_log2);
+        mask_score(s[i], ptx::to_float(*reinterpret_cast<const Elem*>(value)), scale);
       }
     }
   };

@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // The kernel takes positive scales only, so the max of the unscaled scores
   // times the scale is the max of the scaled ones: scaling and subtracting the
   // max fold into one fma.
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const float softmax_scale = masked_scores_scale(kMask, scale_log2);
   const int64_t offset = causal_offset(p);
 
@@ -375,8 +375,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
           mask_score(s1, (keep >> 8) != 0);
         } else {
           const float2 bias = ptx::unpack2<Elem>(*reinterpret_cast<const uint32_t*>(pair));
-          mask_score(s0, bias.x, scale_log2);
-          mask_score(s1, bias.y, scale_log2);
+          mask_score(s0, bias.x, scale);
+          mask_score(s1, bias.y, scale);
         }
       }
     }
@@ -406,7 +406,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         apply_attn_mask(s, kv);
       } else if constexpr (kMask == MaskKind::kAdditive) {
 #pragma unroll
-        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) mask_score(s[i], 0.f, scale_log2);
+        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) mask_score(s[i], 0.f, scale);
       }
     }
   };
