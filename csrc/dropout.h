@@ -47,15 +47,29 @@ struct PhiloxOutput {
   uint32_t x[4];
 };
 
+// The high and low words of the 64-bit product a * b. On the GPU from
+// __umulhi and a plain multiply, which nvcc 13 fuses into one wide multiply:
+// from a 64-bit product it adds a zero to the high word after each.
+FLASHATTN_EXT_HOST_DEVICE void multiply_wide(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
+#if defined(__CUDA_ARCH__)
+  hi = __umulhi(a, b);
+  lo = a * b;
+#else
+  const uint64_t product = uint64_t{a} * b;
+  hi = static_cast<uint32_t>(product >> 32);
+  lo = static_cast<uint32_t>(product);
+#endif
+}
+
 // Philox4x32 with 10 rounds.
 FLASHATTN_EXT_HOST_DEVICE PhiloxOutput philox4x32_10(uint64_t seed, uint64_t counter_low, uint64_t counter_high) {
   uint32_t c0 = static_cast<uint32_t>(counter_low), c1 = static_cast<uint32_t>(counter_low >> 32);
   uint32_t c2 = static_cast<uint32_t>(counter_high), c3 = static_cast<uint32_t>(counter_high >> 32);
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
-    const uint64_t product0 = uint64_t(0xD2511F53u) * c0, product1 = uint64_t(0xCD9E8D57u) * c2;
-    const uint32_t hi0 = static_cast<uint32_t>(product0 >> 32), lo0 = static_cast<uint32_t>(product0);
-    const uint32_t hi1 = static_cast<uint32_t>(product1 >> 32), lo1 = static_cast<uint32_t>(product1);
+    uint32_t hi0, lo0, hi1, lo1;
+    multiply_wide(0xD2511F53u, c0, hi0, lo0);
+    multiply_wide(0xCD9E8D57u, c2, hi1, lo1);
     c0 = hi1 ^ c1 ^ k0;
     c1 = lo1;
     c2 = hi0 ^ c3 ^ k1;
