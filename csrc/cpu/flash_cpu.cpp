@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -93,6 +94,18 @@ void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_
   }
 }
 
+// The same rows transposed: tile[c * ld + r] = row r's value c (a cols x rows
+// tile, rows ld apart), for the products that read them as their right factor.
+template <typename T, typename A>
+void load_tile_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
+                          A* tile, int64_t ld) {
+  const T* base = static_cast<const T*>(t.data) + b * t.stride_batch + h * t.stride_head;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = base + (row0 + r) * t.stride_row;
+    for (int64_t c = 0; c < cols; ++c) tile[c * ld + r] = static_cast<A>(src[c * t.stride_col]);
+  }
+}
+
 template <typename T, typename A>
 void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
                 const A* tile) {
@@ -108,27 +121,62 @@ void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64
   }
 }
 
-// c (m x n) = op(a) op(b), or c += op(a) op(b) where accumulate, for dense
-// row-major tiles: op(a) is a (m x k), or a stored k x m and transposed where
-// transpose_a; op(b) likewise k x n. Through at::mm / at::addmm, which call the
-// BLAS of torch's build, one thread in each task of at::parallel_for (scalar
-// loops before: the float32 forward at 1 x 4 x 512 x 64 took 3x as long). The
-// BLAS sums a product apart before adding it to c: blockwise summation, which
-// keeps the rounding error of long float32 sums down.
-template <typename A>
-void tile_matmul(const A* a, bool transpose_a, const A* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* c,
-                 bool accumulate = false) {
-  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value);
-  auto matrix = [&](const A* data, bool transpose, int64_t rows, int64_t cols) {
-    return transpose ? at::from_blob(const_cast<A*>(data), {cols, rows}, options).t()
-                     : at::from_blob(const_cast<A*>(data), {rows, cols}, options);
-  };
-  at::Tensor out = at::from_blob(c, {m, n}, options);
-  if (accumulate) {
-    out.addmm_(matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
-  } else {
-    at::mm_out(out, matrix(a, transpose_a, m, k), matrix(b, transpose_b, k, n));
+// The backward holds a head's keys and values, and sums dK and dV, transposed
+// in tiles of kBlockK keys: tile t (keys t * kBlockK on) is a dense cols x
+// kBlockK block at t * cols * kBlockK, so that a product reads or adds to a
+// compact block (columns of one len_k-wide matrix lay len_k apart, at
+// power-of-two lengths all in the same few cache sets).
+int64_t key_tiles_size(int64_t len, int64_t cols) { return ceil_div(len, kBlockK) * kBlockK * cols; }
+
+template <typename T, typename A>
+void load_key_tiles_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t len, int64_t cols, A* tiles) {
+  for (int64_t row0 = 0; row0 < len; row0 += kBlockK) {
+    load_tile_transposed<T>(t, b, h, row0, std::min(kBlockK, len - row0), cols, tiles + row0 * cols, kBlockK);
   }
+}
+
+template <typename T, typename A>
+void store_key_tiles_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t len, int64_t cols,
+                                const A* tiles) {
+  T* base = static_cast<T*>(t.data) + b * t.stride_batch + h * t.stride_head;
+  for (int64_t r = 0; r < len; ++r) {
+    T* dst = base + r * t.stride_row;
+    const A* src = tiles + r / kBlockK * kBlockK * cols + r % kBlockK;
+    for (int64_t c = 0; c < cols; ++c) dst[c * t.stride_col] = static_cast<T>(src[c * kBlockK]);
+  }
+}
+
+// c (m x n) = a (m x k) b (k x n), or c += a b where accumulate, for row-major
+// tiles whose rows lie lda, ldb and ldc apart. float through ATen's CPU
+// batch-reduce GEMM on the raw pointers (oneDNN's JIT kernels where the CPU has
+// AVX2, else torch's BLAS): no tensors, no dispatch, and no packing of
+// transposed operands (the tiles are loaded in the layout each product reads):
+// a third less time than at::mm on 128 x 128 x 64 tiles, 40% less on 64-row
+// ones. double through at::mm on strided views. The sum of a product is formed
+// apart before c is added: blockwise summation, which keeps long float sums accurate.
+void matmul(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+            int64_t ldc, bool accumulate = false) {
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c);
+}
+
+void matmul(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const double* b, int64_t ldb, double* c,
+            int64_t ldc, bool accumulate = false) {
+  const auto options = at::TensorOptions().dtype(at::kDouble);
+  auto matrix = [&](const double* data, int64_t rows, int64_t cols, int64_t ld) {
+    return at::from_blob(const_cast<double*>(data), {rows, cols}, {ld, 1}, options);
+  };
+  at::Tensor out = matrix(c, m, n, ldc);
+  if (accumulate) {
+    out.addmm_(matrix(a, m, k, lda), matrix(b, k, n, ldb));
+  } else {
+    at::mm_out(out, matrix(a, m, k, lda), matrix(b, k, n, ldb));
+  }
+}
+
+// n values converted from one type to another (a loop the compiler vectorizes).
+template <typename From, typename To>
+void convert(const From* from, int64_t n, To* to) {
+  for (int64_t i = 0; i < n; ++i) to[i] = static_cast<To>(from[i]);
 }
 
 // n dense values as a tensor, for ATen's elementwise functions, which run the
@@ -185,6 +233,26 @@ FLASHATTN_EXT_CPU_CLONES void exp_in_place(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = exp_float(x[i]);
 }
 
+// x[i] = e^(x[i] - shift) over n values, returning their sum (in kLanes
+// chains, see sum_of): the forward's softmax of a row in one sweep.
+FLASHATTN_EXT_CPU_CLONES float exp_shifted_sum(float* x, int64_t n, float shift) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      x[i + l] = exp_float(x[i + l] - shift);
+      lanes[l] += x[i + l];
+    }
+  }
+  for (; i < n; ++i) {
+    x[i] = exp_float(x[i] - shift);
+    lanes[0] += x[i];
+  }
+  float total = 0;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
 // A tile in the accumulation type A and, for the products, in the GEMM type G:
 // the same memory where the two agree, else a copy, converted on request. The
 // A values live in the tile's own memory, or in the caller's (place_acc).
@@ -207,12 +275,12 @@ class DualTile {
   }
   // The first n values, from acc to gemm (rounded), before a product reads them.
   G* to_gemm(int64_t n) {
-    if constexpr (!kShared) tile_tensor(gemm_.data(), n).copy_(tile_tensor(acc_ptr_, n));
+    if constexpr (!kShared) convert(acc_ptr_, n, gemm_.data());
     return gemm();
   }
   // The first n values, from gemm to acc, after a product wrote them.
   A* from_gemm(int64_t n) {
-    if constexpr (!kShared) tile_tensor(acc_ptr_, n).copy_(tile_tensor(gemm_.data(), n));
+    if constexpr (!kShared) convert(gemm_.data(), n, acc_ptr_);
     return acc();
   }
   // exp of the first n values of acc, in G: where A is double for float32
@@ -235,16 +303,18 @@ class DualTile {
   A* acc_ptr_;
 };
 
-// acc (m x n, type A) += op(a) op(b) (see tile_matmul), the product in G: into
-// acc directly where the types agree, else through scratch (m x n).
+// acc (m x n, type A, rows ld_acc apart) += a b (see matmul), the product in
+// G: into acc directly where the types agree, else through scratch (m x n).
 template <typename A, typename G>
-void add_product(const G* a, bool transpose_a, const G* b, bool transpose_b, int64_t m, int64_t n, int64_t k, A* acc,
-                 G* scratch) {
+void add_product(int64_t m, int64_t n, int64_t k, const G* a, int64_t lda, const G* b, int64_t ldb, A* acc,
+                 int64_t ld_acc, G* scratch) {
   if constexpr (std::is_same_v<A, G>) {
-    tile_matmul(a, transpose_a, b, transpose_b, m, n, k, acc, /*accumulate=*/true);
+    matmul(m, n, k, a, lda, b, ldb, acc, ld_acc, /*accumulate=*/true);
   } else {
-    tile_matmul(a, transpose_a, b, transpose_b, m, n, k, scratch);
-    for (int64_t i = 0; i < m * n; ++i) acc[i] += static_cast<A>(scratch[i]);
+    matmul(m, n, k, a, lda, b, ldb, scratch, n);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) acc[i * ld_acc + j] += static_cast<A>(scratch[i * n + j]);
+    }
   }
 }
 
@@ -318,15 +388,16 @@ struct HeadDropout {
   }
 };
 
-// scores[r][c] = scale * <q_r, k_c> (in A), softcapped (softcap > 0; its
+// scores[r][c] = scale * <q_r, k_c> (in A; k transposed: key c is column c of
+// k_t, whose rows lie ld_k apart), softcapped (softcap > 0; its
 // derivative into softcap_grad where given), less ALiBi's alibi_slope times the
 // distance from the diagonal (slope 0: none), with the mask applied, or -inf
 // where query row0 + r may not see key col0 + c.
 template <typename T, typename A, typename G>
-void compute_scores(const G* q, const G* k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
+void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
                     A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
                     DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
-  tile_matmul(q, false, k, true, rows, cols, dim, score_tile.gemm());
+  matmul(rows, cols, dim, q, dim, k_t, ld_k, score_tile.gemm(), cols);
   A* scores = score_tile.from_gemm(rows * cols);
   for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
@@ -359,8 +430,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<G> q(kBlockQ * dim), k(kBlockK * dim), v(kBlockK * dim_v), tile_out(kBlockQ * dim_v);
-    std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ);
+    std::vector<G> q(kBlockQ * dim), k_t(dim * kBlockK), v(kBlockK * dim_v), tile_out(kBlockQ * dim_v);
+    std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
@@ -381,37 +452,43 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t key_end = vis.key_end(row0 + rows - 1);
       for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
-        load_tile<T>(params.k, b, h_kv, col0, cols, dim, k.data());
+        load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, k_t.data(), kBlockK);
         if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k.data(), rows, cols, dim, scale, softcap, slope, vis, mask, row0, col0, score_tile);
+        compute_scores(q.data(), k_t.data(), kBlockK, rows, cols, dim, scale, softcap, slope, vis, mask, row0, col0,
+                       score_tile);
         A* scores = score_tile.acc();
 
         // Online softmax: fold this tile into the running max, sum and output.
-        // The scores less the new row max, then one exp over the whole tile.
         for (int64_t r = 0; r < rows; ++r) {
-          A* s = &scores[r * cols];
-          const A new_max = std::max(row_max[r], max_of(s, cols));
+          const A new_max = std::max(row_max[r], max_of(&scores[r * cols], cols));
           // A row with nothing visible yet keeps max -inf: subtract 0 (its
           // scores are all -inf, and exp gives 0) rather than -inf (NaN).
-          const A max_used = new_max == kNegInf<A> ? A(0) : new_max;
+          max_used[r] = new_max == kNegInf<A> ? A(0) : new_max;
           rescale[r] = new_max == kNegInf<A> ? A(1) : std::exp(row_max[r] - new_max);  // 0 on the first visible tile
           row_max[r] = new_max;
-          for (int64_t c = 0; c < cols; ++c) s[c] -= max_used;
         }
-        score_tile.exp_in_gemm_type(rows * cols);
-        for (int64_t r = 0; r < rows; ++r) {
-          A* s = &scores[r * cols];
-          row_sum[r] = row_sum[r] * rescale[r] + sum_of(s, cols);
-          // Dropout applies to the probabilities after the (undropped) row sum.
-          if (dropout.enabled) {
-            for (int64_t c = 0; c < cols; ++c) s[c] *= dropout.factor(row0 + r, col0 + c);
+        if constexpr (std::is_same_v<A, float>) {  // exp, less the max, and sum in one sweep of each row
+          for (int64_t r = 0; r < rows; ++r) {
+            row_sum[r] = row_sum[r] * rescale[r] + exp_shifted_sum(&scores[r * cols], cols, max_used[r]);
+          }
+        } else {  // the scores less the row max, then one exp over the tile in G
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] -= max_used[r];
+          }
+          score_tile.exp_in_gemm_type(rows * cols);
+          for (int64_t r = 0; r < rows; ++r) row_sum[r] = row_sum[r] * rescale[r] + sum_of(&scores[r * cols], cols);
+        }
+        // Dropout applies to the probabilities after the (undropped) row sum.
+        if (dropout.enabled) {
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] *= dropout.factor(row0 + r, col0 + c);
           }
         }
         if constexpr (kWithOutput) {
           // The tile's share is summed apart and then added: blockwise
           // summation keeps the rounding error of long float32 sums down.
           const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
-          tile_matmul(probs, false, v.data(), false, rows, dim_v, cols, tile_out.data());
+          matmul(rows, dim_v, cols, probs, cols, v.data(), dim_v, tile_out.data(), dim_v);
           for (int64_t r = 0; r < rows; ++r) {
             A* o = &acc[r * dim_v];
             for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale[r] + static_cast<A>(tile_out[r * dim_v + d]);
@@ -434,18 +511,19 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 }
 
 // For one (query tile, key tile) pair: recomputes P = exp(S - lse) into
-// prob_tile and dP = dO V^T into dscore_tile (both halves of each).
+// prob_tile and dP = dO V^T into dscore_tile (both halves of each); k_t and
+// v_t hold the tile's keys and values as columns, rows ld_kv apart.
 // Rows with lse = -inf see no key. With softcapping, softcap_grad receives the
 // cap's derivative, for the caller to carry dS through it (see
 // raw_score_gradient). (b, h): the head, for ALiBi's slope.
 template <typename T, typename A, typename G>
-void recompute_probabilities(const G* q, const G* k, const G* v, const G* dout, const A* lse, int64_t rows,
-                             int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
+void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_kv, const G* dout, const A* lse,
+                             int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
                              const HeadMask<T, A>& mask, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
                              DualTile<A, G>& dscore_tile, A* softcap_grad) {
-  compute_scores(q, k, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap),
+  compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap),
                  static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
-  tile_matmul(dout, false, v, true, rows, cols, p.head_dim_v, dscore_tile.gemm());
+  matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
   dscore_tile.from_gemm(rows * cols);
   A* probs = prob_tile.acc();
   // P = exp(S - lse), one exp over the tile; a row that sees no key (lse -inf)
@@ -491,7 +569,7 @@ const G* as_gemm(const A* x, int64_t n, G* scratch) {
   if constexpr (std::is_same_v<A, G>) {
     return x;
   } else {
-    tile_tensor(scratch, n).copy_(tile_tensor(const_cast<A*>(x), n));
+    convert(x, n, scratch);
     return scratch;
   }
 }
@@ -557,7 +635,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   const int64_t pairs = p.batch * p.heads_kv, items = group * q_blocks;
   const int64_t splits = std::clamp<int64_t>(ceil_div(2 * at::get_num_threads(), std::max<int64_t>(pairs, 1)), 1,
                                              std::max<int64_t>(items, 1));
-  const int64_t partial_size = p.len_k * (dim + dim_v);  // a task's dK, then dV
+  const int64_t partial_size = key_tiles_size(p.len_k, dim + dim_v);  // a task's dK^T, then dV^T
   // A thread's P and dP of a query block against all its keys (see backward_keeps_tiles).
   const bool cached = backward_keeps_tiles<A>(p);
   TORCH_INTERNAL_ASSERT(cached || !renormalize, "renormalizing P needs the kept tiles");
@@ -565,9 +643,14 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<G> k(p.len_k * dim), v(p.len_k * dim_v), q(kBlockQ * dim), dout(kBlockQ * dim_v),
+    // K as rows (for dQ) and as columns (for S), V as columns (for dP), Q and
+    // dO as rows (for S and dP) and as columns (for dK^T and dV^T).
+    std::vector<G> k(p.len_k * dim), k_t(key_tiles_size(p.len_k, dim)), v_t(key_tiles_size(p.len_k, dim_v)),
+        q(kBlockQ * dim),
+        q_t(dim * kBlockQ), dout(kBlockQ * dim_v), dout_t(dim_v * kBlockQ),
         product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
-    std::vector<A> dk(p.len_k * dim), dv(p.len_k * dim_v),
+    // dK and dV transposed, in key tiles (see key_tiles_size).
+    std::vector<A> dk_t(key_tiles_size(p.len_k, dim)), dv_t(key_tiles_size(p.len_k, dim_v)),
         softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dq(kBlockQ * dim), delta(kBlockQ),
         row_norm(kBlockQ);
     // P, dS, and P Z (with dropout: what the output used)
@@ -578,9 +661,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
       load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
-      load_tile<T>(params.v, b, h_kv, 0, p.len_k, dim_v, v.data());
-      std::fill(dk.begin(), dk.end(), A(0));
-      std::fill(dv.begin(), dv.end(), A(0));
+      load_key_tiles_transposed<T>(params.k, b, h_kv, p.len_k, dim, k_t.data());
+      load_key_tiles_transposed<T>(params.v, b, h_kv, p.len_k, dim_v, v_t.data());
+      std::fill(dk_t.begin(), dk_t.end(), A(0));
+      std::fill(dv_t.begin(), dv_t.end(), A(0));
       for (int64_t item = split; item < items; item += splits) {
         const int64_t h = h_kv * group + item / q_blocks, q_block = item % q_blocks;
         const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
@@ -589,7 +673,9 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const int64_t rows = std::min(kBlockQ, p.len_q - row0);
         const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
         load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+        load_tile_transposed<T>(params.q, b, h, row0, rows, dim, q_t.data(), kBlockQ);
         load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
+        load_tile_transposed<T>(params.dout, b, h, row0, rows, dim_v, dout_t.data(), kBlockQ);
         const int64_t key_end = vis.key_end(row0 + rows - 1);
         // Calls tile(col0, cols) for each block of keys these rows see.
         auto for_each_key_tile = [&](auto&& tile) {
@@ -599,7 +685,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         };
         // P and dP of one tile pair, recomputed into prob_tile and dscore_tile.
         auto recompute = [&](int64_t col0, int64_t cols) {
-          recompute_probabilities(q.data(), k.data() + col0 * dim, v.data() + col0 * dim_v, dout.data(), lse, rows,
+          recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(), lse, rows,
                                   cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile, softcap_grad.data());
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
@@ -682,19 +768,22 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
           }
           raw_score_gradient(dscores, softcap_grad.data(), rows * cols, scale, p.softcap > 0.0);
           const G* dscores_g = as_gemm(dscores, rows * cols, dscore_tile.gemm());
-          add_product(used, true, dout.data(), false, cols, dim_v, rows, dv.data() + col0 * dim_v, product.data());
-          add_product(dscores_g, true, q.data(), false, cols, dim, rows, dk.data() + col0 * dim, product.data());
-          add_product(dscores_g, false, k.data() + col0 * dim, false, rows, dim, cols, dq.data(), product.data());
+          // dV^T += dO^T (P Z), dK^T += Q^T dS, dQ += dS K.
+          add_product(dim_v, cols, rows, dout_t.data(), kBlockQ, used, cols, dv_t.data() + col0 * dim_v, kBlockK,
+                      product.data());
+          add_product(dim, cols, rows, q_t.data(), kBlockQ, dscores_g, cols, dk_t.data() + col0 * dim, kBlockK,
+                      product.data());
+          add_product(rows, dim, cols, dscores_g, cols, k.data() + col0 * dim, dim, dq.data(), dim, product.data());
         });
         store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
       }
       if (splits == 1) {
-        store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, dk.data());
-        store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, dv.data());
+        store_key_tiles_transposed<T>(params.dk, b, h_kv, p.len_k, dim, dk_t.data());
+        store_key_tiles_transposed<T>(params.dv, b, h_kv, p.len_k, dim_v, dv_t.data());
       } else {
         A* partial = partials.data() + task * partial_size;
-        std::copy(dk.begin(), dk.end(), partial);
-        std::copy(dv.begin(), dv.end(), partial + p.len_k * dim);
+        std::copy(dk_t.begin(), dk_t.end(), partial);
+        std::copy(dv_t.begin(), dv_t.end(), partial + dk_t.size());
       }
     }
   });
@@ -708,8 +797,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const A* partial = partials.data() + (pair * splits + split) * partial_size;
         for (int64_t i = 0; i < partial_size; ++i) sum[i] += partial[i];
       }
-      store_tile<T>(params.dk, b, h_kv, 0, p.len_k, dim, sum.data());
-      store_tile<T>(params.dv, b, h_kv, 0, p.len_k, dim_v, sum.data() + p.len_k * dim);
+      store_key_tiles_transposed<T>(params.dk, b, h_kv, p.len_k, dim, sum.data());
+      store_key_tiles_transposed<T>(params.dv, b, h_kv, p.len_k, dim_v, sum.data() + key_tiles_size(p.len_k, dim));
     }
   });
 }
