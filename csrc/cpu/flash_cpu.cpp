@@ -20,7 +20,7 @@
 namespace flashattn_ext::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 128;  // query rows per task
+constexpr int64_t kBlockQ = 128;  // query rows per task, at most (see query_block_rows)
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
 // Per thread: the backward's P and dP of a query block, kept between its two passes where they fit.
 constexpr int64_t kCacheBytes = int64_t{32} << 20;
@@ -44,6 +44,17 @@ template <typename T>
 using Lse = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Query rows per block: kBlockQ, halved (to 32 at least) while the (batch,
+// query head, block) items would number fewer than four a thread: at small
+// shapes smaller blocks keep every thread busy, and shorten the longest task
+// (causal blocks grow longer down the rows).
+int64_t query_block_rows(const AttentionProblem& p) {
+  const int64_t wanted = 4 * int64_t{at::get_num_threads()};
+  int64_t rows = kBlockQ;
+  while (rows > 32 && p.batch * p.heads_q * ceil_div(p.len_q, rows) < wanted) rows /= 2;
+  return rows;
+}
 
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
@@ -425,7 +436,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
-  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
+  const int64_t block_q = query_block_rows(p);
+  const int64_t q_blocks = ceil_div(p.len_q, block_q);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
 
@@ -438,8 +450,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t h = (task / q_blocks) % p.heads_q;
       const int64_t b = task / (q_blocks * p.heads_q);
       const int64_t h_kv = h / group;
-      const int64_t row0 = q_block * kBlockQ;
-      const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+      const int64_t row0 = q_block * block_q;
+      const int64_t rows = std::min(block_q, p.len_q - row0);
 
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       const HeadDropout<A> dropout(params.dropout, p, b, h);
@@ -623,7 +635,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_q / p.heads_kv;
-  const int64_t q_blocks = ceil_div(p.len_q, kBlockQ);
+  const int64_t block_q = query_block_rows(p);
+  const int64_t q_blocks = ceil_div(p.len_q, block_q);
   const Visibility vis(p);
   const A scale = static_cast<A>(p.scale);
   const std::vector<A> zeros(kBlockQ, A(0));
@@ -669,8 +682,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const int64_t h = h_kv * group + item / q_blocks, q_block = item % q_blocks;
         const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
         const HeadDropout<A> dropout(params.dropout, p, b, h);
-        const int64_t row0 = q_block * kBlockQ;
-        const int64_t rows = std::min(kBlockQ, p.len_q - row0);
+        const int64_t row0 = q_block * block_q;
+        const int64_t rows = std::min(block_q, p.len_q - row0);
         const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
         load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
         load_tile_transposed<T>(params.q, b, h, row0, rows, dim, q_t.data(), kBlockQ);
