@@ -132,6 +132,15 @@ void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64
   }
 }
 
+// Query rows as load_tile loads them, times the softmax scale: the scores come
+// out of their product scaled, without a pass over every score tile.
+template <typename T, typename G>
+void load_scaled_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t dim,
+                         double scale, G* tile) {
+  load_tile<T>(q, b, h, row0, rows, dim, tile);
+  for (int64_t i = 0; i < rows * dim; ++i) tile[i] *= static_cast<G>(scale);
+}
+
 // The backward holds a head's keys and values, and sums dK and dV, transposed
 // in tiles of kBlockK keys: tile t (keys t * kBlockK on) is a dense cols x
 // kBlockK block at t * cols * kBlockK, so that a product reads or adds to a
@@ -399,18 +408,18 @@ struct HeadDropout {
   }
 };
 
-// scores[r][c] = scale * <q_r, k_c> (in A; k transposed: key c is column c of
-// k_t, whose rows lie ld_k apart), softcapped (softcap > 0; its
+// scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
+// load_scaled_queries; k transposed: key c is column c of k_t, whose rows lie
+// ld_k apart), softcapped (softcap > 0; its
 // derivative into softcap_grad where given), less ALiBi's alibi_slope times the
 // distance from the diagonal (slope 0: none), with the mask applied, or -inf
 // where query row0 + r may not see key col0 + c.
 template <typename T, typename A, typename G>
-void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A scale, A softcap,
+void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A softcap,
                     A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
                     DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
   matmul(rows, cols, dim, q, dim, k_t, ld_k, score_tile.gemm(), cols);
   A* scores = score_tile.from_gemm(rows * cols);
-  for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale;
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
   if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
@@ -439,7 +448,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const int64_t block_q = query_block_rows(p);
   const int64_t q_blocks = ceil_div(p.len_q, block_q);
   const Visibility vis(p);
-  const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
+  const A softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<G> q(kBlockQ * dim), k_t(dim * kBlockK), v(kBlockK * dim_v), tile_out(kBlockQ * dim_v);
@@ -456,7 +465,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       const HeadDropout<A> dropout(params.dropout, p, b, h);
       const A slope = static_cast<A>(alibi_slope(p, b, h));
-      load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+      load_scaled_queries<T>(params.q, b, h, row0, rows, dim, p.scale, q.data());
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
       std::fill(row_sum.begin(), row_sum.end(), A(0));
@@ -466,7 +475,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, k_t.data(), kBlockK);
         if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k_t.data(), kBlockK, rows, cols, dim, scale, softcap, slope, vis, mask, row0, col0,
+        compute_scores(q.data(), k_t.data(), kBlockK, rows, cols, dim, softcap, slope, vis, mask, row0, col0,
                        score_tile);
         A* scores = score_tile.acc();
 
@@ -533,7 +542,7 @@ void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_
                              int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
                              const HeadMask<T, A>& mask, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
                              DualTile<A, G>& dscore_tile, A* softcap_grad) {
-  compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, static_cast<A>(p.scale), static_cast<A>(p.softcap),
+  compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, static_cast<A>(p.softcap),
                  static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
   matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
   dscore_tile.from_gemm(rows * cols);
@@ -685,7 +694,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const int64_t row0 = q_block * block_q;
         const int64_t rows = std::min(block_q, p.len_q - row0);
         const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
-        load_tile<T>(params.q, b, h, row0, rows, dim, q.data());
+        load_scaled_queries<T>(params.q, b, h, row0, rows, dim, p.scale, q.data());
         load_tile_transposed<T>(params.q, b, h, row0, rows, dim, q_t.data(), kBlockQ);
         load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
         load_tile_transposed<T>(params.dout, b, h, row0, rows, dim_v, dout_t.data(), kBlockQ);
