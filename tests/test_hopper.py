@@ -462,7 +462,8 @@ KEY_BLOCK_BACKWARD_SHAPES = [(2, 4, 2, 300, 1008, 128), (2, 3, 3, 257, 1280, 112
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
-@pytest.mark.parametrize("shape", KEY_BLOCK_BACKWARD_SHAPES, ids=["x".join(map(str, s)) for s in KEY_BLOCK_BACKWARD_SHAPES])
+@pytest.mark.parametrize("shape", KEY_BLOCK_BACKWARD_SHAPES,
+                         ids=["x".join(map(str, s)) for s in KEY_BLOCK_BACKWARD_SHAPES])
 def test_backward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask_shape, causal, dtype):
     """The backward reads the same map: a block of 128 keys that the mask hides for every query head
     of its group streams nothing and gets dk = dv = 0 exactly; one it hides none of runs unmasked; the

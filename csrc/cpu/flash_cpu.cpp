@@ -539,9 +539,9 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // raw_score_gradient). (b, h): the head, for ALiBi's slope.
 template <typename T, typename A, typename G>
 void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_kv, const G* dout, const A* lse,
-                             int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h, const Visibility& vis,
-                             const HeadMask<T, A>& mask, int64_t row0, int64_t col0, DualTile<A, G>& prob_tile,
-                             DualTile<A, G>& dscore_tile, A* softcap_grad) {
+                             int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h,
+                             const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+                             DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad) {
   compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, static_cast<A>(p.softcap),
                  static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
   matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
@@ -707,8 +707,9 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         };
         // P and dP of one tile pair, recomputed into prob_tile and dscore_tile.
         auto recompute = [&](int64_t col0, int64_t cols) {
-          recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(), lse, rows,
-                                  cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile, softcap_grad.data());
+          recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(),
+                                  lse, rows, cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile,
+                                  softcap_grad.data());
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
         // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
