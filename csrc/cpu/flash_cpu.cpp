@@ -28,7 +28,9 @@ constexpr int64_t kCacheBytes = int64_t{32} << 20;
 // The backward's softmax and every sum run in Acc: float for 16-bit types,
 // double for float and double (the forward's: see forward_tiles). (In float
 // the backward's P = exp(S - lse) carried |lse| units of rounding: float32
-// gradients came out up to 3x less accurate than torch's math backend.)
+// gradients came out up to 3x less accurate than torch's math backend.) The
+// float32 backward that keeps its tiles runs in float, its P renormalized
+// instead (see attention_backward).
 template <typename T>
 using Acc = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<T, float>, double, float>;
 
@@ -839,27 +841,23 @@ void attention_backward(const BwdParams& params) {
   const AttentionProblem& p = params.problem;
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (p.heads_kv == 0) return;  // no heads: nothing to compute
-  // The backward recomputes P = exp(S - lse) with lse in the accumulation type.
-  // Where the saved lse is narrower (float inputs), P is renormalized instead
-  // where the tiles are kept (see backward_tiles), else lse is computed again.
   if constexpr (std::is_same_v<Lse<T>, A>) {
     backward_tiles<T>(params, static_cast<const A*>(params.lse));
+  } else if (backward_keeps_tiles<float>(p)) {
+    // float32 where the tiles are kept: all in float, as torch's backward runs. The saved lse's
+    // rounding is a factor common to a row's P, which renormalizing removes (see backward_tiles).
+    backward_tiles<T, float>(params, static_cast<const float*>(params.lse), /*renormalize=*/true);
   } else {
+    // Otherwise P = exp(S - lse) with lse computed again in A (see Acc).
     std::vector<A> lse(rows);
-    const bool renormalize = backward_keeps_tiles<A>(p);
-    if (renormalize) {
-      const auto* saved = static_cast<const Lse<T>*>(params.lse);
-      std::copy(saved, saved + rows, lse.begin());
-    } else {
-      FwdParams lse_pass;
-      lse_pass.problem = p;
-      lse_pass.q = params.q;
-      lse_pass.k = params.k;
-      lse_pass.mask_kind = params.mask_kind;
-      lse_pass.mask = params.mask;
-      forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
-    }
-    backward_tiles<T>(params, lse.data(), renormalize);
+    FwdParams lse_pass;
+    lse_pass.problem = p;
+    lse_pass.q = params.q;
+    lse_pass.k = params.k;
+    lse_pass.mask_kind = params.mask_kind;
+    lse_pass.mask = params.mask;
+    forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
+    backward_tiles<T>(params, lse.data());
   }
 }
 
