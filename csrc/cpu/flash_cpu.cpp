@@ -453,7 +453,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const A softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<G> q(kBlockQ * dim), k_t(dim * kBlockK), v(kBlockK * dim_v), tile_out(kBlockQ * dim_v);
+    // The keys (transposed, in key tiles: see key_tiles_size) and values of the
+    // head the thread's last task read, each tile loaded once for all the
+    // head's query blocks (a thread's tasks are consecutive: the blocks of one
+    // head, then the next), keys_loaded[t] keys of tile t.
+    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(p.len_k, dim)), v(key_tiles_size(p.len_k, dim_v)),
+        tile_out(kBlockQ * dim_v);
+    std::vector<int64_t> keys_loaded(ceil_div(p.len_k, kBlockK));
+    int64_t loaded_head = -1;
     std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
     for (int64_t task = begin; task < end; ++task) {
@@ -461,6 +468,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t h = (task / q_blocks) % p.heads_q;
       const int64_t b = task / (q_blocks * p.heads_q);
       const int64_t h_kv = h / group;
+      if (b * p.heads_kv + h_kv != loaded_head) {
+        loaded_head = b * p.heads_kv + h_kv;
+        std::fill(keys_loaded.begin(), keys_loaded.end(), 0);
+      }
       const int64_t row0 = q_block * block_q;
       const int64_t rows = std::min(block_q, p.len_q - row0);
 
@@ -475,10 +486,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t key_end = vis.key_end(row0 + rows - 1);
       for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
-        load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, k_t.data(), kBlockK);
-        if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, v.data());
-        compute_scores(q.data(), k_t.data(), kBlockK, rows, cols, dim, softcap, slope, vis, mask, row0, col0,
-                       score_tile);
+        G* keys = k_t.data() + col0 * dim;
+        G* values = v.data() + col0 * dim_v;
+        if (int64_t& loaded = keys_loaded[col0 / kBlockK]; loaded < cols) {
+          load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, keys, kBlockK);
+          if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, values);
+          loaded = cols;
+        }
+        compute_scores(q.data(), keys, kBlockK, rows, cols, dim, softcap, slope, vis, mask, row0, col0, score_tile);
         A* scores = score_tile.acc();
 
         // Online softmax: fold this tile into the running max, sum and output.
@@ -511,7 +526,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           // The tile's share is summed apart and then added: blockwise
           // summation keeps the rounding error of long float32 sums down.
           const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
-          matmul(rows, dim_v, cols, probs, cols, v.data(), dim_v, tile_out.data(), dim_v);
+          matmul(rows, dim_v, cols, probs, cols, values, dim_v, tile_out.data(), dim_v);
           for (int64_t r = 0; r < rows; ++r) {
             A* o = &acc[r * dim_v];
             for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale[r] + static_cast<A>(tile_out[r * dim_v + d]);
