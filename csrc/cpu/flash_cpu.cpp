@@ -457,8 +457,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     // head the thread's last task read, each tile loaded once for all the
     // head's query blocks (a thread's tasks are consecutive: the blocks of one
     // head, then the next), keys_loaded[t] keys of tile t.
-    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(p.len_k, dim)), v(key_tiles_size(p.len_k, dim_v)),
-        tile_out(kBlockQ * dim_v);
+    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(p.len_k, dim)), v(key_tiles_size(p.len_k, dim_v));
     std::vector<int64_t> keys_loaded(ceil_div(p.len_k, kBlockK));
     int64_t loaded_head = -1;
     std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
@@ -523,14 +522,15 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           }
         }
         if constexpr (kWithOutput) {
-          // The tile's share is summed apart and then added: blockwise
-          // summation keeps the rounding error of long float32 sums down.
+          // o = o * rescale + P V, the product added to o in place (A is G
+          // here). matmul sums the tile's share apart before adding it:
+          // blockwise summation keeps the rounding error of long float32 sums down.
+          static_assert(std::is_same_v<A, G>);
           const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
-          matmul(rows, dim_v, cols, probs, cols, values, dim_v, tile_out.data(), dim_v);
           for (int64_t r = 0; r < rows; ++r) {
-            A* o = &acc[r * dim_v];
-            for (int64_t d = 0; d < dim_v; ++d) o[d] = o[d] * rescale[r] + static_cast<A>(tile_out[r * dim_v + d]);
+            for (int64_t d = 0; d < dim_v; ++d) acc[r * dim_v + d] *= rescale[r];
           }
+          matmul(rows, dim_v, cols, probs, cols, values, dim_v, acc.data(), dim_v, /*accumulate=*/true);
         }
       }
 
