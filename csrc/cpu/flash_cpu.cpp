@@ -24,6 +24,9 @@ constexpr int64_t kBlockQ = 128;  // query rows per task, at most (see query_blo
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
 // Per thread: the backward's P and dP of a query block, kept between its two passes where they fit.
 constexpr int64_t kCacheBytes = int64_t{32} << 20;
+// Per thread: the forward's keys and values of a head, loaded once for all its query blocks where they fit
+// (else one tile at a time: long sequences keep the forward's memory independent of their length).
+constexpr int64_t kHeadKeysBytes = int64_t{16} << 20;
 
 // The backward's softmax and every sum run in Acc: float for 16-bit types,
 // double for float and double (the forward's: see forward_tiles). (In float
@@ -456,9 +459,12 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     // The keys (transposed, in key tiles: see key_tiles_size) and values of the
     // head the thread's last task read, each tile loaded once for all the
     // head's query blocks (a thread's tasks are consecutive: the blocks of one
-    // head, then the next), keys_loaded[t] keys of tile t.
-    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(p.len_k, dim)), v(key_tiles_size(p.len_k, dim_v));
-    std::vector<int64_t> keys_loaded(ceil_div(p.len_k, kBlockK));
+    // head, then the next), keys_loaded[t] keys of tile t. Where a head's do
+    // not fit in kHeadKeysBytes, one tile, loaded for each use.
+    const bool keep_head = key_tiles_size(p.len_k, dim + dim_v) * int64_t{sizeof(G)} <= kHeadKeysBytes;
+    const int64_t kept_keys = keep_head ? p.len_k : kBlockK;
+    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(kept_keys, dim)), v(key_tiles_size(kept_keys, dim_v));
+    std::vector<int64_t> keys_loaded(ceil_div(kept_keys, kBlockK));
     int64_t loaded_head = -1;
     std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
@@ -485,9 +491,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t key_end = vis.key_end(row0 + rows - 1);
       for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
-        G* keys = k_t.data() + col0 * dim;
-        G* values = v.data() + col0 * dim_v;
-        if (int64_t& loaded = keys_loaded[col0 / kBlockK]; loaded < cols) {
+        const int64_t tile = keep_head ? col0 / kBlockK : 0;
+        G* keys = k_t.data() + tile * kBlockK * dim;
+        G* values = v.data() + tile * kBlockK * dim_v;
+        if (int64_t& loaded = keys_loaded[tile]; !keep_head || loaded < cols) {
           load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, keys, kBlockK);
           if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, values);
           loaded = cols;
