@@ -415,10 +415,10 @@ struct HeadDropout {
 
 // scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
 // load_scaled_queries; k transposed: key c is column c of k_t, whose rows lie
-// ld_k apart), softcapped (softcap > 0; its
-// derivative into softcap_grad where given), less ALiBi's alibi_slope times the
-// distance from the diagonal (slope 0: none), with the mask applied, or -inf
-// where query row0 + r may not see key col0 + c.
+// ld_k apart), softcapped (softcap > 0; its derivative into softcap_grad where
+// given), less ALiBi's alibi_slope times the distance from the diagonal (slope
+// 0: none), with the mask applied, or -inf where query row0 + r may not see key
+// col0 + c.
 template <typename T, typename A, typename G>
 void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A softcap,
                     A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
