@@ -146,11 +146,12 @@ void load_scaled_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t ro
   for (int64_t i = 0; i < rows * dim; ++i) tile[i] *= static_cast<G>(scale);
 }
 
-// The backward holds a head's keys and values, and sums dK and dV, transposed
-// in tiles of kBlockK keys: tile t (keys t * kBlockK on) is a dense cols x
-// kBlockK block at t * cols * kBlockK, so that a product reads or adds to a
-// compact block (columns of one len_k-wide matrix lay len_k apart, at
-// power-of-two lengths all in the same few cache sets).
+// A head's keys and values (the backward's, and the forward's where they fit),
+// and the backward's dK and dV sums, lie transposed in tiles of kBlockK keys:
+// tile t (keys t * kBlockK on) is a dense cols x kBlockK block at t * cols *
+// kBlockK, so that a product reads or adds to a compact block (columns of one
+// len_k-wide matrix lay len_k apart, at power-of-two lengths all in the same
+// few cache sets).
 int64_t key_tiles_size(int64_t len, int64_t cols) { return ceil_div(len, kBlockK) * kBlockK * cols; }
 
 template <typename T, typename A>
