@@ -56,9 +56,13 @@ sys.path.insert(0, str(REPO))  # benchmark this checkout's flashattn_ext, not an
 
 try:
     from flashattn_ext import scaled_dot_product_attention as ext_attention
+    from flashattn_ext import set_dropout_bits
 except (ImportError, OSError) as import_error:  # still measure torch's backends; the ext's cells say why not
     def ext_attention(*args, _error=import_error, **kwargs):
         raise _error
+
+    def set_dropout_bits(bits):
+        pass
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -507,6 +511,8 @@ def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
         "The forward is timed with autograd recording; the backward is "
         "`torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)` on one saved forward.",
         "FLOPs follow the FlashAttention papers: forward 4·B·H·N²·D, halved when causal; backward 2.5× the forward.",
+        *([f"flashattn_ext's dropout draws {args.dropout_bits}-bit numbers (`set_dropout_bits`)."]
+          if args.dropout != [0.0] else []),
         "Providers: flashattn_ext, and torch's SDPA with one backend forced by `torch.nn.attention.sdpa_kernel` "
         f"(math only up to N={MATH_MAX_N}). — means the provider failed (see the notes) or was skipped.",
     ]
@@ -554,6 +560,8 @@ def parse_args(argv=None):
                         help="seconds after which no new row starts (default 200); the memory table still runs")
     parser.add_argument("--dropout", nargs="+", type=float, default=[0.0],
                         help="dropout_p values, each row measured once per value (default 0)")
+    parser.add_argument("--dropout-bits", type=int, choices=[8, 16], default=8,
+                        help="bits of flashattn_ext's dropout numbers (flashattn_ext.set_dropout_bits; default 8)")
     parser.add_argument("--masks", nargs="+", choices=MASKS, default=["none"],
                         help="attn_mask kinds, each non-causal row measured once per kind (default none)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
@@ -582,6 +590,7 @@ def main(argv=None) -> int:
         sys.exit("no CUDA device; use --device cpu for the smoke test")
     device = torch.device(args.device)
     torch.manual_seed(0)
+    set_dropout_bits(args.dropout_bits)
     today = datetime.date.today().isoformat()
     report = new_report(args, setup, device, today)
     if not report.providers:

@@ -1,19 +1,31 @@
 // Dropout's random numbers, shared by the CPU and CUDA kernels (no torch headers).
 //
-// Each (batch * heads_q + head, query, key) pair gets a 16-bit random number;
-// the pair is kept iff that number is at least round(dropout_p * 65536), so the
-// keep probability is 1 - dropout_p to within 2^-17. The numbers come from
-// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
-// 2011), keyed by the seed, in groups of eight pairs per call: queries {a, a+8}
-// x keys {c, c+1, c+8, c+9} with a % 16 < 8 and c % 16 < 8 even. That is one
-// thread's piece of a 16 x 16 block of mma.sync fragments, so a kernel whose
-// score rows are queries makes one call per eight scores, and one whose rows
-// are keys (S^T) one call per four.
+// Each (batch * heads_q + head, query, key) pair gets a random number of
+// `bits` bits, 8 (the default) or 16; the pair is kept iff that number is at
+// least dropout_threshold(p, bits) = round(p * 2^bits). So the drop
+// probability is p rounded to a multiple of 2^-bits (1/256 with 8 bits: 0.1
+// drops 26/256 = 0.1016), while a kept score is scaled by 1 / (1 - p) as in
+// torch's dropout. The bit count is chosen per call (set_dropout_bits) and
+// recorded in rng_state, so a backward draws what its forward drew.
+//
+// The numbers come from Philox4x32-10 (Salmon et al., "Parallel random
+// numbers: as easy as 1, 2, 3", 2011), keyed by the seed, for groups of 16
+// pairs: queries {a, a+1, a+8, a+9} x keys {c, c+1, c+8, c+9} with a and c even
+// and a % 16 < 8, c % 16 < 8. A lane of an mma.sync or wgmma fragment holds
+// half of a group, whether the fragment's rows are queries (S) or keys (S^T):
+// two rows of one parity x four columns. Of a pair, let qp = query % 2, kp =
+// key % 2, qh = (query % 16 >= 8) and kh = (key % 16 >= 8):
+//   8 bits: one Philox call a group; byte qh * 2 + kh of output qp * 2 + kp.
+//   16 bits: two calls a group, call qp; half kh of output kp * 2 + qh.
+// A lane pair of a fragment thus makes one call each for two groups and swaps
+// halves (8 bits), or one call for each of its own halves (16 bits, queries as
+// rows) (flash_common.cuh).
 //
 // The counter follows torch's Philox convention (curand's subsequence and
-// offset): its high 64 bits are the group's index, its low 64 bits offset / 4.
-// Every call reserves 4 of the generator's offset (one Philox output per
-// group), so calls on one generator never share a counter.
+// offset): its high 64 bits are the call's index (the group's with 8 bits,
+// 2 * group + qp with 16), its low 64 bits offset / 4. Every attention call
+// reserves 4 of the generator's offset, so calls on one generator never share
+// a counter.
 #pragma once
 
 #include <cstdint>
@@ -29,9 +41,13 @@ namespace flashattn_ext {
 // The generator offset that one call reserves.
 constexpr uint64_t kDropoutOffsetIncrement = 4;
 
-// What the kernels need for dropout. rng_state points at {seed, offset} in the
-// memory of the kernels that read it (device memory for CUDA): written by the
-// forward, read again by the backward, so that both see the same numbers.
+// rng_state's values: {seed, offset, bits}.
+constexpr int64_t kRngStateSize = 3;
+constexpr int kDefaultDropoutBits = 8;
+
+// What the kernels need for dropout. rng_state points at {seed, offset, bits}
+// in the memory of the kernels that read it (device memory for CUDA): written
+// by the forward, read again by the backward, so that both see the same numbers.
 struct DropoutParams {
   double p = 0.0;  // 0: no dropout
   const int64_t* rng_state = nullptr;
@@ -80,40 +96,43 @@ FLASHATTN_EXT_HOST_DEVICE PhiloxOutput philox4x32_10(uint64_t seed, uint64_t cou
   return {{c0, c1, c2, c3}};
 }
 
-// The 16-bit numbers below this one are dropped.
-FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_threshold(double p) {
-  const double scaled = p * 65536.0 + 0.5;
-  return scaled >= 65536.0 ? 65536u : static_cast<uint32_t>(scaled);
+// The numbers below this one are dropped: round(p * 2^bits).
+FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_threshold(double p, int bits) {
+  const double levels = static_cast<double>(1u << bits), scaled = p * levels + 0.5;
+  return scaled >= levels ? 1u << bits : static_cast<uint32_t>(scaled);
 }
 
 // The factor of a kept score: 1 / (1 - p), as in torch's dropout; 0 when p = 1.
 FLASHATTN_EXT_HOST_DEVICE double dropout_keep_scale(double p) { return p < 1.0 ? 1.0 / (1.0 - p) : 0.0; }
 
-// The Philox calls of one query row pair (a, a + 8) of a head: the step of
-// dropout_group from query a to a + 1.
-FLASHATTN_EXT_HOST_DEVICE int64_t dropout_key_quads(int64_t len_k) { return (len_k + 15) / 16 * 4; }
+// The groups along a query row (or key column) of length len: four a 16.
+FLASHATTN_EXT_HOST_DEVICE int64_t dropout_quads(int64_t len) { return (len + 15) / 16 * 4; }
+// The group column (row) of key (query) i.
+FLASHATTN_EXT_HOST_DEVICE int64_t dropout_quad(int64_t i) { return i / 16 * 4 + i % 8 / 2; }
 
-// The index of the Philox call that serves the pair (query, key) of head bh
-// (batch * heads_q + head), among all calls of one attention call.
+// The index of the group of the pair (query, key) of head bh (batch *
+// heads_q + head), among all groups of one attention call. Along a query row
+// the group grows by 4 a 16 keys; down a key column by 4 * dropout_quads(len_k)
+// a 16 queries.
 FLASHATTN_EXT_HOST_DEVICE uint64_t dropout_group(int64_t bh, int64_t query, int64_t key, int64_t len_q,
                                                  int64_t len_k) {
-  const int64_t query_pairs = (len_q + 15) / 16 * 8, key_quads = dropout_key_quads(len_k);
-  const int64_t query_pair = query / 16 * 8 + query % 8, key_quad = key / 16 * 4 + key % 8 / 2;
-  return static_cast<uint64_t>((bh * query_pairs + query_pair) * key_quads + key_quad);
+  return static_cast<uint64_t>((bh * dropout_quads(len_q) + dropout_quad(query)) * dropout_quads(len_k) +
+                               dropout_quad(key));
 }
 
-// Which of the group's eight 16-bit numbers belongs to (query, key).
-FLASHATTN_EXT_HOST_DEVICE int dropout_slot(int64_t query, int64_t key) {
-  return int(query % 16 >= 8) * 4 + int(key % 16 >= 8) * 2 + int(key % 2);
+// The Philox call of index `call` (see above), from the saved {seed, offset}.
+FLASHATTN_EXT_HOST_DEVICE PhiloxOutput dropout_call(uint64_t seed, uint64_t offset, uint64_t call) {
+  return philox4x32_10(seed, offset / 4, call);
 }
 
-// The group's eight numbers, from the saved {seed, offset}.
-FLASHATTN_EXT_HOST_DEVICE PhiloxOutput dropout_numbers(uint64_t seed, uint64_t offset, uint64_t group) {
-  return philox4x32_10(seed, offset / 4, group);
-}
-
-FLASHATTN_EXT_HOST_DEVICE bool dropout_keeps(const PhiloxOutput& numbers, int slot, uint32_t threshold) {
-  return ((numbers.x[slot / 2] >> (16 * (slot % 2))) & 0xFFFFu) >= threshold;
+// The random number of one pair (one Philox call: for code that needs single
+// pairs, not for the kernels' inner loops).
+FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_number(uint64_t seed, uint64_t offset, int bits, int64_t bh, int64_t query,
+                                                  int64_t key, int64_t len_q, int64_t len_k) {
+  const uint64_t group = dropout_group(bh, query, key, len_q, len_k);
+  const int qp = int(query % 2), kp = int(key % 2), qh = int(query % 16 >= 8), kh = int(key % 16 >= 8);
+  if (bits == 8) return dropout_call(seed, offset, group).x[qp * 2 + kp] >> (8 * (qh * 2 + kh)) & 0xFFu;
+  return dropout_call(seed, offset, 2 * group + qp).x[kp * 2 + qh] >> (16 * kh) & 0xFFFFu;
 }
 
 }  // namespace flashattn_ext

@@ -7,12 +7,27 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace flashattn_ext {
+namespace {
+
+std::atomic<int> dropout_bits_setting{kDefaultDropoutBits};
+
+void set_dropout_bits(int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 8 || bits == 16, "flashattn_ext: set_dropout_bits takes 8 or 16, got ", bits);
+  dropout_bits_setting = static_cast<int>(bits);
+}
+
+int64_t get_dropout_bits() { return dropout_bits_setting; }
+
+}  // namespace
+
+int dropout_bits() { return dropout_bits_setting; }
 
 // The schemas cover the whole scaled_dot_product_attention surface. Inputs are
 // 4-d (batch, heads, seq_len, head_dim) with any strides; key and value may
@@ -21,10 +36,11 @@ namespace flashattn_ext {
 // heads,) vector is fine) adds ALiBi's -slope * |i + d - j| to the scores (see
 // AttentionProblem); it gets no gradient.
 // With dropout_p > 0 the forward draws from torch's default generator of the
-// inputs' device and returns what it drew as rng_state ({seed, offset}, int64;
-// empty without dropout), so the backward regenerates the same dropout mask;
-// dropout_mask gives that mask itself (True: kept), for query rows
-// [row_begin, row_end).
+// inputs' device and returns what it drew as rng_state ({seed, offset, bits},
+// int64; empty without dropout), so the backward regenerates the same dropout
+// mask; dropout_mask gives that mask itself (True: kept), for query rows
+// [row_begin, row_end). set_dropout_bits chooses the random numbers' bits (8,
+// the default, or 16: dropout.h) for the forwards that follow.
 TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
@@ -39,6 +55,8 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");
+  m.def("set_dropout_bits(int bits) -> ()", &set_dropout_bits);
+  m.def("get_dropout_bits() -> int", &get_dropout_bits);
   // Inference: a few query tokens per sequence against a key/value cache,
   // contiguous or paged (with block_table); key_new and value_new, when given,
   // are written into the caches first (see DecodeParams).
@@ -150,16 +168,24 @@ void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected
               t.sizes());
 }
 
-// rng_state as the forward returned it: {seed, offset} with dropout, else empty.
+// rng_state as the forward returned it: {seed, offset, bits} with dropout, else
+// empty (bits checked where rng_state is in host memory; the CUDA kernels read
+// anything but 16 as 8).
 void check_rng_state(const at::Tensor& rng_state, double dropout_p, const at::Tensor& q) {
-  const int64_t expected_size = dropout_p > 0.0 ? 2 : 0;
+  const int64_t expected_size = dropout_p > 0.0 ? kRngStateSize : 0;
   TORCH_CHECK(rng_state.dim() == 1 && rng_state.size(0) == expected_size && rng_state.scalar_type() == at::kLong &&
                   rng_state.is_contiguous(),
               "flashattn_ext: rng_state must be the forward's: ", expected_size, " int64 values for dropout_p ",
               dropout_p, ", got ", rng_state.scalar_type(), " of shape ", rng_state.sizes());
   TORCH_CHECK(expected_size == 0 || rng_state.device() == q.device(), "flashattn_ext: rng_state is on ",
               rng_state.device(), " but query is on ", q.device());
+  if (expected_size > 0 && rng_state.is_cpu()) {
+    const int64_t bits = rng_state.data_ptr<int64_t>()[2];
+    TORCH_CHECK(bits == 8 || bits == 16, "flashattn_ext: rng_state must be the forward's: its bits are ", bits,
+                ", not 8 or 16");
+  }
 }
+
 
 MaskKind mask_kind(const std::optional<at::Tensor>& attn_mask) {
   if (!attn_mask.has_value()) return MaskKind::kNone;

@@ -73,6 +73,10 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
 // cache_seqlens and block_table are in host memory.
 void check_decode_values_on_host(const DecodeParams& params);
 
+// The bits of dropout's random numbers for the next forward (8 or 16;
+// set_dropout_bits), which it records in its rng_state.
+int dropout_bits();
+
 // Checks the arguments of the dropout_mask op.
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                                     int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end);

@@ -19,7 +19,7 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
-    rng_state = query.new_empty((2,) if dropout_p > 0 else (0,), dtype=torch.int64)
+    rng_state = query.new_empty((3,) if dropout_p > 0 else (0,), dtype=torch.int64)
     return out, lse, rng_state
 
 

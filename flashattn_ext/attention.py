@@ -270,3 +270,15 @@ def _broadcast(what: str, *shapes) -> torch.Size:
         raise RuntimeError(
             f"flashattn_ext: the {what} of query, key and value do not broadcast: {shapes_text}"
         ) from None
+
+
+def set_dropout_bits(bits: int) -> None:
+    """Chooses the random numbers of dropout for the calls that follow: 8 bits (the default, the
+    fastest: the drop probability is rounded to a multiple of 1/256, 0.1 drops 26/256) or 16 bits
+    (rounded to 1/65536). A backward draws what its forward drew, whatever the setting is then."""
+    torch.ops.flashattn_ext.set_dropout_bits(bits)
+
+
+def get_dropout_bits() -> int:
+    """The bits of dropout's random numbers that calls draw now (see set_dropout_bits)."""
+    return torch.ops.flashattn_ext.get_dropout_bits()

@@ -43,30 +43,55 @@ def test_numpy_philox_matches_the_published_known_answers():
         assert got.tolist() == output
 
 
-def numpy_dropout_mask(seed, offset, dropout_p, batch, heads, len_q, len_k):
+def numpy_dropout_mask(seed, offset, bits, dropout_p, batch, heads, len_q, len_k):
     """The keep mask as csrc/dropout.h defines it, computed independently."""
     bh, q, k = np.meshgrid(np.arange(batch * heads), np.arange(len_q), np.arange(len_k), indexing="ij")
-    query_pairs, key_quads = (len_q + 15) // 16 * 8, (len_k + 15) // 16 * 4
-    group = ((bh * query_pairs + q // 16 * 8 + q % 8) * key_quads + k // 16 * 4 + k % 8 // 2).astype(np.uint64)
+    quads_q, quads_k = (len_q + 15) // 16 * 4, (len_k + 15) // 16 * 4
+    group = ((bh * quads_q + q // 16 * 4 + q % 8 // 2) * quads_k + k // 16 * 4 + k % 8 // 2).astype(np.uint64)
+    qp, kp, qh, kh = q % 2, k % 2, (q % 16 >= 8).astype(np.int64), (k % 16 >= 8).astype(np.int64)
+    if bits == 8:
+        call, output, shift = group, qp * 2 + kp, 8 * (qh * 2 + kh)
+    else:
+        call, output, shift = group * np.uint64(2) + qp.astype(np.uint64), kp * 2 + qh, 16 * kh
     low = np.uint64(offset // 4)
-    counter = np.stack([np.full_like(group, low & 0xFFFFFFFF), np.full_like(group, low >> 32),
-                        group & np.uint64(0xFFFFFFFF), group >> np.uint64(32)], axis=-1).astype(np.uint32)
+    counter = np.stack([np.full_like(call, low & 0xFFFFFFFF), np.full_like(call, low >> 32),
+                        call & np.uint64(0xFFFFFFFF), call >> np.uint64(32)], axis=-1).astype(np.uint32)
     key = np.broadcast_to(np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32), counter.shape[:-1] + (2,))
     words = philox4x32_10(counter, key)
-    slot = (q % 16 >= 8) * 4 + (k % 16 >= 8) * 2 + k % 2
-    word = np.take_along_axis(words, (slot // 2)[..., None], axis=-1)[..., 0]
-    number = (word >> (16 * (slot % 2)).astype(np.uint32)) & 0xFFFF
-    threshold = min(65536, int(dropout_p * 65536 + 0.5))
-    return (number >= threshold).reshape(batch, heads, len_q, len_k)
+    word = np.take_along_axis(words, output[..., None], axis=-1)[..., 0]
+    number = (word >> shift.astype(np.uint32)) & np.uint32(2**bits - 1)
+    return (number >= dropped_below(dropout_p, bits)).reshape(batch, heads, len_q, len_k)
+
+
+def dropped_below(dropout_p, bits):
+    """The threshold: numbers below round(p * 2^bits) are dropped."""
+    return min(2**bits, int(dropout_p * 2**bits + 0.5))
+
+
+@pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])
+def dropout_bits(request):
+    """Runs the test with dropout's random numbers of 8 and of 16 bits, then restores the setting."""
+    before = flashattn_ext.get_dropout_bits()
+    flashattn_ext.set_dropout_bits(request.param)
+    yield request.param
+    flashattn_ext.set_dropout_bits(before)
+
+
+def test_dropout_bits_setting():
+    assert flashattn_ext.get_dropout_bits() == 8  # the default
+    with pytest.raises(ValueError, match="8 or 16"):
+        flashattn_ext.set_dropout_bits(12)
+    assert flashattn_ext.get_dropout_bits() == 8
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mask_op_matches_numpy_philox(device):
+def test_mask_op_matches_numpy_philox(device, dropout_bits):
     torch.manual_seed(11)
-    for dropout_p, shape in ((0.3, (2, 3, 37, 29)), (0.875, (1, 2, 16, 70)), (1.0, (1, 1, 5, 6))):
+    for dropout_p, shape in ((0.3, (2, 3, 37, 29)), (0.875, (1, 2, 16, 70)), (0.6, (1, 1, 50, 40)), (1.0, (1, 1, 5, 6))):
         rng_state = draw_rng_state(device, dropout_p)
-        seed, offset = (int(x) % 2**64 for x in rng_state.tolist())
-        want = numpy_dropout_mask(seed, offset, dropout_p, *shape)
+        seed, offset, bits = (int(x) % 2**64 for x in rng_state.tolist())
+        assert bits == dropout_bits
+        want = numpy_dropout_mask(seed, offset, bits, dropout_p, *shape)
         got = ops.dropout_mask(rng_state, dropout_p, *shape, 0, shape[2])
         assert np.array_equal(got.cpu().numpy(), want), (device, dropout_p, shape)
         begin, end = min(3, shape[2]), min(11, shape[2])
@@ -74,15 +99,18 @@ def test_mask_op_matches_numpy_philox(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_kept_fraction_and_independence(device):
+def test_kept_fraction_and_independence(device, dropout_bits):
     torch.manual_seed(0)
     for dropout_p in (0.1, 0.5, 0.9):
         mask = ops.dropout_mask(draw_rng_state(device, dropout_p), dropout_p, 2, 4, 128, 256, 0, 128).double()
         n = mask.numel()
-        # The kept fraction within 5 standard deviations of 1 - p.
-        assert abs(mask.mean().item() - (1 - dropout_p)) < 5 * math.sqrt(dropout_p * (1 - dropout_p) / n)
+        # The kept fraction within 5 standard deviations of 1 - p, p as the numbers' bits round it.
+        dropped = dropped_below(dropout_p, dropout_bits) / 2**dropout_bits
+        assert abs(dropped - dropout_p) <= 2**-(dropout_bits + 1)
+        assert abs(mask.mean().item() - (1 - dropped)) < 5 * math.sqrt(dropped * (1 - dropped) / n)
         # Neighbours (the same Philox call, or the next one) are uncorrelated.
-        for a, b in ((mask[..., :-1], mask[..., 1:]), (mask[..., :-8, :], mask[..., 8:, :])):
+        for a, b in ((mask[..., :-1], mask[..., 1:]), (mask[..., :-8, :], mask[..., 8:, :]),
+                     (mask[..., :-1, :], mask[..., 1:, :])):
             covariance = ((a - a.mean()) * (b - b.mean())).mean().item()
             assert abs(covariance) < 5 * dropout_p * (1 - dropout_p) / math.sqrt(a.numel())
     # Two calls draw different masks; the same seed draws the same one again.
@@ -93,6 +121,29 @@ def test_kept_fraction_and_independence(device):
     again = ops.dropout_mask(draw_rng_state(device, 0.5), 0.5, 1, 2, 64, 64, 0, 64)
     torch.manual_seed(5)
     assert torch.equal(again, ops.dropout_mask(draw_rng_state(device, 0.5), 0.5, 1, 2, 64, 64, 0, 64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_draws_what_its_forward_drew(device):
+    """A forward with 16-bit numbers, the setting changed to 8 before its backward: the backward
+    still drops what the forward dropped (its rng_state records the bits)."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(1, 2, 48, 64, device=device, dtype=dtype) for _ in range(3))
+    grad_out = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashattn_ext.set_dropout_bits(16)
+    try:
+        torch.manual_seed(2)
+        out = flashattn_ext.scaled_dot_product_attention(*leaves, dropout_p=0.3)
+        torch.manual_seed(2)
+        rng_state = draw_rng_state(device, 0.3)
+    finally:
+        flashattn_ext.set_dropout_bits(8)
+    got = (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+    keep = ops.dropout_mask(rng_state, 0.3, 1, 2, 48, 48, 0, 48)
+    want = reference_with_mask(q, k, v, keep, 0.3, grad_out)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < (1e-12 if dtype == torch.float64 else 2e-2), name
 
 
 def reference_with_mask(q, k, v, keep, dropout_p, grad_out, **kwargs):
@@ -187,7 +238,7 @@ CUDA_CASES = [
 @cuda_test
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("dtype,shape,dropout_p,kwargs", CUDA_CASES, ids=lambda x: str(x))
-def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs, deterministic):
+def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs, deterministic, dropout_bits):
     batch, heads_q, heads_kv, len_q, len_k, dim = shape
     q = torch.randn(batch, heads_q, len_q, dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(batch, heads_kv, len_k, dim, dtype=dtype, device="cuda") for _ in range(2))
@@ -196,8 +247,8 @@ def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwa
         _, keep = check_against_mask_reference(q, k, v, dropout_p, **kwargs)
     finally:
         torch.use_deterministic_algorithms(False)
-    kept = keep.float().mean().item()
-    assert abs(kept - (1 - dropout_p)) < 5 * math.sqrt(dropout_p * (1 - dropout_p) / keep.numel())
+    kept, dropped = keep.float().mean().item(), dropped_below(dropout_p, dropout_bits) / 2**dropout_bits
+    assert abs(kept - (1 - dropped)) < 5 * math.sqrt(dropped * (1 - dropped) / keep.numel())
 
 
 @cuda_test

@@ -258,9 +258,18 @@ DROPOUT_SHAPES = [
 ]
 
 
+@pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])
+def dropout_bits(request):
+    """Dropout's random numbers of 8 and of 16 bits; the setting restored after."""
+    before = flashattn_ext.get_dropout_bits()
+    flashattn_ext.set_dropout_bits(request.param)
+    yield request.param
+    flashattn_ext.set_dropout_bits(before)
+
+
 @pytest.mark.parametrize("mode", ["full", "causal"])
 @pytest.mark.parametrize("shape", DROPOUT_SHAPES, ids=["x".join(map(str, s)) for s in DROPOUT_SHAPES])
-def test_dropout_matches_reference_built_from_its_mask(shape, mode):
+def test_dropout_matches_reference_built_from_its_mask(shape, mode, dropout_bits):
     """Dropout runs in the Hopper kernels, and drops what dropout_mask says (the sm80 kernels'
     numbers): out and gradients against float64 given that mask."""
     batch, heads_q, heads_kv, len_q, len_k, dim = shape
@@ -276,7 +285,7 @@ def test_dropout_matches_reference_built_from_its_mask(shape, mode):
     assert 0.75 < keep.float().mean().item() < 0.85
 
 
-def test_dropout_agrees_with_the_sm80_kernels(monkeypatch):
+def test_dropout_agrees_with_the_sm80_kernels(monkeypatch, dropout_bits):
     """Under one seed, the Hopper and the mma.sync kernels drop the same scores."""
     q, k, v = (t.requires_grad_() for t in random_inputs((2, 4, 4, 700, 700, 128), torch.bfloat16, seed=9))
 

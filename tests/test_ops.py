@@ -112,7 +112,7 @@ def test_opcheck_with_dropout(device):
     torch.library.opcheck(ops.attention_forward.default, (q, k, v, None, 0.3, True, False, 0.5))
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse, rng_state = ops.attention_forward(q, k, v, None, 0.3, True, False, 0.5)
-    assert rng_state.shape == (2,) and rng_state.dtype == torch.int64 and rng_state.device == q.device
+    assert rng_state.shape == (3,) and rng_state.dtype == torch.int64 and rng_state.device == q.device
     torch.library.opcheck(
         ops.attention_backward.default,
         (torch.randn_like(out), q, k, v, out, lse, rng_state, None, 0.3, True, False, 0.5, False),
@@ -221,12 +221,15 @@ def test_bad_arguments_to_the_ops():
         ops.attention_backward(out.double(), q, k, v, out, lse, rng_state, *backward_options)
     with pytest.raises(RuntimeError, match="compute_grad_attn_mask needs a float attn_mask"):
         ops.attention_backward(out, q, k, v, out, lse, rng_state, *backward_options[:-1], True)
-    with pytest.raises(RuntimeError, match="rng_state must be the forward's: 2 int64 values for dropout_p 0.5"):
+    with pytest.raises(RuntimeError, match="rng_state must be the forward's: 3 int64 values for dropout_p 0.5"):
         ops.attention_backward(out, q, k, v, out, lse, rng_state, None, 0.5, *backward_options[2:])
+    rng_state = torch.tensor([0, 0, 8])  # {seed, offset, bits}
     with pytest.raises(ValueError, match=r"dropout_mask rows \[0, 9\) are not within \[0, len_q = 8\]"):
-        ops.dropout_mask(torch.zeros(2, dtype=torch.long), 0.5, 1, 2, 8, 8, 0, 9)
+        ops.dropout_mask(rng_state, 0.5, 1, 2, 8, 8, 0, 9)
     with pytest.raises(ValueError, match=r"dropout_mask needs dropout_p in \(0, 1\], got 0"):
-        ops.dropout_mask(torch.zeros(2, dtype=torch.long), 0.0, 1, 2, 8, 8, 0, 8)
+        ops.dropout_mask(rng_state, 0.0, 1, 2, 8, 8, 0, 8)
+    with pytest.raises(RuntimeError, match="rng_state must be the forward's: its bits are 12, not 8 or 16"):
+        ops.dropout_mask(torch.tensor([0, 0, 12]), 0.5, 1, 2, 8, 8, 0, 8)
     with pytest.raises(RuntimeError, match=r"attn_mask must have shape \[1, 2, 8, 8\]"):
         ops.attention_forward(q, k, v, torch.ones(1, 2, 8, 7, dtype=torch.bool), *forward_args(q, k, v)[4:])
 

@@ -391,6 +391,7 @@ template <typename A>
 struct HeadDropout {
   bool enabled = false;
   uint64_t seed = 0, offset = 0;
+  int bits = kDefaultDropoutBits;
   uint32_t threshold = 0;
   A keep_scale = 1;
   int64_t bh = 0, len_q = 0, len_k = 0;
@@ -400,7 +401,8 @@ struct HeadDropout {
     if (!enabled) return;
     seed = static_cast<uint64_t>(dropout.rng_state[0]);
     offset = static_cast<uint64_t>(dropout.rng_state[1]);
-    threshold = dropout_threshold(dropout.p);
+    bits = static_cast<int>(dropout.rng_state[2]);
+    threshold = dropout_threshold(dropout.p, bits);
     keep_scale = static_cast<A>(dropout_keep_scale(dropout.p));
     bh = b * p.heads_q + h;
     len_q = p.len_q;
@@ -409,8 +411,7 @@ struct HeadDropout {
 
   A factor(int64_t i, int64_t j) const {
     if (!enabled) return A(1);
-    const PhiloxOutput numbers = dropout_numbers(seed, offset, dropout_group(bh, i, j, len_q, len_k));
-    return dropout_keeps(numbers, dropout_slot(i, j), threshold) ? keep_scale : A(0);
+    return dropout_number(seed, offset, bits, bh, i, j, len_q, len_k) >= threshold ? keep_scale : A(0);
   }
 };
 

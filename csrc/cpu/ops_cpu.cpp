@@ -12,8 +12,9 @@
 namespace flashattn_ext {
 namespace {
 
-// {seed, offset} for one call's dropout: a seed drawn from torch's default CPU
-// generator (so torch.manual_seed makes runs repeat) and offset 0; empty without dropout.
+// {seed, offset, bits} for one call's dropout: a seed drawn from torch's default
+// CPU generator (so torch.manual_seed makes runs repeat), offset 0 and the
+// bits set now; empty without dropout.
 at::Tensor draw_rng_state(double dropout_p) {
   if (!(dropout_p > 0.0)) return at::empty({0}, at::kLong);
   auto* generator = at::get_generator_or_default<at::CPUGeneratorImpl>(std::nullopt, at::detail::getDefaultCPUGenerator());
@@ -22,7 +23,7 @@ at::Tensor draw_rng_state(double dropout_p) {
     std::lock_guard<std::mutex> lock(generator->mutex_);
     seed = generator->random64();
   }
-  return at::tensor({static_cast<int64_t>(seed), int64_t(0)}, at::kLong);
+  return at::tensor({static_cast<int64_t>(seed), int64_t(0), int64_t(dropout_bits())}, at::kLong);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,

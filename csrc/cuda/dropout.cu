@@ -14,6 +14,7 @@ __global__ void write_rng_state_kernel(const PhiloxSource source, int64_t* rng_s
     rng_state[0] = static_cast<int64_t>(source.seed);
     rng_state[1] = static_cast<int64_t>(source.offset);
   }
+  rng_state[2] = source.bits;
 }
 
 constexpr int kMaskThreads = 256;
@@ -26,10 +27,11 @@ __global__ void __launch_bounds__(kMaskThreads) dropout_mask_kernel(const Dropou
   if (index >= shape.batch * shape.heads * rows * shape.len_k) return;
   const int64_t key = index % shape.len_k, query = shape.row_begin + (index / shape.len_k) % rows;
   const int64_t bh = index / (shape.len_k * rows);
-  const PhiloxOutput numbers =
-      dropout_numbers(static_cast<uint64_t>(dropout.rng_state[0]), static_cast<uint64_t>(dropout.rng_state[1]),
-                      dropout_group(bh, query, key, shape.len_q, shape.len_k));
-  mask[index] = dropout_keeps(numbers, dropout_slot(query, key), dropout_threshold(dropout.p));
+  const int bits = dropout.rng_state[2] == 16 ? 16 : 8;
+  const uint32_t number = dropout_number(static_cast<uint64_t>(dropout.rng_state[0]),
+                                         static_cast<uint64_t>(dropout.rng_state[1]), bits, bh, query, key,
+                                         shape.len_q, shape.len_k);
+  mask[index] = number >= dropout_threshold(dropout.p, bits);
 }
 
 }  // namespace

@@ -367,7 +367,9 @@ __device__ __forceinline__ void store_mask_grad(const TensorView4d& dmask, int64
 // Dropout inside the kernels (numbers as in dropout.h), per attention call.
 struct DropoutState {
   uint64_t seed = 0, offset = 0;
-  uint32_t threshold = 0;
+  bool bytes = true;  // 8-bit numbers, else 16-bit
+  // dropout_keep_flags' constants for the threshold: see there.
+  uint32_t low_bits = 0, carry_add = 0, top_or = 0;
   float keep_scale = 1.f;  // of a kept probability
   int64_t len_q = 0, len_k = 0;
 };
@@ -376,80 +378,113 @@ __device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropo
   DropoutState state;
   state.seed = static_cast<uint64_t>(dropout.rng_state[0]);
   state.offset = static_cast<uint64_t>(dropout.rng_state[1]);
-  state.threshold = dropout_threshold(dropout.p);
+  const int bits = dropout.rng_state[2] == 16 ? 16 : 8;  // (see check_rng_state)
+  const uint32_t threshold = dropout_threshold(dropout.p, bits), half = 1u << (bits - 1);
+  state.bytes = bits == 8;
+  state.low_bits = bits == 8 ? 0x7F7F7F7Fu : 0x7FFF7FFFu;
+  state.carry_add = ((threshold <= half ? half : 2 * half) - threshold) * (bits == 8 ? 0x01010101u : 0x00010001u);
+  state.top_or = threshold <= half ? ~0u : 0u;
   state.keep_scale = static_cast<float>(dropout_keep_scale(dropout.p));
   state.len_q = p.len_q;
   state.len_k = p.len_k;
   return state;
 }
 
-// Dropout's keep decisions for one lane's eight scores of a 16 x 16 block of
-// score fragments whose rows are queries: keep[half][e] for query query0 + 8 *
-// (e / 2) and key key0 + 8 * half + e % 2 (the lane's scores of the block's two
-// 8-key fragment tiles), where group is dropout_group(bh, query0, key0), query0
-// % 16 < 8 and key0 % 16 < 8 even, as a fragment lane's (lane / 4, 2 * (lane %
-// 4)): one Philox call. Along a row of blocks, the group grows by 4 a block.
-__device__ __forceinline__ void dropout_keep_query_block(bool (&keep)[2][4], const DropoutState& d, uint64_t group) {
-  const PhiloxOutput numbers = dropout_numbers(d.seed, d.offset, group);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) keep[half][e] = dropout_keeps(numbers, (e / 2) * 4 + half * 2 + e % 2, d.threshold);
-  }
+// The keep flags of the numbers of one Philox output (four bytes, or two
+// 16-bit halves): each number's top bit set iff it is at least the threshold
+// t, with no carry between numbers. Where t is at most half the range, n >= t
+// iff n's top bit is set or its low bits plus (half - t) carry into it; above,
+// iff both, with (2 half - t). One majority of three (a LOP3) after the add.
+__device__ __forceinline__ uint32_t dropout_keep_flags(uint32_t numbers, const DropoutState& d) {
+  const uint32_t carried = (numbers & d.low_bits) + d.carry_add;
+  return (numbers & carried) | ((numbers | carried) & d.top_or);
 }
 
-// The same for fragments of the transposed scores S^T: keep[half][e] for key
-// key0 + 8 * (e / 2) and query query0 + 8 * half + e % 2, where group is
-// dropout_group(bh, query0, key0). A lane's four queries of the block fall into
-// two Philox calls (the second's group dropout_key_quads further on), which the lane
-// of key key0 ^ 1 (lane ^ 4 in a fragment) needs too: each of the two makes one
-// call, and they swap the halves of its numbers that the other uses. Every
-// lane of the warp calls it together. Along a row of blocks, the group grows
-// by 8 * dropout_key_quads a block.
-__device__ __forceinline__ void dropout_keep_key_block(bool (&keep)[2][4], const DropoutState& d, uint64_t group,
-                                                       int64_t key0) {
-  // A number's half of its 32-bit output is its key's parity (dropout_slot):
-  // this lane makes the call of query query0 + parity and takes that half.
-  const int parity = static_cast<int>(key0 % 2);
-  const PhiloxOutput own = dropout_numbers(d.seed, d.offset, group + parity * dropout_key_quads(d.len_k));
-  // The partner's halves of own's four outputs, two to a word, for theirs.
-  uint32_t partner[2];
+// A lane's dropout decisions for two adjacent 16 x 16 blocks of a score
+// fragment whose rows are queries (kKeyRows false: S) or keys (true: S^T):
+// flags[b][w] for block b and the lane's columns of parity w (its columns
+// 2 * (lane % 4) + w and 8 more); byte qh * 2 + kh's top bit keeps the pair of
+// query half qh and key half kh of the block (dropout.h). group is the group
+// of the lane's first row and column in block 0, step the group's growth to
+// block 1 (4 along a query row, 4 * dropout_quads(len_k) down a key column).
+// Every lane of the warp calls it together: lane ^ 4 holds the other rows of
+// the lane's groups.
+template <bool kKeyRows>
+__device__ __forceinline__ void dropout_block_pair_flags(uint32_t (&flags)[2][2], const DropoutState& d,
+                                                         uint64_t group, uint64_t step, int lane) {
+  const bool odd_rows = (lane / 4) % 2 != 0;
+  if (d.bytes) {
+    // One call, for block odd_rows: the lane keeps its rows' two words (of
+    // output qp * 2 + kp) and swaps the other two for lane ^ 4's, of the other block.
+    const PhiloxOutput numbers = dropout_call(d.seed, d.offset, group + (odd_rows ? step : 0));
+    uint32_t f[4];
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
-    const uint32_t pair = (own.x[2 * w] >> (16 * (1 - parity)) & 0xFFFFu) |
-                          (own.x[2 * w + 1] >> (16 * (1 - parity)) & 0xFFFFu) << 16;
-    partner[w] = __shfl_xor_sync(0xffffffff, pair, 4);
-  }
+    for (int i = 0; i < 4; ++i) f[i] = dropout_keep_flags(numbers.x[i], d);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
+    for (int w = 0; w < 2; ++w) {
+      const uint32_t even = kKeyRows ? f[w * 2] : f[w], odd = kKeyRows ? f[w * 2 + 1] : f[2 + w];
+      const uint32_t received = __shfl_xor_sync(0xffffffff, odd_rows ? even : odd, 4);
+      flags[0][w] = odd_rows ? received : even;
+      flags[1][w] = odd_rows ? odd : received;
+    }
+  } else {
+    // Calls 2 * group + qp, halves kh of outputs kp * 2 + qh: the lane makes
+    // its row parity's call (qp with query rows; with key rows its key
+    // parity's call, whose other key parity it swaps for lane ^ 4's).
 #pragma unroll
-    for (int key_half = 0; key_half < 2; ++key_half) {
-      const int output = half * 2 + key_half;  // of slot half * 4 + key_half * 2 + parity
-      const uint32_t mine = own.x[output] >> (16 * parity) & 0xFFFFu;
-      const uint32_t theirs = partner[output / 2] >> (16 * (output % 2)) & 0xFFFFu;
+    for (int b = 0; b < 2; ++b) {
+      const PhiloxOutput numbers = dropout_call(d.seed, d.offset, 2 * (group + (b ? step : 0)) + odd_rows);
+      uint32_t by_kp[2];  // bytes qh * 2 + kh of the numbers of kp
 #pragma unroll
-      for (int odd = 0; odd < 2; ++odd) {
-        keep[half][key_half * 2 + odd] = (odd == parity ? mine : theirs) >= d.threshold;
+      for (int kp = 0; kp < 2; ++kp) {
+        by_kp[kp] = ptx::prmt(dropout_keep_flags(numbers.x[kp * 2], d), dropout_keep_flags(numbers.x[kp * 2 + 1], d),
+                              0x7531);
+      }
+      if constexpr (kKeyRows) {
+        const uint32_t received = __shfl_xor_sync(0xffffffff, odd_rows ? by_kp[0] : by_kp[1], 4);
+        flags[b][0] = odd_rows ? received : by_kp[0];
+        flags[b][1] = odd_rows ? by_kp[1] : received;
+      } else {
+        flags[b][0] = by_kp[0];
+        flags[b][1] = by_kp[1];
       }
     }
   }
 }
 
+// Whether byte `byte` (qh * 2 + kh) of a lane's flags word keeps its pair.
+__device__ __forceinline__ bool dropout_flag(uint32_t flags, int byte) { return (flags >> (8 * byte + 7)) & 1u; }
+
+// The mask of a lane's two 16-bit elements of columns of parity 0 and 1 (low
+// half first) in one of its blocks (flags as dropout_block_pair_flags gives
+// them): all ones where kept, zero where dropped. One prmt, top bits repeated.
+__device__ __forceinline__ uint32_t dropout_pair_mask(const uint32_t (&flags)[2], int byte) {
+  return ptx::prmt(flags[0], flags[1], 0x8888u | byte * 0x0011u | (byte + 4) * 0x1100u);
+}
+
 // keep[mt][nt][e]: whether dropout keeps a warp's score fragment element whose
 // row is query q0 + mt * 16 + lane / 4 + 8 * (e / 2) and column key
 // k0 + nt * 8 + 2 * (lane % 4) + e % 2, of head bh (batch * heads_q + head).
-// q0 and k0 are multiples of 16: each 16 x 16 block is one Philox call a lane.
+// q0 and k0 are multiples of 16.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
                                                         int64_t bh, int64_t q0, int64_t k0, int lane) {
-  static_assert(kNTiles % 2 == 0, "whole 16-key blocks");
+  static_assert(kNTiles % 4 == 0, "pairs of 16-key blocks");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int block = 0; block < kNTiles / 2; ++block) {
-      const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + block * 16 + (lane % 4) * 2;
-      dropout_keep_query_block(*reinterpret_cast<bool(*)[2][4]>(&keep[mt][2 * block]), d,
-                               dropout_group(bh, query, key, d.len_q, d.len_k));
+    for (int pair = 0; pair < kNTiles / 4; ++pair) {
+      const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + pair * 32 + (lane % 4) * 2;
+      uint32_t flags[2][2];
+      dropout_block_pair_flags<false>(flags, d, dropout_group(bh, query, key, d.len_q, d.len_k), 4, lane);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], (e / 2) * 2 + nt);
+        }
+      }
     }
   }
 }
@@ -459,14 +494,23 @@ __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kN
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
                                                       int64_t bh, int64_t k0, int64_t q0, int lane) {
-  static_assert(kNTiles % 2 == 0, "whole 16-query blocks");
+  static_assert(kNTiles % 4 == 0, "pairs of 16-query blocks");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-    for (int block = 0; block < kNTiles / 2; ++block) {
-      const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + block * 16 + (lane % 4) * 2;
-      dropout_keep_key_block(*reinterpret_cast<bool(*)[2][4]>(&keep[mt][2 * block]), d,
-                             dropout_group(bh, query, key, d.len_q, d.len_k), key);
+    for (int pair = 0; pair < kNTiles / 4; ++pair) {
+      const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + pair * 32 + (lane % 4) * 2;
+      uint32_t flags[2][2];
+      dropout_block_pair_flags<true>(flags, d, dropout_group(bh, query, key, d.len_q, d.len_k),
+                                     4 * dropout_quads(d.len_k), lane);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], nt * 2 + e / 2);
+        }
+      }
     }
   }
 }

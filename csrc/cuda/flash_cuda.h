@@ -119,9 +119,10 @@ struct PhiloxSource {
   const int64_t* offset_ptr = nullptr;
   uint64_t offset_intragraph = 0;
   bool captured = false;
+  int bits = kDefaultDropoutBits;  // of the random numbers
 };
 
-// rng_state[0..1] = {seed, offset} (device memory), for the kernels to read (dropout.cu).
+// rng_state = {seed, offset, bits} (device memory), for the kernels to read (dropout.cu).
 void write_rng_state(const PhiloxSource& source, int64_t* rng_state, cudaStream_t stream);
 
 // Fills mask (device memory, contiguous (batch, heads, rows, len_k)) with dropout's keep decisions.

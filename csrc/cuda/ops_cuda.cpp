@@ -99,7 +99,8 @@ at::Tensor draw_rng_state(const at::Tensor& q, double dropout_p, cudaStream_t st
     source.seed = state.seed_.val;
     source.offset = state.offset_.val;
   }
-  at::Tensor rng_state = at::empty({2}, q.options().dtype(at::kLong));
+  source.bits = dropout_bits();
+  at::Tensor rng_state = at::empty({kRngStateSize}, q.options().dtype(at::kLong));
   cuda::write_rng_state(source, rng_state.data_ptr<int64_t>(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return rng_state;

@@ -104,6 +104,15 @@ __device__ __forceinline__ void red_add_v4_f32(float* gmem, float a, float b, fl
 #endif
 }
 
+// prmt.b32 (default mode): byte i of the result is byte (selector nibble i &
+// 7) of {b, a} (a's bytes 0-3, b's 4-7), or with the nibble's bit 3 set that
+// byte's top bit repeated over all eight.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
 // Two floats rounded to one register of two 16-bit elements (low half first).
 template <typename Elem>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

@@ -66,31 +66,4 @@ __device__ __forceinline__ float masked_scores_scale(MaskKind kind, float scale_
   return kind == MaskKind::kAdditive ? float(M_LOG2E) : scale_log2;
 }
 
-// Dropout's decisions for the kRegs registers of an accumulator, a bit each
-// (three words where the registers themselves would take 88).
-template <int kRegs>
-struct KeepBits {
-  uint32_t words[(kRegs + 31) / 32] = {};
-
-  // Moves every bit 8 places up and puts one 16 x 16 block's decisions under
-  // them (keep[e / 4][e % 4] for register e of the block, as
-  // dropout_keep_query_block and dropout_keep_key_block give them): a loop over
-  // the blocks from the last to the first fills the words with static indices
-  // only, so it may stay rolled.
-  __device__ __forceinline__ void push_front(const bool (&keep)[2][4]) {
-    uint32_t byte = 0;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) byte |= uint32_t{keep[e / 4][e % 4]} << e;
-#pragma unroll
-    for (int w = int(sizeof(words) / 4) - 1; w > 0; --w) words[w] = words[w] << 8 | words[w - 1] >> 24;
-    words[0] = words[0] << 8 | byte;
-  }
-  __device__ __forceinline__ bool keeps(int i) const { return words[i / 32] >> (i % 32) & 1; }
-  // Zeroes the registers that dropout drops.
-  __device__ __forceinline__ void apply(float (&acc)[kRegs]) const {
-#pragma unroll
-    for (int i = 0; i < kRegs; ++i) acc[i] = keeps(i) ? acc[i] : 0.f;
-  }
-};
-
 }  // namespace flashattn_ext::cuda::sm90

@@ -528,26 +528,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       return __any_sync(0xffffffff, moved);
     };
 
-    // Dropout's decisions for key tile n_block: bit i % 32 of word i / 32 keeps
-    // register i of its scores (one Philox call a 16-key block, dropout.h; two
-    // blocks at a time).
-    // Drawn before the tile's Q K^T is issued, while its score registers are
-    // not yet live, and applied after the softmax (the rows' sums count every
-    // probability); the kept ones are scaled with the output. (The seed and
-    // offset are read again for each tile: registers are short.)
-    auto draw_keep_bits = [&](int n_block, auto keys) {
-      constexpr int kRegs = decltype(keys)::value / 2;
+    // Dropout on the rounded probabilities `probs` of key tile n_block (of its
+    // first `keys` keys): after the softmax, whose row sums count every probability,
+    // and before P V; the kept ones are scaled with the output. Two 16-key
+    // blocks a step (dropout_block_pair_flags), each 16-bit probability ANDed
+    // with its mask. (The seed and offset are read again for each tile:
+    // registers are short.)
+    auto apply_dropout = [&](auto& probs, int n_block, auto keys) {
+      constexpr int kBlocks = decltype(keys)::value / 16;
+      auto& frags = *reinterpret_cast<uint32_t(*)[kBlocks][4]>(&probs);
       const DropoutState dropout = dropout_state(params.dropout, p);
-      KeepBits<kRegs> bits;
       const uint64_t group0 = dropout_group(int64_t(t.batch) * p.heads_q + t.head, row0 + tile_row,
                                             int64_t(n_block) * kBlockN + (lane % 4) * 2, p.len_q, p.len_k);
-#pragma unroll 2
-      for (int j = kRegs / 8 - 1; j >= 0; --j) {
-        bool keep[2][4];
-        dropout_keep_query_block(keep, dropout, group0 + 4 * j);
-        bits.push_front(keep);
+#pragma unroll
+      for (int pair = 0; pair < (kBlocks + 1) / 2; ++pair) {
+        uint32_t flags[2][2];
+        dropout_block_pair_flags<false>(flags, dropout, group0 + 8 * pair, 4, lane);
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          // Register r of a block: query half r % 2, key half r / 2.
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if (2 * pair + b < kBlocks) frags[2 * pair + b][r] &= dropout_pair_mask(flags[b], (r % 2) * 2 + r / 2);
+          }
+        }
       }
-      return bits;
     };
 
     // The rows' final sums: writes the log-sum-exp and sets inv_sum to 1 / sum,
@@ -587,8 +592,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
       uint32_t pa[kBlockN / 16][4];
       {
-        KeepBits<kKeyRegs> keep;
-        if constexpr (kDropout) keep = draw_keep_bits(0, Whole{});
         float s[kKeyRegs];
         wait_k(kv);
         const StageBlock block = stage_block(kv, 0);
@@ -601,16 +604,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         if (tile_needs_mask(block.n_block)) mask_tile(s, block.n_block);
         float rescale[2];
         softmax(s, rescale);
-        if constexpr (kDropout) keep.apply(s);
         to_fragments<Elem>(s, pa);
+        if constexpr (kDropout) apply_dropout(pa, 0, Whole{});
       }
       // The index-th key tile of the tile, index >= 1 (its GEMMs over its first
       // kKeys keys): its scores and the P V of the previous one run together;
       // the softmax needs only the scores (the first group of two).
       auto key_tile = [&](int index, auto keys) {
         constexpr int kKeys = decltype(keys)::value;
-        KeepBits<kKeys / 2> keep;
-        if constexpr (kDropout) keep = draw_keep_bits(index, keys);  // (no mask: the index is the block)
         float s[kKeys / 2];
         wait_k(kv + index);
         const StageBlock block = stage_block(kv + index, index);
@@ -632,16 +633,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         if (kKeys < kBlockN || tile_needs_mask(block.n_block)) {
           mask_tile(s, block.n_block);
           rescale_o = softmax(s, rescale);
-          if constexpr (kDropout) keep.apply(s);
         } else {
           rescale_o = softmax(s, rescale);
-          if constexpr (kDropout) keep.apply(s);
         }
         ptx::wgmma_wait<0>();
         fence_registers(o);
         release_v(kv + index - 1);
         if (rescale_o) scale_rows(o, rescale);
         to_fragments<Elem>(s, *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa));
+        if constexpr (kDropout) apply_dropout(pa, index, keys);  // (no mask: the index is the block)
       };
       const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;
       for (int index = 1; index < whole_tiles; ++index) key_tile(index, Whole{});
