@@ -364,29 +364,27 @@ __device__ __forceinline__ void store_mask_grad(const TensorView4d& dmask, int64
                                  j * dmask.stride_col] = ptx::from_float<Elem>(ds);
 }
 
-// Dropout inside the kernels (numbers as in dropout.h), per attention call.
+// Dropout inside the kernels (numbers as in dropout.h), per attention call
+// (32 bytes: the Hopper forward keeps it in shared memory).
 struct DropoutState {
-  uint64_t seed = 0, offset = 0;
-  bool bytes = true;  // 8-bit numbers, else 16-bit
+  uint64_t seed, offset;
   // dropout_keep_flags' constants for the threshold: see there.
-  uint32_t low_bits = 0, carry_add = 0, top_or = 0;
-  float keep_scale = 1.f;  // of a kept probability
-  int64_t len_q = 0, len_k = 0;
+  uint32_t low_bits, carry_add, top_or;
+  float keep_scale;  // of a kept probability
+
+  __device__ __forceinline__ bool bytes() const { return low_bits == 0x7F7F7F7Fu; }  // 8-bit numbers, else 16
 };
 
-__device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropout, const AttentionProblem& p) {
+__device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropout) {
   DropoutState state;
   state.seed = static_cast<uint64_t>(dropout.rng_state[0]);
   state.offset = static_cast<uint64_t>(dropout.rng_state[1]);
   const int bits = dropout.rng_state[2] == 16 ? 16 : 8;  // (see check_rng_state)
   const uint32_t threshold = dropout_threshold(dropout.p, bits), half = 1u << (bits - 1);
-  state.bytes = bits == 8;
   state.low_bits = bits == 8 ? 0x7F7F7F7Fu : 0x7FFF7FFFu;
   state.carry_add = ((threshold <= half ? half : 2 * half) - threshold) * (bits == 8 ? 0x01010101u : 0x00010001u);
   state.top_or = threshold <= half ? ~0u : 0u;
   state.keep_scale = static_cast<float>(dropout_keep_scale(dropout.p));
-  state.len_q = p.len_q;
-  state.len_k = p.len_k;
   return state;
 }
 
@@ -413,7 +411,7 @@ template <bool kKeyRows>
 __device__ __forceinline__ void dropout_block_pair_flags(uint32_t (&flags)[2][2], const DropoutState& d,
                                                          uint64_t group, uint64_t step, int lane) {
   const bool odd_rows = (lane / 4) % 2 != 0;
-  if (d.bytes) {
+  if (d.bytes()) {
     // One call, for block odd_rows: the lane keeps its rows' two words (of
     // output qp * 2 + kp) and swaps the other two for lane ^ 4's, of the other block.
     const PhiloxOutput numbers = dropout_call(d.seed, d.offset, group + (odd_rows ? step : 0));
@@ -468,7 +466,8 @@ __device__ __forceinline__ uint32_t dropout_pair_mask(const uint32_t (&flags)[2]
 // q0 and k0 are multiples of 16.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
-                                                        int64_t bh, int64_t q0, int64_t k0, int lane) {
+                                                        const AttentionProblem& p, int64_t bh, int64_t q0, int64_t k0,
+                                                        int lane) {
   static_assert(kNTiles % 4 == 0, "pairs of 16-key blocks");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -476,13 +475,15 @@ __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kN
     for (int pair = 0; pair < kNTiles / 4; ++pair) {
       const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + pair * 32 + (lane % 4) * 2;
       uint32_t flags[2][2];
-      dropout_block_pair_flags<false>(flags, d, dropout_group(bh, query, key, d.len_q, d.len_k), 4, lane);
+      dropout_block_pair_flags<false>(flags, d, dropout_group(bh, query, key, p.len_q, p.len_k), 4, lane);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], (e / 2) * 2 + nt);
+          for (int e = 0; e < 4; ++e) {
+            keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], (e / 2) * 2 + nt);
+          }
         }
       }
     }
@@ -493,7 +494,8 @@ __device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kN
 // k0 + mt * 16 + lane / 4 + 8 * (e / 2), column query q0 + nt * 8 + 2 * (lane % 4) + e % 2.
 template <int kMTiles, int kNTiles>
 __device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
-                                                      int64_t bh, int64_t k0, int64_t q0, int lane) {
+                                                      const AttentionProblem& p, int64_t bh, int64_t k0, int64_t q0,
+                                                      int lane) {
   static_assert(kNTiles % 4 == 0, "pairs of 16-query blocks");
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
@@ -501,14 +503,16 @@ __device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTi
     for (int pair = 0; pair < kNTiles / 4; ++pair) {
       const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + pair * 32 + (lane % 4) * 2;
       uint32_t flags[2][2];
-      dropout_block_pair_flags<true>(flags, d, dropout_group(bh, query, key, d.len_q, d.len_k),
-                                     4 * dropout_quads(d.len_k), lane);
+      dropout_block_pair_flags<true>(flags, d, dropout_group(bh, query, key, p.len_q, p.len_k),
+                                     4 * dropout_quads(p.len_k), lane);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], nt * 2 + e / 2);
+          for (int e = 0; e < 4; ++e) {
+            keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], nt * 2 + e / 2);
+          }
         }
       }
     }

@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
   DropoutState dropout;
-  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+  if constexpr (kDropout) dropout = dropout_state(params.dropout);
   float dk[1][kHeadDim / 8][4] = {}, dv[1][kHeadDim / 8][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
     if (step + 1 < steps) load_queries(step + 1);
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     bool keep[1][kQueryTiles][4];
     if constexpr (kDropout) {
       const int64_t h = h_kv * group + step / m_count;
-      dropout_keep_key_rows(keep, dropout, b * p.heads_q + h, col0 + warp * 16, m0, lane);
+      dropout_keep_key_rows(keep, dropout, p, b * p.heads_q + h, col0 + warp * 16, m0, lane);
       float kept[1][kQueryTiles][4];
 #pragma unroll
       for (int nt = 0; nt < kQueryTiles; ++nt) {
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
   DropoutState dropout;
-  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+  if constexpr (kDropout) dropout = dropout_state(params.dropout);
   const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
   float dq[1][kHeadDim / 8][4] = {};
   for (int step = 0; step < n_steps; ++step) {
@@ -353,7 +353,9 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     float ds[1][kKeyTiles][4] = {};
     mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(ds, do_frag, v_rows + buf_bytes);
     bool keep[1][kKeyTiles][4];
-    if constexpr (kDropout) dropout_keep_query_rows(keep, dropout, b * p.heads_q + h, row0 + warp * 16, col0, lane);
+    if constexpr (kDropout) {
+      dropout_keep_query_rows(keep, dropout, p, b * p.heads_q + h, row0 + warp * 16, col0, lane);
+    }
     // Key 0 is column 0 of the lanes with lane % 4 == 0 (registers e % 2 == 0).
     const RowRange first_key_alone = col0 == 0 && lane % 4 == 0
                                          ? rows_seeing_first_key_alone(p, offset, row0, kBlockRows)

@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 
   DropoutState dropout;
-  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+  if constexpr (kDropout) dropout = dropout_state(params.dropout);
 
   float dk[2][kHalfDimTiles][4] = {}, dv[2][kHalfDimTiles][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
@@ -201,7 +201,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     // dS^T = P^T * (Z dP^T - delta), written out as a float mask's gradient where
     // asked for; then P^T where dropout keeps it, for dV.
     bool keep[2][4][4];
-    if constexpr (kDropout) dropout_keep_key_rows(keep, dropout, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
+    if constexpr (kDropout) {
+      dropout_keep_key_rows(keep, dropout, p, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
+    }
     const bool store_dmask = kMasked && params.dmask.data != nullptr;
     // Key 0 is row 0 of warp tile mt = 0 in the lanes with lane < 4 (registers e < 2).
     const RowRange first_key_alone = col0 + key0 == 0 && lane < 4

@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   float acc_o[kMTiles][kDimTiles][4] = {};
   float row_max[kMTiles][2], row_sum[kMTiles][2];
   DropoutState dropout;
-  if constexpr (kDropout) dropout = dropout_state(params.dropout, p);
+  if constexpr (kDropout) dropout = dropout_state(params.dropout);
   for (int mt = 0; mt < kMTiles; ++mt) {
     for (int half = 0; half < 2; ++half) {
       row_max[mt][half] = -INFINITY;
@@ -199,7 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 
     if constexpr (kDropout) {
       bool keep[kMTiles][kKeyTiles][4];
-      dropout_keep_query_rows(keep, dropout, b * p.heads_q + h, row0 + warp_row0, int64_t(n_block) * kBlockN, lane);
+      dropout_keep_query_rows(keep, dropout, p, b * p.heads_q + h, row0 + warp_row0, int64_t(n_block) * kBlockN,
+                              lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

@@ -94,7 +94,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Read from lane 0: the compiler then knows it is the same across the warp
   // and keeps what derives from it (the wgmma descriptors) in uniform registers.
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
-  if (threadIdx.x == 0) init_backward_barriers<Cfg>(bars);
+  if (threadIdx.x == 0) {
+    init_backward_barriers<Cfg>(bars);
+    if constexpr (kDropout) bars->dropout = dropout_state(params.dropout);
+  }
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -244,11 +247,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // Dropout's decisions for the tile, drawn before its GEMMs are issued,
     // while their registers are not yet live: keep[j][w] for the lane's 16 x 16
     // block j and its queries of parity w (dropout_block_pair_flags), two
-    // blocks a step. (The seed and offset are read again for each tile:
-    // registers are short.)
+    // blocks a step.
     uint32_t keep[kBlockM / 16][2];
     if constexpr (kDropout) {
-      const DropoutState dropout = dropout_state(params.dropout, p);
+      const DropoutState dropout = bars->dropout;
       const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, col0 + key_row, p.len_q, p.len_k);
       const uint64_t step = 4 * dropout_quads(p.len_k);  // 16 queries on
 #pragma unroll
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (kDropout) {
       ptx::wgmma_wait<0>();
       fence_registers(dpt);
-      const float keep_scale = static_cast<float>(dropout_keep_scale(params.dropout.p));
+      const float keep_scale = bars->dropout.keep_scale;
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
         dpt[i] = st[i] * ((keeps(i) ? dpt[i] * keep_scale : 0.f) - delta_q[query_of(i)]);

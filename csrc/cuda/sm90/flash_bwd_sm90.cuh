@@ -28,6 +28,10 @@ struct BwdBarriers {
   uint64_t kv_full;
   uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
   uint64_t q_empty[kStages], dout_empty[kStages];
+  // With dropout, beside them: its seed, offset and threshold, read from
+  // rng_state once (device memory: a load in each tile would hold up the
+  // tile's Philox calls, and registers are short).
+  DropoutState dropout;
 };
 
 // A block's keys and the query tiles it streams: kBlockN keys from col0 of key

@@ -77,6 +77,10 @@ struct FwdSharedState {
   // With an attn_mask: the key block whose K the stage holds, times 2, plus 1
   // where the mask hides none of its keys (written before k_full's arrival).
   int stage_block[kStages];
+  // With dropout: its seed, offset and threshold, read from rng_state once
+  // (device memory: a load in each tile would hold up the tile's Philox calls,
+  // and registers are short).
+  DropoutState dropout;
 };
 
 // Rescales (with the row's factor) and adds: the two rows of a thread are
@@ -221,6 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_init(&shared->tile_empty[slot], kConsumerThreads);
     }
     ptx::fence_barrier_init();
+    if constexpr (kDropout) shared->dropout = dropout_state(params.dropout);
   }
   __syncthreads();
 
@@ -532,12 +537,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // first `keys` keys): after the softmax, whose row sums count every probability,
     // and before P V; the kept ones are scaled with the output. Two 16-key
     // blocks a step (dropout_block_pair_flags), each 16-bit probability ANDed
-    // with its mask. (The seed and offset are read again for each tile:
-    // registers are short.)
+    // with its mask.
     auto apply_dropout = [&](auto& probs, int n_block, auto keys) {
       constexpr int kBlocks = decltype(keys)::value / 16;
       auto& frags = *reinterpret_cast<uint32_t(*)[kBlocks][4]>(&probs);
-      const DropoutState dropout = dropout_state(params.dropout, p);
+      const DropoutState dropout = shared->dropout;
       const uint64_t group0 = dropout_group(int64_t(t.batch) * p.heads_q + t.head, row0 + tile_row,
                                             int64_t(n_block) * kBlockN + (lane % 4) * 2, p.len_q, p.len_k);
 #pragma unroll
@@ -559,14 +563,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // times dropout's 1 / (1 - p) (rows that saw no key: -inf and 0).
     float inv_sum[2];
     auto finish_rows = [&] {
-      const float keep_scale = static_cast<float>(dropout_keep_scale(params.dropout.p));
       float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float sum = row_sum[half];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        inv_sum[half] = sum > 0.f ? (kDropout ? keep_scale : 1.f) / sum : 0.f;
+        inv_sum[half] = sum > 0.f ? (kDropout ? shared->dropout.keep_scale : 1.f) / sum : 0.f;
         const int64_t row = row0 + tile_row + half * 8;
         if (lane % 4 == 0 && row < p.len_q) {
           lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;

@@ -89,7 +89,7 @@ struct FwdTileConfig {
   // where they fit (not with 176-key tiles at head dim 128, nor with a mask
   // at head dim 128, nor at 256).
   static constexpr int kStageBytes = 2 * kKVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
-  static constexpr int kFixedBytes = kQBytes + 128 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), the slack
+  static constexpr int kFixedBytes = kQBytes + 160 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), dropout's state, the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   // Whether a tile's output fits in one K buffer, through which the copy engine
@@ -142,7 +142,7 @@ struct BwdTileConfig {
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 32;  // and dropout's state
   // K, V, the stages of Q, dO and the mask, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to
   // align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * (2 * kQBytes + Mask::kBytes) + kDsBuffers * kDsBytes +
@@ -182,7 +182,7 @@ struct BwdSplitTileConfig {
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages);
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 32;  // and dropout's state
   // K, V, the stages of Q and dO, P^T, the dS^T buffers, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * 2 * kQBytes + (1 + kDsBuffers) * kDsBytes +
                                     kStatsBytes + kBarrierBytes + 1024;
