@@ -125,14 +125,36 @@ FLASHATTN_EXT_HOST_DEVICE PhiloxOutput dropout_call(uint64_t seed, uint64_t offs
   return philox4x32_10(seed, offset / 4, call);
 }
 
+// Where a pair's number lies in its group's Philox outputs (see above): the
+// group's call (0; 0 or 1 with 16 bits), the output word and the bit shift in
+// it. It depends on query % 16 and key % 16 only.
+struct DropoutSlot {
+  int call, word, shift;
+};
+
+FLASHATTN_EXT_HOST_DEVICE DropoutSlot dropout_slot(int bits, int64_t query, int64_t key) {
+  const int qp = int(query % 2), kp = int(key % 2), qh = int(query % 16 >= 8), kh = int(key % 16 >= 8);
+  if (bits == 8) return {0, qp * 2 + kp, 8 * (qh * 2 + kh)};
+  return {qp, kp * 2 + qh, 16 * kh};
+}
+
+// The index of a group's call (slot.call): the group's own with 8 bits, 2 * group + call with 16.
+FLASHATTN_EXT_HOST_DEVICE uint64_t dropout_call_index(uint64_t group, int bits, int call) {
+  return group * static_cast<uint64_t>(bits / 8) + call;
+}
+
+// The number at slot in the output of its call.
+FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_slot_number(const PhiloxOutput& output, DropoutSlot slot, int bits) {
+  return output.x[slot.word] >> slot.shift & ((1u << bits) - 1);
+}
+
 // The random number of one pair (one Philox call: for code that needs single
 // pairs, not for the kernels' inner loops).
 FLASHATTN_EXT_HOST_DEVICE uint32_t dropout_number(uint64_t seed, uint64_t offset, int bits, int64_t bh, int64_t query,
                                                   int64_t key, int64_t len_q, int64_t len_k) {
-  const uint64_t group = dropout_group(bh, query, key, len_q, len_k);
-  const int qp = int(query % 2), kp = int(key % 2), qh = int(query % 16 >= 8), kh = int(key % 16 >= 8);
-  if (bits == 8) return dropout_call(seed, offset, group).x[qp * 2 + kp] >> (8 * (qh * 2 + kh)) & 0xFFu;
-  return dropout_call(seed, offset, 2 * group + qp).x[kp * 2 + qh] >> (16 * kh) & 0xFFFFu;
+  const DropoutSlot slot = dropout_slot(bits, query, key);
+  const uint64_t call = dropout_call_index(dropout_group(bh, query, key, len_q, len_k), bits, slot.call);
+  return dropout_slot_number(dropout_call(seed, offset, call), slot, bits);
 }
 
 }  // namespace flashattn_ext
