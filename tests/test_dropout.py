@@ -94,8 +94,10 @@ def test_mask_op_matches_numpy_philox(device, dropout_bits):
         want = numpy_dropout_mask(seed, offset, bits, dropout_p, *shape)
         got = ops.dropout_mask(rng_state, dropout_p, *shape, 0, shape[2])
         assert np.array_equal(got.cpu().numpy(), want), (device, dropout_p, shape)
-        begin, end = min(3, shape[2]), min(11, shape[2])
-        assert torch.equal(ops.dropout_mask(rng_state, dropout_p, *shape, begin, end), got[:, :, begin:end])
+        # Row ranges that start and end inside a group, across groups and across blocks of 16 queries.
+        for begin, end in ((3, 11), (7, 9), (8, 24), (15, 33), (17, shape[2])):
+            begin, end = min(begin, shape[2]), min(end, shape[2])
+            assert torch.equal(ops.dropout_mask(rng_state, dropout_p, *shape, begin, end), got[:, :, begin:end])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -192,7 +194,7 @@ CPU_CASES = [
 
 
 @pytest.mark.parametrize("dtype,shape,dropout_p,kwargs", CPU_CASES, ids=lambda x: str(x))
-def test_cpu_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs):
+def test_cpu_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs, dropout_bits):
     batch, heads_q, heads_kv, len_q, len_k, dim = shape
     q = torch.randn(batch, heads_q, len_q, dim, dtype=dtype)
     k, v = (torch.randn(batch, heads_kv, len_k, dim, dtype=dtype) for _ in range(2))

@@ -385,8 +385,8 @@ struct HeadMask {
   }
 };
 
-// Dropout for one (batch, head): the factor of the probability of query i and
-// key j, 0 where dropped and 1 / (1 - p) where kept (see dropout.h).
+// Dropout for one (batch, head): for each (query, key) pair, 0 where dropped
+// and 1 / (1 - p) where kept (see dropout.h), drawn a tile at a time.
 template <typename A>
 struct HeadDropout {
   bool enabled = false;
@@ -409,9 +409,64 @@ struct HeadDropout {
     len_k = p.len_k;
   }
 
-  A factor(int64_t i, int64_t j) const {
-    if (!enabled) return A(1);
-    return dropout_number(seed, offset, bits, bh, i, j, len_q, len_k) >= threshold ? keep_scale : A(0);
+  // The factors of queries [row0, row0 + rows) x keys [col0, col0 + cols), a dense rows x cols tile.
+  void factors(int64_t row0, int64_t rows, int64_t col0, int64_t cols, A* out) const {
+    fill_tile(row0, rows, col0, cols, keep_scale, A(0), out, cols);
+  }
+
+  // out[r * ld + c] = kept, or dropped where dropout drops query row0 + r and
+  // key col0 + c, for rows x cols pairs: one Philox call for each group of 16
+  // pairs that meets the tile (two with 16 bits), where dropout_number makes
+  // one for each pair. Tiles need not start or end at a group's edge: a group
+  // across the edge fills only its pairs inside.
+  template <typename Out>
+  void fill_tile(int64_t row0, int64_t rows, int64_t col0, int64_t cols, Out kept, Out dropped, Out* out,
+                 int64_t ld) const {
+    if (!enabled) {
+      for (int64_t r = 0; r < rows; ++r) std::fill(out + r * ld, out + r * ld + cols, kept);
+      return;
+    }
+    // A group's queries (and keys) lie these distances from its first, an even
+    // one in the first half of 16; so a member's slot depends on its distances only.
+    constexpr int64_t kMembers[4] = {0, 1, 8, 9};
+    DropoutSlot slots[4][4];
+    for (int mq = 0; mq < 4; ++mq) {
+      for (int mk = 0; mk < 4; ++mk) slots[mq][mk] = dropout_slot(bits, kMembers[mq], kMembers[mk]);
+    }
+    const int calls = bits / 8;
+    const int64_t row_end = row0 + rows, col_end = col0 + cols;
+    // Whether a group whose first query (key) is `first` has one in [begin, end).
+    auto meets = [&](int64_t first, int64_t begin, int64_t end) {
+      for (int64_t m : kMembers) {
+        if (first + m >= begin && first + m < end) return true;
+      }
+      return false;
+    };
+    for (int64_t block_q = row0 / 16 * 16; block_q < row_end; block_q += 16) {
+      for (int64_t first_q = block_q; first_q < block_q + 8; first_q += 2) {
+        if (!meets(first_q, row0, row_end)) continue;
+        for (int64_t block_k = col0 / 16 * 16; block_k < col_end; block_k += 16) {
+          for (int64_t first_k = block_k; first_k < block_k + 8; first_k += 2) {
+            if (!meets(first_k, col0, col_end)) continue;
+            const uint64_t group = dropout_group(bh, first_q, first_k, len_q, len_k);
+            PhiloxOutput outputs[2];
+            for (int call = 0; call < calls; ++call) {
+              outputs[call] = dropout_call(seed, offset, dropout_call_index(group, bits, call));
+            }
+            for (int mq = 0; mq < 4; ++mq) {
+              const int64_t r = first_q + kMembers[mq] - row0;
+              if (r < 0 || r >= rows) continue;
+              for (int mk = 0; mk < 4; ++mk) {
+                const int64_t c = first_k + kMembers[mk] - col0;
+                if (c < 0 || c >= cols) continue;
+                const DropoutSlot slot = slots[mq][mk];
+                out[r * ld + c] = dropout_slot_number(outputs[slot.call], slot, bits) >= threshold ? kept : dropped;
+              }
+            }
+          }
+        }
+      }
+    }
   }
 };
 
@@ -470,6 +525,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     int64_t loaded_head = -1;
     std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
+    std::vector<A> drop_factors(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = task % q_blocks;
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -526,9 +582,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         }
         // Dropout applies to the probabilities after the (undropped) row sum.
         if (dropout.enabled) {
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] *= dropout.factor(row0 + r, col0 + c);
-          }
+          dropout.factors(row0, rows, col0, cols, drop_factors.data());
+          for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= drop_factors[i];
         }
         if constexpr (kWithOutput) {
           // o = o * rescale + P V, the product added to o in place (A is G
@@ -587,21 +642,20 @@ void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_
 }
 
 // dS = P * (Z * dP - delta) in place of dP (rows x cols), or into out where
-// set, where Z is dropout's factor (1 without dropout); with dropped set, also
-// P * Z there, the probabilities that the output used.
+// set, where Z is dropout's factor (factors, rows x cols; nullptr without
+// dropout: 1); with dropped set, also P * Z there, the probabilities that the output used.
 template <typename A>
-void score_gradient(const A* probs, A* dscores, const A* delta, int64_t rows, int64_t cols,
-                    const HeadDropout<A>& dropout, int64_t row0, int64_t col0, A* dropped = nullptr,
-                    A* out = nullptr) {
+void score_gradient(const A* probs, A* dscores, const A* delta, int64_t rows, int64_t cols, const A* factors,
+                    A* dropped = nullptr, A* out = nullptr) {
   for (int64_t r = 0; r < rows; ++r) {
     A* ds = (out != nullptr ? out : dscores) + r * cols;
     const A* dp = dscores + r * cols;
     const A* prob = probs + r * cols;
-    if (dropout.enabled) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const A factor = dropout.factor(row0 + r, col0 + c);
-        ds[c] = prob[c] * (dp[c] * factor - delta[r]);
-        if (dropped != nullptr) dropped[r * cols + c] = prob[c] * factor;
+    if (factors != nullptr) {
+      const A* z = factors + r * cols;
+      for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (dp[c] * z[c] - delta[r]);
+      if (dropped != nullptr) {
+        for (int64_t c = 0; c < cols; ++c) dropped[r * cols + c] = prob[c] * z[c];
       }
     } else {  // the loop the compiler vectorizes
       for (int64_t c = 0; c < cols; ++c) ds[c] = prob[c] * (dp[c] - delta[r]);
@@ -700,7 +754,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     // dK and dV transposed, in key tiles (see key_tiles_size).
     std::vector<A> dk_t(key_tiles_size(p.len_k, dim)), dv_t(key_tiles_size(p.len_k, dim_v)),
         softcap_grad(p.softcap > 0.0 ? kBlockQ * kBlockK : 0), dq(kBlockQ * dim), delta(kBlockQ),
-        row_norm(kBlockQ);
+        row_norm(kBlockQ), drop_factors(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     // P, dS, and P Z (with dropout: what the output used)
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
@@ -743,13 +797,23 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
           return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
+        // Dropout's factors of a tile, into drop_factors (drawn again in each
+        // pass: far cheaper than the tile's products); nullptr without dropout.
+        auto tile_factors = [&](int64_t col0, int64_t cols) -> const A* {
+          if (!dropout.enabled) return nullptr;
+          dropout.factors(row0, rows, col0, cols, drop_factors.data());
+          return drop_factors.data();
+        };
+
         // delta = rowsum(P * Z * dP): dS with a zero delta, summed, a row at a
         // time beside dP; from the kept tiles once all are made, where they are
         // kept (and P renormalized, where asked).
         std::fill(delta.begin(), delta.end(), A(0));
         auto add_to_delta = [&](const A* probs, A* dscores, int64_t col0, int64_t cols) {
+          const A* factors = tile_factors(col0, cols);
           for (int64_t r = 0; r < rows; ++r) {
-            score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols, dropout, row0 + r, col0,
+            score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols,
+                           factors != nullptr ? factors + r * cols : nullptr,
                            /*dropped=*/static_cast<A*>(nullptr), row_product.data());
             delta[r] += sum_of(row_product.data(), cols);
           }
@@ -801,7 +865,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
             dscores = dscore_tile.acc();
           }
           A* dropped = dropout.enabled ? dropped_tile.acc() : nullptr;
-          score_gradient(probs, dscores, delta.data(), rows, cols, dropout, row0, col0, dropped);
+          score_gradient(probs, dscores, delta.data(), rows, cols, tile_factors(col0, cols), dropped);
           if (dropout.enabled) used = dropped_tile.to_gemm(rows * cols);
           // An additive mask enters the scores as is: its gradient is dS. Each
           // (query, key) pair is visited once; pairs skipped keep their zero.
@@ -977,11 +1041,15 @@ void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, b
   p.heads_q = shape.heads;
   p.len_q = shape.len_q;
   p.len_k = shape.len_k;
-  at::parallel_for(0, shape.batch * shape.heads * rows, 1, [&](int64_t begin, int64_t end) {
+  // A task for each 16 queries (as dropout's groups align them) of a head: whole groups, each drawn once.
+  const int64_t first_block = shape.row_begin / 16, blocks = rows > 0 ? ceil_div(shape.row_end, 16) - first_block : 0;
+  at::parallel_for(0, shape.batch * shape.heads * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bh = task / rows, i = shape.row_begin + task % rows;
+      const int64_t bh = task / blocks, block = first_block + task % blocks;
+      const int64_t row0 = std::max(shape.row_begin, block * 16), row_end = std::min(shape.row_end, block * 16 + 16);
       const HeadDropout<double> head(dropout, p, bh / shape.heads, bh % shape.heads);
-      for (int64_t j = 0; j < shape.len_k; ++j) mask[task * shape.len_k + j] = head.factor(i, j) != 0.0;
+      head.fill_tile(row0, row_end - row0, 0, shape.len_k, /*kept=*/true, /*dropped=*/false,
+                     mask + (bh * rows + row0 - shape.row_begin) * shape.len_k, shape.len_k);
     }
   });
 }
