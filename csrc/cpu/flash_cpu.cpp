@@ -415,55 +415,67 @@ struct HeadDropout {
   }
 
   // out[r * ld + c] = kept, or dropped where dropout drops query row0 + r and
-  // key col0 + c, for rows x cols pairs: one Philox call for each group of 16
-  // pairs that meets the tile (two with 16 bits), where dropout_number makes
-  // one for each pair. Tiles need not start or end at a group's edge: a group
+  // key col0 + c, for rows x cols pairs, drawn in blocks of 16 x 16 (see
+  // block_numbers). Tiles need not start or end at a block's edge: a block
   // across the edge fills only its pairs inside.
   template <typename Out>
   void fill_tile(int64_t row0, int64_t rows, int64_t col0, int64_t cols, Out kept, Out dropped, Out* out,
                  int64_t ld) const {
     if (!enabled) {
       for (int64_t r = 0; r < rows; ++r) std::fill(out + r * ld, out + r * ld + cols, kept);
-      return;
+    } else if (bits == 8) {
+      fill_blocks<8>(row0, rows, col0, cols, kept, dropped, out, ld);
+    } else {
+      fill_blocks<16>(row0, rows, col0, cols, kept, dropped, out, ld);
     }
-    // A group's queries (and keys) lie these distances from its first, an even
-    // one in the first half of 16; so a member's slot depends on its distances only.
-    constexpr int64_t kMembers[4] = {0, 1, 8, 9};
-    DropoutSlot slots[4][4];
-    for (int mq = 0; mq < 4; ++mq) {
-      for (int mk = 0; mk < 4; ++mk) slots[mq][mk] = dropout_slot(bits, kMembers[mq], kMembers[mk]);
-    }
-    const int calls = bits / 8;
-    const int64_t row_end = row0 + rows, col_end = col0 + cols;
-    // Whether a group whose first query (key) is `first` has one in [begin, end).
-    auto meets = [&](int64_t first, int64_t begin, int64_t end) {
-      for (int64_t m : kMembers) {
-        if (first + m >= begin && first + m < end) return true;
-      }
-      return false;
-    };
-    for (int64_t block_q = row0 / 16 * 16; block_q < row_end; block_q += 16) {
-      for (int64_t first_q = block_q; first_q < block_q + 8; first_q += 2) {
-        if (!meets(first_q, row0, row_end)) continue;
-        for (int64_t block_k = col0 / 16 * 16; block_k < col_end; block_k += 16) {
-          for (int64_t first_k = block_k; first_k < block_k + 8; first_k += 2) {
-            if (!meets(first_k, col0, col_end)) continue;
-            const uint64_t group = dropout_group(bh, first_q, first_k, len_q, len_k);
-            PhiloxOutput outputs[2];
-            for (int call = 0; call < calls; ++call) {
-              outputs[call] = dropout_call(seed, offset, dropout_call_index(group, bits, call));
-            }
-            for (int mq = 0; mq < 4; ++mq) {
-              const int64_t r = first_q + kMembers[mq] - row0;
-              if (r < 0 || r >= rows) continue;
-              for (int mk = 0; mk < 4; ++mk) {
-                const int64_t c = first_k + kMembers[mk] - col0;
-                if (c < 0 || c >= cols) continue;
-                const DropoutSlot slot = slots[mq][mk];
-                out[r * ld + c] = dropout_slot_number(outputs[slot.call], slot, bits) >= threshold ? kept : dropped;
-              }
-            }
+  }
+
+  // numbers[i][j]: the number of query block_q + i and key block_k + j, for a
+  // block of 16 x 16 pairs (block_q and block_k multiples of 16): its 16
+  // groups, one Philox call each (two with 16 bits), where dropout_number
+  // makes one for each pair. With kBits a constant, so is every pair's slot.
+  template <int kBits>
+  void block_numbers(int64_t block_q, int64_t block_k, uint16_t numbers[16][16]) const {
+    constexpr int kMembers[4] = {0, 1, 8, 9};  // a group's queries (keys), from its first
+    constexpr int kCalls = kBits / 8;
+    for (int first_q = 0; first_q < 8; first_q += 2) {
+      for (int first_k = 0; first_k < 8; first_k += 2) {
+        const uint64_t group = dropout_group(bh, block_q + first_q, block_k + first_k, len_q, len_k);
+        PhiloxOutput outputs[kCalls];
+        for (int call = 0; call < kCalls; ++call) {
+          outputs[call] = dropout_call(seed, offset, dropout_call_index(group, kBits, call));
+        }
+#pragma GCC unroll 4
+        for (int mq = 0; mq < 4; ++mq) {
+#pragma GCC unroll 4
+          for (int mk = 0; mk < 4; ++mk) {
+            const int i = first_q + kMembers[mq], j = first_k + kMembers[mk];
+            const DropoutSlot slot = dropout_slot(kBits, i, j);  // (depends on i % 16 and j % 16 only)
+            numbers[i][j] = static_cast<uint16_t>(dropout_slot_number(outputs[slot.call], slot, kBits));
           }
+        }
+      }
+    }
+  }
+
+  // fill_tile with kBits-bit numbers: each block's numbers drawn whole, then
+  // compared a row at a time (a loop the compiler vectorizes; comparing in the
+  // scatter above took twice the time).
+  template <int kBits, typename Out>
+  void fill_blocks(int64_t row0, int64_t rows, int64_t col0, int64_t cols, Out kept, Out dropped, Out* out,
+                   int64_t ld) const {
+    const int64_t row_end = row0 + rows, col_end = col0 + cols;
+    uint16_t numbers[16][16];
+    for (int64_t block_q = row0 / 16 * 16; block_q < row_end; block_q += 16) {
+      for (int64_t block_k = col0 / 16 * 16; block_k < col_end; block_k += 16) {
+        block_numbers<kBits>(block_q, block_k, numbers);
+        // The block's pairs inside the tile.
+        const int64_t q_begin = std::max(block_q, row0), q_end = std::min(block_q + 16, row_end);
+        const int64_t k_begin = std::max(block_k, col0), k_end = std::min(block_k + 16, col_end);
+        for (int64_t i = q_begin; i < q_end; ++i) {
+          const uint16_t* number = numbers[i - block_q] + (k_begin - block_k);
+          Out* dst = out + (i - row0) * ld + (k_begin - col0);
+          for (int64_t j = 0; j < k_end - k_begin; ++j) dst[j] = number[j] >= threshold ? kept : dropped;
         }
       }
     }
