@@ -138,9 +138,12 @@ FLASHATTN_EXT_HOST_DEVICE DropoutSlot dropout_slot(int bits, int64_t query, int6
   return {qp, kp * 2 + qh, 16 * kh};
 }
 
+// The Philox calls of a group: one with 8 bits, two with 16.
+FLASHATTN_EXT_HOST_DEVICE constexpr int dropout_group_calls(int bits) { return bits / 8; }
+
 // The index of a group's call (slot.call): the group's own with 8 bits, 2 * group + call with 16.
 FLASHATTN_EXT_HOST_DEVICE uint64_t dropout_call_index(uint64_t group, int bits, int call) {
-  return group * static_cast<uint64_t>(bits / 8) + call;
+  return group * static_cast<uint64_t>(dropout_group_calls(bits)) + call;
 }
 
 // The number at slot in the output of its call.

@@ -437,7 +437,7 @@ struct HeadDropout {
   template <int kBits>
   void block_numbers(int64_t block_q, int64_t block_k, uint16_t numbers[16][16]) const {
     constexpr int kMembers[4] = {0, 1, 8, 9};  // a group's queries (keys), from its first
-    constexpr int kCalls = kBits / 8;
+    constexpr int kCalls = dropout_group_calls(kBits);
     for (int first_q = 0; first_q < 8; first_q += 2) {
       for (int first_k = 0; first_k < 8; first_k += 2) {
         const uint64_t group = dropout_group(bh, block_q + first_q, block_k + first_k, len_q, len_k);
@@ -459,8 +459,8 @@ struct HeadDropout {
   }
 
   // fill_tile with kBits-bit numbers: each block's numbers drawn whole, then
-  // compared a row at a time (a loop the compiler vectorizes; comparing in the
-  // scatter above took twice the time).
+  // compared a row at a time (a loop the compiler vectorizes; comparing each
+  // number where it was drawn took twice the time).
   template <int kBits, typename Out>
   void fill_blocks(int64_t row0, int64_t rows, int64_t col0, int64_t cols, Out kept, Out dropped, Out* out,
                    int64_t ld) const {
@@ -809,8 +809,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
           return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
-        // Dropout's factors of a tile, into drop_factors (drawn again in each
-        // pass: far cheaper than the tile's products); nullptr without dropout.
+        // Dropout's factors of a tile, into drop_factors (drawn again by each
+        // pass that uses them, not kept); nullptr without dropout.
         auto tile_factors = [&](int64_t col0, int64_t cols) -> const A* {
           if (!dropout.enabled) return nullptr;
           dropout.factors(row0, rows, col0, cols, drop_factors.data());
