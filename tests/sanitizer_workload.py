@@ -122,9 +122,12 @@ def main():
             for dtype in DTYPES:
                 run(case, dtype)
                 print(f"ok {case} {dtype} deterministic={deterministic}", flush=True)
-        for case in DROPOUT_CASES:
-            run(case, torch.bfloat16, dropout_p=0.3)
-            print(f"ok {case} dropout deterministic={deterministic}", flush=True)
+        for bits in (8, 16):  # dropout's random numbers of either size (the kernels' two paths)
+            flashattn_ext.set_dropout_bits(bits)
+            for case in DROPOUT_CASES:
+                run(case, torch.bfloat16, dropout_p=0.3)
+                print(f"ok {case} dropout {bits}-bit deterministic={deterministic}", flush=True)
+        flashattn_ext.set_dropout_bits(8)
         for dtype in DTYPES:
             run_copied_inputs(dtype)
             print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)
