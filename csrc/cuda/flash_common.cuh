@@ -365,7 +365,7 @@ __device__ __forceinline__ void store_mask_grad(const TensorView4d& dmask, int64
 }
 
 // Dropout inside the kernels (numbers as in dropout.h), per attention call
-// (32 bytes: the Hopper forward keeps it in shared memory).
+// (32 bytes, which the Hopper kernels keep in shared memory: see their tile configs).
 struct DropoutState {
   uint64_t seed, offset;
   // dropout_keep_flags' constants for the threshold: see there.
@@ -374,6 +374,7 @@ struct DropoutState {
 
   __device__ __forceinline__ bool bytes() const { return low_bits == 0x7F7F7F7Fu; }  // 8-bit numbers, else 16
 };
+static_assert(sizeof(DropoutState) == 32, "the room the Hopper tile configs keep for it");
 
 __device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropout) {
   DropoutState state;

@@ -537,7 +537,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // first `keys` keys): after the softmax, whose row sums count every probability,
     // and before P V; the kept ones are scaled with the output. Two 16-key
     // blocks a step (dropout_block_pair_flags), each 16-bit probability ANDed
-    // with its mask.
+    // with its mask. (probs is generic: nvcc 13's cicc crashes on an array
+    // reference parameter of this generic lambda.)
     auto apply_dropout = [&](auto& probs, int n_block, auto keys) {
       constexpr int kBlocks = decltype(keys)::value / 16;
       auto& frags = *reinterpret_cast<uint32_t(*)[kBlocks][4]>(&probs);
