@@ -134,6 +134,18 @@ def seq_major_qkv(batch, length, heads, head_dim, device, seed):
     )
 
 
+@pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])
+def dropout_bits(request):
+    """Runs a test with dropout's random numbers of 8 and of 16 bits, then restores the setting
+    (a fixture: import it into the test module)."""
+    import flashattn_ext
+
+    before = flashattn_ext.get_dropout_bits()
+    flashattn_ext.set_dropout_bits(request.param)
+    yield request.param
+    flashattn_ext.set_dropout_bits(before)
+
+
 def draw_rng_state(device, dropout_p):
     """The rng_state that a flashattn_ext call with dropout_p draws from the generator's current state."""
     x = torch.zeros(1, 1, 1, 8, device=device)

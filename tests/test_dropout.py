@@ -15,6 +15,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
 from helpers import DEVICES, ERROR_FLOOR, cuda_test, draw_rng_state, math_with_dropout_mask, relative_error
+from helpers import dropout_bits  # noqa: F401  (a fixture)
 
 ops = torch.ops.flashattn_ext
 
@@ -66,15 +67,6 @@ def numpy_dropout_mask(seed, offset, bits, dropout_p, batch, heads, len_q, len_k
 def dropped_below(dropout_p, bits):
     """The threshold: numbers below round(p * 2^bits) are dropped."""
     return min(2**bits, int(dropout_p * 2**bits + 0.5))
-
-
-@pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])
-def dropout_bits(request):
-    """Runs the test with dropout's random numbers of 8 and of 16 bits, then restores the setting."""
-    before = flashattn_ext.get_dropout_bits()
-    flashattn_ext.set_dropout_bits(request.param)
-    yield request.param
-    flashattn_ext.set_dropout_bits(before)
 
 
 def test_dropout_bits_setting():

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import flashattn_ext
 from helpers import CUDA_REASON, ERROR_FLOOR, naive_attention, poison_cuda_allocator, relative_error
+from helpers import dropout_bits  # noqa: F401  (a fixture)
 from test_dropout import check_against_mask_reference
 
 pytestmark = [
@@ -256,15 +257,6 @@ DROPOUT_SHAPES = [
     (1, 2, 2, 300, 300, 112),
     (1, 4, 2, 300, 700, 256),
 ]
-
-
-@pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])
-def dropout_bits(request):
-    """Dropout's random numbers of 8 and of 16 bits; the setting restored after."""
-    before = flashattn_ext.get_dropout_bits()
-    flashattn_ext.set_dropout_bits(request.param)
-    yield request.param
-    flashattn_ext.set_dropout_bits(before)
 
 
 @pytest.mark.parametrize("mode", ["full", "causal"])
