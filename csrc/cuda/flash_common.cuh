@@ -461,58 +461,34 @@ __device__ __forceinline__ uint32_t dropout_pair_mask(const uint32_t (&flags)[2]
   return ptx::prmt(flags[0], flags[1], 0x8888u | byte * 0x0011u | (byte + 4) * 0x1100u);
 }
 
-// keep[mt][nt][e]: whether dropout keeps a warp's score fragment element whose
-// row is query q0 + mt * 16 + lane / 4 + 8 * (e / 2) and column key
-// k0 + nt * 8 + 2 * (lane % 4) + e % 2, of head bh (batch * heads_q + head).
-// q0 and k0 are multiples of 16.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void dropout_keep_query_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
-                                                        const AttentionProblem& p, int64_t bh, int64_t q0, int64_t k0,
-                                                        int lane) {
-  static_assert(kNTiles % 4 == 0, "pairs of 16-key blocks");
+// keep[mt][nt][e]: whether dropout keeps a warp's score fragment element of
+// row row0 + mt * 16 + lane / 4 + 8 * (e / 2) and column col0 + nt * 8 + 2 *
+// (lane % 4) + e % 2, of head bh (batch * heads_q + head), where the rows are
+// queries and the columns keys (kKeyRows false: S) or the other way round
+// (S^T). row0 and col0 are multiples of 16.
+template <bool kKeyRows, int kMTiles, int kNTiles>
+__device__ __forceinline__ void dropout_keep_fragments(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
+                                                       const AttentionProblem& p, int64_t bh, int64_t row0,
+                                                       int64_t col0, int lane) {
+  static_assert(kNTiles % 4 == 0, "pairs of 16-column blocks");
+  const uint64_t step = kKeyRows ? 4 * dropout_quads(p.len_k) : 4;  // 16 columns on
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
     for (int pair = 0; pair < kNTiles / 4; ++pair) {
-      const int64_t query = q0 + mt * 16 + lane / 4, key = k0 + pair * 32 + (lane % 4) * 2;
+      const int64_t row = row0 + mt * 16 + lane / 4, col = col0 + pair * 32 + (lane % 4) * 2;
       uint32_t flags[2][2];
-      dropout_block_pair_flags<false>(flags, d, dropout_group(bh, query, key, p.len_q, p.len_k), 4, lane);
+      dropout_block_pair_flags<kKeyRows>(
+          flags, d, dropout_group(bh, kKeyRows ? col : row, kKeyRows ? row : col, p.len_q, p.len_k), step, lane);
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], (e / 2) * 2 + nt);
-          }
-        }
-      }
-    }
-  }
-}
-
-// The same for fragments of the transposed scores S^T: row key
-// k0 + mt * 16 + lane / 4 + 8 * (e / 2), column query q0 + nt * 8 + 2 * (lane % 4) + e % 2.
-template <int kMTiles, int kNTiles>
-__device__ __forceinline__ void dropout_keep_key_rows(bool (&keep)[kMTiles][kNTiles][4], const DropoutState& d,
-                                                      const AttentionProblem& p, int64_t bh, int64_t k0, int64_t q0,
-                                                      int lane) {
-  static_assert(kNTiles % 4 == 0, "pairs of 16-query blocks");
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-    for (int pair = 0; pair < kNTiles / 4; ++pair) {
-      const int64_t key = k0 + mt * 16 + lane / 4, query = q0 + pair * 32 + (lane % 4) * 2;
-      uint32_t flags[2][2];
-      dropout_block_pair_flags<true>(flags, d, dropout_group(bh, query, key, p.len_q, p.len_k),
-                                     4 * dropout_quads(p.len_k), lane);
-#pragma unroll
-      for (int b = 0; b < 2; ++b) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], nt * 2 + e / 2);
+            // Row half e / 2, column half nt, column parity e % 2; the byte is qh * 2 + kh.
+            const int byte = kKeyRows ? nt * 2 + e / 2 : (e / 2) * 2 + nt;
+            keep[mt][pair * 4 + b * 2 + nt][e] = dropout_flag(flags[b][e % 2], byte);
           }
         }
       }

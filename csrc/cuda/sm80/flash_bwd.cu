@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     bool keep[1][kQueryTiles][4];
     if constexpr (kDropout) {
       const int64_t h = h_kv * group + step / m_count;
-      dropout_keep_key_rows(keep, dropout, p, b * p.heads_q + h, col0 + warp * 16, m0, lane);
+      dropout_keep_fragments</*kKeyRows=*/true>(keep, dropout, p, b * p.heads_q + h, col0 + warp * 16, m0, lane);
       float kept[1][kQueryTiles][4];
 #pragma unroll
       for (int nt = 0; nt < kQueryTiles; ++nt) {
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     mma_rows_by_rows<Elem, 1, kKeyTiles, kHeadDim, kStride>(ds, do_frag, v_rows + buf_bytes);
     bool keep[1][kKeyTiles][4];
     if constexpr (kDropout) {
-      dropout_keep_query_rows(keep, dropout, p, b * p.heads_q + h, row0 + warp * 16, col0, lane);
+      dropout_keep_fragments</*kKeyRows=*/false>(keep, dropout, p, b * p.heads_q + h, row0 + warp * 16, col0, lane);
     }
     // Key 0 is column 0 of the lanes with lane % 4 == 0 (registers e % 2 == 0).
     const RowRange first_key_alone = col0 == 0 && lane % 4 == 0

@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     // asked for; then P^T where dropout keeps it, for dV.
     bool keep[2][4][4];
     if constexpr (kDropout) {
-      dropout_keep_key_rows(keep, dropout, p, b * p.heads_q + work.h, col0 + key0, m0 + query0, lane);
+      dropout_keep_fragments</*kKeyRows=*/true>(keep, dropout, p, b * p.heads_q + work.h, col0 + key0, m0 + query0,
+                                                lane);
     }
     const bool store_dmask = kMasked && params.dmask.data != nullptr;
     // Key 0 is row 0 of warp tile mt = 0 in the lanes with lane < 4 (registers e < 2).

@@ -199,8 +199,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
 
     if constexpr (kDropout) {
       bool keep[kMTiles][kKeyTiles][4];
-      dropout_keep_query_rows(keep, dropout, p, b * p.heads_q + h, row0 + warp_row0, int64_t(n_block) * kBlockN,
-                              lane);
+      dropout_keep_fragments</*kKeyRows=*/false>(keep, dropout, p, b * p.heads_q + h, row0 + warp_row0,
+                                                 int64_t(n_block) * kBlockN, lane);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
