@@ -186,7 +186,6 @@ void check_rng_state(const at::Tensor& rng_state, double dropout_p, const at::Te
   }
 }
 
-
 MaskKind mask_kind(const std::optional<at::Tensor>& attn_mask) {
   if (!attn_mask.has_value()) return MaskKind::kNone;
   return attn_mask->scalar_type() == at::kBool ? MaskKind::kBool : MaskKind::kAdditive;
