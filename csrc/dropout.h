@@ -53,6 +53,10 @@ struct DropoutParams {
   const int64_t* rng_state = nullptr;
 };
 
+// The bits of the numbers that rng_state records: 16, or else 8 (the ops check
+// the value where rng_state is in host memory; device code cannot).
+FLASHATTN_EXT_HOST_DEVICE int dropout_bits_of(const int64_t* rng_state) { return rng_state[2] == 16 ? 16 : 8; }
+
 // The keep mask of query rows [row_begin, row_end) of a (batch, heads, len_q,
 // len_k) attention call, as the dropout_mask op returns it.
 struct DropoutMaskShape {

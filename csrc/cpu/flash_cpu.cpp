@@ -401,7 +401,7 @@ struct HeadDropout {
     if (!enabled) return;
     seed = static_cast<uint64_t>(dropout.rng_state[0]);
     offset = static_cast<uint64_t>(dropout.rng_state[1]);
-    bits = static_cast<int>(dropout.rng_state[2]);
+    bits = dropout_bits_of(dropout.rng_state);
     threshold = dropout_threshold(dropout.p, bits);
     keep_scale = static_cast<A>(dropout_keep_scale(dropout.p));
     bh = b * p.heads_q + h;

@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(kMaskThreads) dropout_mask_kernel(const Dropou
   if (index >= shape.batch * shape.heads * rows * shape.len_k) return;
   const int64_t key = index % shape.len_k, query = shape.row_begin + (index / shape.len_k) % rows;
   const int64_t bh = index / (shape.len_k * rows);
-  const int bits = dropout.rng_state[2] == 16 ? 16 : 8;
+  const int bits = dropout_bits_of(dropout.rng_state);
   const uint32_t number = dropout_number(static_cast<uint64_t>(dropout.rng_state[0]),
                                          static_cast<uint64_t>(dropout.rng_state[1]), bits, bh, query, key,
                                          shape.len_q, shape.len_k);

@@ -380,7 +380,7 @@ __device__ __forceinline__ DropoutState dropout_state(const DropoutParams& dropo
   DropoutState state;
   state.seed = static_cast<uint64_t>(dropout.rng_state[0]);
   state.offset = static_cast<uint64_t>(dropout.rng_state[1]);
-  const int bits = dropout.rng_state[2] == 16 ? 16 : 8;  // (see check_rng_state)
+  const int bits = dropout_bits_of(dropout.rng_state);
   const uint32_t threshold = dropout_threshold(dropout.p, bits), half = 1u << (bits - 1);
   state.low_bits = bits == 8 ? 0x7F7F7F7Fu : 0x7FFF7FFFu;
   state.carry_add = ((threshold <= half ? half : 2 * half) - threshold) * (bits == 8 ? 0x01010101u : 0x00010001u);
@@ -415,7 +415,8 @@ __device__ __forceinline__ void dropout_block_pair_flags(uint32_t (&flags)[2][2]
   if (d.bytes()) {
     // One call, for block odd_rows: the lane keeps its rows' two words (of
     // output qp * 2 + kp) and swaps the other two for lane ^ 4's, of the other block.
-    const PhiloxOutput numbers = dropout_call(d.seed, d.offset, group + (odd_rows ? step : 0));
+    const PhiloxOutput numbers =
+        dropout_call(d.seed, d.offset, dropout_call_index(group + (odd_rows ? step : 0), 8, 0));
     uint32_t f[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) f[i] = dropout_keep_flags(numbers.x[i], d);
@@ -432,7 +433,8 @@ __device__ __forceinline__ void dropout_block_pair_flags(uint32_t (&flags)[2][2]
     // parity's call, whose other key parity it swaps for lane ^ 4's).
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
-      const PhiloxOutput numbers = dropout_call(d.seed, d.offset, 2 * (group + (b ? step : 0)) + odd_rows);
+      const PhiloxOutput numbers =
+          dropout_call(d.seed, d.offset, dropout_call_index(group + (b ? step : 0), 16, odd_rows));
       uint32_t by_kp[2];  // bytes qh * 2 + kh of the numbers of kp
 #pragma unroll
       for (int kp = 0; kp < 2; ++kp) {
