@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const uint32_t do_trans = ptx::smem_addr(s_do) + a_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
-  DropoutState dropout;
+  DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
   float dk[1][kHeadDim / 8][4] = {}, dv[1][kHeadDim / 8][4] = {};
   for (int64_t step = 0; step < steps; ++step) {
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   const uint32_t v_rows = ptx::smem_addr(s_v) + b_lane_offset<kStride>(lane) * kElemBytes;
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
 
-  DropoutState dropout;
+  DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
   const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
   float dq[1][kHeadDim / 8][4] = {};

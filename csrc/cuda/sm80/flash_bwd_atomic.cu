@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   // Keys past the end must be masked: their S is 0, so P would not be.
   const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 
-  DropoutState dropout;
+  DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
 
   float dk[2][kHalfDimTiles][4] = {}, dv[2][kHalfDimTiles][4] = {};

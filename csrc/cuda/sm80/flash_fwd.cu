@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   float acc_o[kMTiles][kDimTiles][4] = {};
   float row_max[kMTiles][2], row_sum[kMTiles][2];
-  DropoutState dropout;
+  DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
   for (int mt = 0; mt < kMTiles; ++mt) {
     for (int half = 0; half < 2; ++half) {

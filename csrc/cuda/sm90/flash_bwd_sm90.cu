@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // while their registers are not yet live: keep[j][w] for the lane's 16 x 16
     // block j and its queries of parity w (dropout_block_pair_flags), two
     // blocks a step.
-    uint32_t keep[kBlockM / 16][2];
+    uint32_t keep[kBlockM / 16][2] = {};
     if constexpr (kDropout) {
       const DropoutState dropout = bars->dropout;
       const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, col0 + key_row, p.len_q, p.len_k);
