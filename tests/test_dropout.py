@@ -125,6 +125,7 @@ def test_backward_draws_what_its_forward_drew(device):
     q, k, v = (torch.randn(1, 2, 48, 64, device=device, dtype=dtype) for _ in range(3))
     grad_out = torch.randn_like(q)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    before = flashattn_ext.get_dropout_bits()
     flashattn_ext.set_dropout_bits(16)
     try:
         torch.manual_seed(2)
@@ -132,7 +133,8 @@ def test_backward_draws_what_its_forward_drew(device):
         torch.manual_seed(2)
         rng_state = draw_rng_state(device, 0.3)
     finally:
-        flashattn_ext.set_dropout_bits(8)
+        flashattn_ext.set_dropout_bits(before)
+    assert flashattn_ext.get_dropout_bits() != 16
     got = (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
     keep = ops.dropout_mask(rng_state, 0.3, 1, 2, 48, 48, 0, 48)
     want = reference_with_mask(q, k, v, keep, 0.3, grad_out)
