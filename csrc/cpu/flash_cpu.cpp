@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -94,14 +96,15 @@ A max_of(const A* x, int64_t n) {
   return *std::max_element(lanes, lanes + kLanes);
 }
 
-// Copies rows [row0, row0 + rows) of head (b, h) into a dense rows x cols tile.
+// Copies rows [row0, row0 + rows) of head (b, h) into a rows x cols tile whose
+// rows lie ld apart (dense by default).
 template <typename T, typename A>
 void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
-               A* tile) {
+               A* tile, std::optional<int64_t> ld = std::nullopt) {
   const T* base = static_cast<const T*>(t.data) + b * t.stride_batch + h * t.stride_head;
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = base + (row0 + r) * t.stride_row;
-    A* dst = tile + r * cols;
+    A* dst = tile + r * ld.value_or(cols);
     if (t.stride_col == 1) {  // the usual case, in its own loop: vector code
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<A>(src[c]);
     } else {
@@ -124,11 +127,11 @@ void load_tile_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t r
 
 template <typename T, typename A>
 void store_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t cols,
-                const A* tile) {
+                const A* tile, std::optional<int64_t> ld = std::nullopt) {
   T* base = static_cast<T*>(t.data) + b * t.stride_batch + h * t.stride_head;
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = base + (row0 + r) * t.stride_row;
-    const A* src = tile + r * cols;
+    const A* src = tile + r * ld.value_or(cols);
     if (t.stride_col == 1) {
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<T>(src[c]);
     } else {
@@ -482,18 +485,13 @@ struct HeadDropout {
   }
 };
 
-// scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
-// load_scaled_queries; k transposed: key c is column c of k_t, whose rows lie
-// ld_k apart), softcapped (softcap > 0; its derivative into softcap_grad where
-// given), less ALiBi's alibi_slope times the distance from the diagonal (slope
-// 0: none), with the mask applied, or -inf where query row0 + r may not see key
-// col0 + c.
-template <typename T, typename A, typename G>
-void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A softcap,
-                    A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
-                    DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
-  matmul(rows, cols, dim, q, dim, k_t, ld_k, score_tile.gemm(), cols);
-  A* scores = score_tile.from_gemm(rows * cols);
+// The scaled scores of queries row0 on and keys col0 on (rows x cols, dense),
+// softcapped (softcap > 0; its derivative into softcap_grad where given), less
+// ALiBi's alibi_slope times the distance from the diagonal (slope 0: none),
+// with the mask applied, or -inf where query row0 + r may not see key col0 + c.
+template <typename T, typename A>
+void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slope, const Visibility& vis,
+                   const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* softcap_grad = nullptr) {
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
   if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
@@ -507,9 +505,208 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
   }
 }
 
-// The forward over every query block. lse_all (batch, heads_q, len_q) receives
-// the log-sum-exp in the type L; with kWithOutput the output goes to params.out.
-template <typename T, bool kWithOutput = true, typename L>
+// scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
+// load_scaled_queries; k transposed: key c is column c of k_t, whose rows lie
+// ld_k apart), adjusted (see adjust_scores).
+template <typename T, typename A, typename G>
+void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A softcap,
+                    A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+                    DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
+  matmul(rows, cols, dim, q, dim, k_t, ld_k, score_tile.gemm(), cols);
+  adjust_scores(score_tile.from_gemm(rows * cols), rows, cols, softcap, alibi_slope, vis, mask, row0, col0,
+                softcap_grad);
+}
+
+// The forward's two tile products, QK^T and PV, for forward_tiles: a policy
+// that holds a thread's query tile and a head's key and value tiles (kept_keys
+// keys, in key tiles of kBlockK: tile t holds keys t * kBlockK on, loaded by
+// load_keys and load_values), and the scaled scores of the query tile against a
+// key tile, and adds P V to the output's accumulator, whose rows lie acc_ld() apart.
+
+// In G (float, or double for double) on tiles converted on load: the queries
+// times the softmax scale (see load_scaled_queries), the keys transposed.
+template <typename T, typename G>
+class ConvertedProducts {
+ public:
+  ConvertedProducts(const AttentionProblem& p, int64_t kept_keys)
+      : dim_(p.head_dim),
+        dim_v_(p.head_dim_v),
+        scale_(p.scale),
+        q_(kBlockQ * dim_),
+        k_t_(key_tiles_size(kept_keys, dim_)),
+        v_(key_tiles_size(kept_keys, dim_v_)) {}
+
+  static int64_t head_bytes(const AttentionProblem& p) {
+    return key_tiles_size(p.len_k, p.head_dim + p.head_dim_v) * int64_t{sizeof(G)};
+  }
+  int64_t acc_ld() const { return dim_v_; }
+
+  void load_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t row0, int64_t rows) {
+    load_scaled_queries<T>(q, b, h, row0, rows, dim_, scale_, q_.data());
+  }
+  void load_keys(const TensorView4d& k, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
+    load_tile_transposed<T>(k, b, h, col0, cols, dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK);
+  }
+  void load_values(const TensorView4d& v, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
+    load_tile<T>(v, b, h, col0, cols, dim_v_, v_.data() + tile * kBlockK * dim_v_);
+  }
+
+  // The scaled scores of the query tile's rows against the tile's cols keys, into score_tile.acc().
+  template <typename A>
+  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
+    matmul(rows, cols, dim_, q_.data(), dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK, score_tile.gemm(), cols);
+    score_tile.from_gemm(rows * cols);
+  }
+
+  // acc += P V, P (rows x cols) dense. matmul sums the tile's share apart before
+  // adding it: blockwise summation keeps the rounding error of long float32 sums down.
+  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const G* probs, G* acc) {
+    matmul(rows, dim_v_, cols, probs, cols, v_.data() + tile * kBlockK * dim_v_, dim_v_, acc, dim_v_,
+           /*accumulate=*/true);
+  }
+
+  void release() {}
+
+ private:
+  int64_t dim_, dim_v_;
+  double scale_;
+  std::vector<G> q_, k_t_, v_;
+};
+
+// FLASHATTN_EXT_CPU_REDUCED_GEMM=1 (read once) makes the 16-bit forward take
+// ReducedProducts on every CPU, unpacked where oneDNN has no VNNI kernels for
+// the type (brgemm then falls back to torch's gemm): for testing that path on
+// CPUs without AMX.
+bool reduced_products_forced() {
+  static const bool forced = [] {
+    const char* value = std::getenv("FLASHATTN_EXT_CPU_REDUCED_GEMM");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+  }();
+  return forced;
+}
+
+// The reduced products' right factors (keys transposed, values) lie in blocks
+// of kPackedCols columns, the widest that oneDNN's VNNI packing writes, their
+// rows (the sum's dimension) padded to even (VNNI interleaves row pairs); zeros
+// fill both pads, and the products' padded columns are dropped.
+constexpr int64_t kPackedCols = 64;
+
+int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * multiple; }
+
+// In the 16-bit input type R, summed in float, as torch's CPU kernel runs them
+// where the CPU has AMX (about 2.5x the speed of the float products there): the
+// right factors packed into oneDNN's VNNI layout where it has kernels for R
+// (cpublas::could_pack), else as they are. The queries are loaded unscaled
+// (scaled, they would be rounded to R again) and the float scores scaled; P is
+// rounded to R for P V, as torch does.
+template <typename R>
+class ReducedProducts {
+ public:
+  ReducedProducts(const AttentionProblem& p, int64_t kept_keys)
+      : dim_(p.head_dim),
+        padded_dim_(round_up(dim_, 2)),
+        dim_v_(p.head_dim_v),
+        padded_dim_v_(round_up(dim_v_, kPackedCols)),
+        scale_(static_cast<float>(p.scale)),
+        vnni_(vnni_kernels()),
+        q_(kBlockQ * padded_dim_),
+        keys_(key_tiles_size(kept_keys, padded_dim_)),
+        values_(key_tiles_size(kept_keys, padded_dim_v_)),
+        probs_(kBlockQ * kBlockK),
+        block_(std::max(padded_dim_, kBlockK) * kPackedCols) {}
+
+  // Whether oneDNN has VNNI kernels for R on this CPU (AMX: bfloat16 since Sapphire Rapids, float16 since Granite Rapids).
+  static bool vnni_kernels() { return at::native::cpublas::could_pack(c10::CppTypeToScalarType<R>::value); }
+  static int64_t head_bytes(const AttentionProblem& p) {
+    return key_tiles_size(p.len_k, round_up(p.head_dim, 2) + round_up(p.head_dim_v, kPackedCols)) *
+           int64_t{sizeof(R)};
+  }
+  int64_t acc_ld() const { return padded_dim_v_; }
+
+  // (The pad column, where there is one, keeps the zeros q_ starts with.)
+  void load_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t row0, int64_t rows) {
+    load_tile<R>(q, b, h, row0, rows, dim_, q_.data(), padded_dim_);
+  }
+
+  // The tile's keys transposed, a padded_dim_ x kPackedCols block for each kPackedCols keys.
+  void load_keys(const TensorView4d& k, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
+    for (int64_t key0 = 0; key0 < cols; key0 += kPackedCols) {
+      R* block = start_block(padded_dim_, key_block(tile, key0));
+      load_tile_transposed<R>(k, b, h, col0 + key0, std::min(kPackedCols, cols - key0), dim_, block, kPackedCols);
+      finish_block(padded_dim_, key_block(tile, key0));
+    }
+  }
+
+  // The tile's values, a rows x kPackedCols block for each kPackedCols value
+  // columns, rows = cols rounded up to even.
+  void load_values(const TensorView4d& v, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
+    for (int64_t c0 = 0; c0 < dim_v_; c0 += kPackedCols) {
+      TensorView4d columns = v;
+      columns.data = static_cast<R*>(v.data) + c0 * v.stride_col;
+      R* block = start_block(round_up(cols, 2), value_block(tile, c0));
+      load_tile<R>(columns, b, h, col0, cols, std::min(kPackedCols, dim_v_ - c0), block, kPackedCols);
+      finish_block(round_up(cols, 2), value_block(tile, c0));
+    }
+  }
+
+  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
+    // Each block's kPackedCols columns, rows ld apart; then the rows moved
+    // together (down, in order: no row overwrites one still to move).
+    const int64_t ld = round_up(cols, kPackedCols);
+    float* scores = score_tile.acc();
+    for (int64_t key0 = 0; key0 < cols; key0 += kPackedCols) {
+      at::native::cpublas::brgemm(rows, kPackedCols, padded_dim_, padded_dim_, kPackedCols, ld, /*add_C=*/false,
+                                  q_.data(), key_block(tile, key0), scores + key0, vnni_);
+    }
+    if (ld != cols) {
+      for (int64_t r = 1; r < rows; ++r) std::memmove(scores + r * cols, scores + r * ld, cols * sizeof(float));
+    }
+    for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale_;
+  }
+
+  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
+    const int64_t ld = round_up(cols, 2);
+    for (int64_t r = 0; r < rows; ++r) {
+      convert(probs + r * cols, cols, probs_.data() + r * ld);
+      if (ld != cols) probs_[r * ld + cols] = R(0);
+    }
+    for (int64_t c0 = 0; c0 < dim_v_; c0 += kPackedCols) {
+      at::native::cpublas::brgemm(rows, kPackedCols, ld, ld, kPackedCols, padded_dim_v_, /*add_C=*/true,
+                                  probs_.data(), value_block(tile, c0), acc + c0, vnni_);
+    }
+  }
+
+  // Hands back the AMX state brgemm set up for this thread.
+  void release() { at::native::cpublas::brgemm_release(vnni_); }
+
+ private:
+  R* key_block(int64_t tile, int64_t key0) { return keys_.data() + (tile * kBlockK + key0) * padded_dim_; }
+  R* value_block(int64_t tile, int64_t c0) { return values_.data() + (tile * padded_dim_v_ + c0) * kBlockK; }
+
+  // A block of rows x kPackedCols to load, zeroed (its pads stay zero): the
+  // destination itself, or scratch where it is packed.
+  R* start_block(int64_t rows, R* destination) {
+    R* block = vnni_ ? block_.data() : destination;
+    std::fill(block, block + rows * kPackedCols, R(0));
+    return block;
+  }
+  // The block's rows packed into the destination, where the VNNI kernels read it.
+  void finish_block(int64_t rows, R* destination) {
+    if (!vnni_) return;
+    const at::ScalarType type = c10::CppTypeToScalarType<R>::value;
+    at::native::cpublas::pack(rows, kPackedCols, kPackedCols, kPackedCols, type, type, block_.data(), destination);
+  }
+
+  int64_t dim_, padded_dim_, dim_v_, padded_dim_v_;
+  float scale_;
+  bool vnni_;
+  std::vector<R> q_, keys_, values_, probs_, block_;
+};
+
+// The forward over every query block, its tile products by Products (see
+// ConvertedProducts). lse_all (batch, heads_q, len_q) receives the log-sum-exp
+// in the type L; with kWithOutput the output goes to params.out.
+template <typename T, bool kWithOutput = true, typename L, typename Products = ConvertedProducts<T, Gemm<T>>>
 void forward_tiles(const FwdParams& params, L* lse_all) {
   // The forward's softmax runs in float for float32 inputs too, as torch's CPU
   // kernel does (the running max keeps exp's arguments near 0): only the
@@ -517,7 +714,6 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   using A = std::conditional_t<kWithOutput && std::is_same_v<T, float>, float, Acc<T>>;
   using G = Gemm<T>;
   const AttentionProblem& p = params.problem;
-  const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
   const int64_t block_q = query_block_rows(p);
   const int64_t q_blocks = ceil_div(p.len_q, block_q);
@@ -525,17 +721,17 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const A softcap = static_cast<A>(p.softcap);
 
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    // The keys (transposed, in key tiles: see key_tiles_size) and values of the
-    // head the thread's last task read, each tile loaded once for all the
-    // head's query blocks (a thread's tasks are consecutive: the blocks of one
-    // head, then the next), keys_loaded[t] keys of tile t. Where a head's do
-    // not fit in kHeadKeysBytes, one tile, loaded for each use.
-    const bool keep_head = key_tiles_size(p.len_k, dim + dim_v) * int64_t{sizeof(G)} <= kHeadKeysBytes;
+    // The keys and values of the head the thread's last task read, each tile
+    // loaded once for all the head's query blocks (a thread's tasks are
+    // consecutive: the blocks of one head, then the next), keys_loaded[t] keys
+    // of tile t. Where a head's do not fit in kHeadKeysBytes, one tile, loaded for each use.
+    const bool keep_head = Products::head_bytes(p) <= kHeadKeysBytes;
     const int64_t kept_keys = keep_head ? p.len_k : kBlockK;
-    std::vector<G> q(kBlockQ * dim), k_t(key_tiles_size(kept_keys, dim)), v(key_tiles_size(kept_keys, dim_v));
+    Products products(p, kept_keys);
     std::vector<int64_t> keys_loaded(ceil_div(kept_keys, kBlockK));
     int64_t loaded_head = -1;
-    std::vector<A> acc(kBlockQ * dim_v), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
+    const int64_t acc_ld = products.acc_ld();
+    std::vector<A> acc(kBlockQ * acc_ld), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
     std::vector<A> drop_factors(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -553,7 +749,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
       const HeadDropout<A> dropout(params.dropout, p, b, h);
       const A slope = static_cast<A>(alibi_slope(p, b, h));
-      load_scaled_queries<T>(params.q, b, h, row0, rows, dim, p.scale, q.data());
+      products.load_queries(params.q, b, h, row0, rows);
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
       std::fill(row_sum.begin(), row_sum.end(), A(0));
@@ -562,15 +758,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         const int64_t tile = keep_head ? col0 / kBlockK : 0;
-        G* keys = k_t.data() + tile * kBlockK * dim;
-        G* values = v.data() + tile * kBlockK * dim_v;
         if (int64_t& loaded = keys_loaded[tile]; !keep_head || loaded < cols) {
-          load_tile_transposed<T>(params.k, b, h_kv, col0, cols, dim, keys, kBlockK);
-          if constexpr (kWithOutput) load_tile<T>(params.v, b, h_kv, col0, cols, dim_v, values);
+          products.load_keys(params.k, b, h_kv, col0, cols, tile);
+          if constexpr (kWithOutput) products.load_values(params.v, b, h_kv, col0, cols, tile);
           loaded = cols;
         }
-        compute_scores(q.data(), keys, kBlockK, rows, cols, dim, softcap, slope, vis, mask, row0, col0, score_tile);
+        products.scores(rows, cols, tile, score_tile);
         A* scores = score_tile.acc();
+        adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
 
         // Online softmax: fold this tile into the running max, sum and output.
         for (int64_t r = 0; r < rows; ++r) {
@@ -598,15 +793,13 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= drop_factors[i];
         }
         if constexpr (kWithOutput) {
-          // o = o * rescale + P V, the product added to o in place (A is G
-          // here). matmul sums the tile's share apart before adding it:
-          // blockwise summation keeps the rounding error of long float32 sums down.
+          // o = o * rescale + P V, the product added to o in place (A is G here).
           static_assert(std::is_same_v<A, G>);
           const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
           for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t d = 0; d < dim_v; ++d) acc[r * dim_v + d] *= rescale[r];
+            for (int64_t d = 0; d < p.head_dim_v; ++d) acc[r * acc_ld + d] *= rescale[r];
           }
-          matmul(rows, dim_v, cols, probs, cols, values, dim_v, acc.data(), dim_v, /*accumulate=*/true);
+          products.add_probs_times_values(rows, cols, tile, probs, acc.data());
         }
       }
 
@@ -616,11 +809,12 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         // len_q > len_k) gets out = 0 and lse = -inf.
         const bool empty = row_sum[r] == A(0);
         const A inv_sum = empty ? A(0) : A(1) / row_sum[r];
-        for (int64_t d = 0; d < dim_v; ++d) acc[r * dim_v + d] *= inv_sum;
+        for (int64_t d = 0; d < p.head_dim_v; ++d) acc[r * acc_ld + d] *= inv_sum;
         lse[r] = static_cast<L>(empty ? kNegInf<A> : row_max[r] + std::log(row_sum[r]));
       }
-      if constexpr (kWithOutput) store_tile<T>(params.out, b, h, row0, rows, dim_v, acc.data());
+      if constexpr (kWithOutput) store_tile<T>(params.out, b, h, row0, rows, p.head_dim_v, acc.data(), acc_ld);
     }
+    products.release();
   });
 }
 
@@ -932,7 +1126,14 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
 
 template <typename T>
 void attention_forward(const FwdParams& params) {
-  forward_tiles<T>(params, static_cast<Lse<T>*>(params.lse));
+  auto* lse = static_cast<Lse<T>*>(params.lse);
+  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
+    if (ReducedProducts<T>::vnni_kernels() || reduced_products_forced()) {
+      forward_tiles<T, /*kWithOutput=*/true, Lse<T>, ReducedProducts<T>>(params, lse);
+      return;
+    }
+  }
+  forward_tiles<T>(params, lse);
 }
 
 template <typename T>
