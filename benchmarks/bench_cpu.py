@@ -1,12 +1,12 @@
 """CPU attention: flashattn_ext against torch's CPU SDPA, forward and forward+backward.
 
 Issue 11's cells: causal, the README's demo shape (1 x 4 x 512 x 64) and 4 x 16 x 2048 x 64, float32 and
-bfloat16, on every core torch uses. The providers take turns in each round (so that a machine's drift
-hits both alike) and each cell is the fastest of the rounds, in milliseconds, wall clock: on a shared
-machine whose speed drifts by a third between runs, the minimum is what stays put (medians moved more
-than the changes being measured).
+bfloat16 (--dtypes: others), on every core torch uses. The providers take turns in each round (so that a
+machine's drift hits both alike) and each cell is the fastest of the rounds, in milliseconds, wall clock:
+on a shared machine whose speed drifts by a third between runs, the minimum is what stays put (medians
+moved more than the changes being measured).
 
-    python3 benchmarks/bench_cpu.py [--rounds 5] [--out DIR]
+    python3 benchmarks/bench_cpu.py [--rounds 5] [--dtypes float32 bfloat16 float16] [--out DIR]
 """
 import argparse
 import platform
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import flashattn_ext
 
 SHAPES = [(1, 4, 512, 64), (4, 16, 2048, 64)]
-DTYPES = [torch.float32, torch.bfloat16]
+DTYPES = ["float32", "bfloat16"]
 PROVIDERS = {"flashattn_ext": flashattn_ext.scaled_dot_product_attention, "torch": F.scaled_dot_product_attention}
 
 
@@ -57,6 +57,7 @@ def measure(shape, dtype, rounds):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--out", type=Path, help="write the table to DIR/bench_cpu_<threads>threads.md")
     args = parser.parse_args()
     threads = torch.get_num_threads()
@@ -68,7 +69,7 @@ def main() -> None:
              "| shape | dtype | flashattn_ext | torch | ratio |", "|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     for shape in SHAPES:
-        for dtype in DTYPES:
+        for dtype in (getattr(torch, name) for name in args.dtypes):
             result = measure(shape, dtype, args.rounds)
             ours, theirs = result["flashattn_ext"], result["torch"]
             line = (f"| {' x '.join(map(str, shape))} | {str(dtype).removeprefix('torch.')} | "
