@@ -573,6 +573,9 @@ class ConvertedProducts {
   std::vector<G> q_, k_t_, v_;
 };
 
+template <typename T>
+constexpr bool kIs16Bit = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
 // FLASHATTN_EXT_CPU_REDUCED_GEMM=1 (read once) makes the 16-bit forward take
 // ReducedProducts on every CPU, unpacked where oneDNN has no VNNI kernels for
 // the type (brgemm then falls back to torch's gemm): for testing that path on
@@ -602,7 +605,8 @@ int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * m
 template <typename R>
 class ReducedProducts {
  public:
-  ReducedProducts(const AttentionProblem& p, int64_t kept_keys)
+  // (Without values: for the backward's scores alone.)
+  ReducedProducts(const AttentionProblem& p, int64_t kept_keys, bool with_values = true)
       : dim_(p.head_dim),
         padded_dim_(round_up(dim_, 2)),
         dim_v_(p.head_dim_v),
@@ -611,7 +615,7 @@ class ReducedProducts {
         vnni_(vnni_kernels()),
         q_(kBlockQ * padded_dim_),
         keys_(key_tiles_size(kept_keys, padded_dim_)),
-        values_(key_tiles_size(kept_keys, padded_dim_v_)),
+        values_(with_values ? key_tiles_size(kept_keys, padded_dim_v_) : 0),
         probs_(kBlockQ * kBlockK),
         block_(std::max(padded_dim_, kBlockK) * kPackedCols) {}
 
@@ -702,6 +706,16 @@ class ReducedProducts {
   bool vnni_;
   std::vector<R> q_, keys_, values_, probs_, block_;
 };
+
+// Whether the forward of T takes ReducedProducts (and the backward its scores the same way).
+template <typename T>
+bool takes_reduced_products() {
+  if constexpr (kIs16Bit<T>) {
+    return ReducedProducts<T>::vnni_kernels() || reduced_products_forced();
+  } else {
+    return false;
+  }
+}
 
 // The forward over every query block, its tile products by Products (see
 // ConvertedProducts). lse_all (batch, heads_q, len_q) receives the log-sum-exp
@@ -823,14 +837,28 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // v_t hold the tile's keys and values as columns, rows ld_kv apart.
 // Rows with lse = -inf see no key. With softcapping, softcap_grad receives the
 // cap's derivative, for the caller to carry dS through it (see
-// raw_score_gradient). (b, h): the head, for ALiBi's slope.
+// raw_score_gradient). (b, h): the head, for ALiBi's slope. With
+// same_as_forward (the forward's products, holding the head's keys and these
+// rows' queries), S comes from the products the forward's came from, to the
+// same bits: P = exp(S - lse) is then as exact as with the float products (1
+// where a row sees one key).
 template <typename T, typename A, typename G>
 void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_kv, const G* dout, const A* lse,
                              int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h,
                              const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
-                             DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad) {
-  compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, static_cast<A>(p.softcap),
-                 static_cast<A>(alibi_slope(p, b, h)), vis, mask, row0, col0, prob_tile, softcap_grad);
+                             DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad,
+                             ReducedProducts<T>* same_as_forward) {
+  const A softcap = static_cast<A>(p.softcap), slope = static_cast<A>(alibi_slope(p, b, h));
+  if constexpr (kIs16Bit<T>) {
+    if (same_as_forward != nullptr) {
+      same_as_forward->scores(rows, cols, col0 / kBlockK, prob_tile);
+      adjust_scores(prob_tile.acc(), rows, cols, softcap, slope, vis, mask, row0, col0, softcap_grad);
+    }
+  }
+  if (same_as_forward == nullptr) {
+    compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, softcap, slope, vis, mask, row0, col0, prob_tile,
+                   softcap_grad);
+  }
   matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
   dscore_tile.from_gemm(rows * cols);
   A* probs = prob_tile.acc();
@@ -925,8 +953,12 @@ bool backward_keeps_tiles(const AttentionProblem& p) {
 // float rounding, a factor common to a row's P), P is made with that lse and
 // divided by its row sum before delta is summed from it: the P that an exact lse
 // gives, without a pass to compute one. Only where the tiles are kept.
+//
+// With scores_as_forward (where the forward took ReducedProducts), S is
+// recomputed by those products (see recompute_probabilities).
 template <typename T, typename A = Acc<T>, typename G = Gemm<T>>
-void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize = false) {
+void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize = false,
+                    bool scores_as_forward = false) {
   const AttentionProblem& p = params.problem;
   const int64_t dim = p.head_dim, dim_v = p.head_dim_v;
   const int64_t group = p.heads_q / p.heads_kv;
@@ -965,9 +997,16 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     std::vector<A> cache_p(cache_elems), cache_dp(cache_elems), row_product(kBlockK);
+    std::optional<ReducedProducts<T>> same_as_forward;
+    if (scores_as_forward) same_as_forward.emplace(p, p.len_k, /*with_values=*/false);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
+      if (same_as_forward) {
+        for (int64_t col0 = 0; col0 < p.len_k; col0 += kBlockK) {
+          same_as_forward->load_keys(params.k, b, h_kv, col0, std::min(kBlockK, p.len_k - col0), col0 / kBlockK);
+        }
+      }
       load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
       load_key_tiles_transposed<T>(params.k, b, h_kv, p.len_k, dim, k_t.data());
       load_key_tiles_transposed<T>(params.v, b, h_kv, p.len_k, dim_v, v_t.data());
@@ -981,6 +1020,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const int64_t rows = std::min(block_q, p.len_q - row0);
         const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
         load_scaled_queries<T>(params.q, b, h, row0, rows, dim, p.scale, q.data());
+        if (same_as_forward) same_as_forward->load_queries(params.q, b, h, row0, rows);
         load_tile_transposed<T>(params.q, b, h, row0, rows, dim, q_t.data(), kBlockQ);
         load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
         load_tile_transposed<T>(params.dout, b, h, row0, rows, dim_v, dout_t.data(), kBlockQ);
@@ -995,7 +1035,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         auto recompute = [&](int64_t col0, int64_t cols) {
           recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(),
                                   lse, rows, cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile,
-                                  softcap_grad.data());
+                                  softcap_grad.data(), same_as_forward ? &*same_as_forward : nullptr);
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
         // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
@@ -1105,6 +1145,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         std::copy(dv_t.begin(), dv_t.end(), partial + dk_t.size());
       }
     }
+    if (same_as_forward) same_as_forward->release();
   });
   if (splits == 1) return;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
@@ -1127,8 +1168,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
 template <typename T>
 void attention_forward(const FwdParams& params) {
   auto* lse = static_cast<Lse<T>*>(params.lse);
-  if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {
-    if (ReducedProducts<T>::vnni_kernels() || reduced_products_forced()) {
+  if constexpr (kIs16Bit<T>) {
+    if (takes_reduced_products<T>()) {
       forward_tiles<T, /*kWithOutput=*/true, Lse<T>, ReducedProducts<T>>(params, lse);
       return;
     }
@@ -1143,7 +1184,8 @@ void attention_backward(const BwdParams& params) {
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   if (p.heads_kv == 0) return;  // no heads: nothing to compute
   if constexpr (std::is_same_v<Lse<T>, A>) {
-    backward_tiles<T>(params, static_cast<const A*>(params.lse));
+    backward_tiles<T>(params, static_cast<const A*>(params.lse), /*renormalize=*/false,
+                      /*scores_as_forward=*/takes_reduced_products<T>());
   } else if (backward_keeps_tiles<float>(p)) {
     // float32 where the tiles are kept: all in float, as torch's backward runs. The saved lse's
     // rounding is a factor common to a row's P, which renormalizing removes (see backward_tiles).
