@@ -33,7 +33,7 @@ for stage in $stages; do
   echo "== $stage"
   case "$stage" in
     test|test-forced)
-      forced=0
+      forced=
       [ "$stage" = test-forced ] && forced=1
       FLASHATTN_EXT_CPU_REDUCED_GEMM=$forced python3 -m pytest -q -rs -m "not cuda" -p no:cacheprovider tests 2>&1 \
         | tee "$OUT/$stage.log" | tail -n 30

@@ -576,16 +576,20 @@ class ConvertedProducts {
 template <typename T>
 constexpr bool kIs16Bit = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
-// FLASHATTN_EXT_CPU_REDUCED_GEMM=1 (read once) makes the 16-bit forward take
+// FLASHATTN_EXT_CPU_REDUCED_GEMM (read once): 1 makes the 16-bit forward take
 // ReducedProducts on every CPU, unpacked where oneDNN has no VNNI kernels for
-// the type (brgemm then falls back to torch's gemm): for testing that path on
-// CPUs without AMX.
-bool reduced_products_forced() {
-  static const bool forced = [] {
+// the type (brgemm then falls back to torch's gemm), for testing that path on
+// CPUs without AMX; 0 keeps the float products everywhere, for comparisons;
+// unset (or anything else), the CPU decides.
+enum class ReducedProductsSetting { kAuto, kOn, kOff };
+ReducedProductsSetting reduced_products_setting() {
+  static const ReducedProductsSetting setting = [] {
     const char* value = std::getenv("FLASHATTN_EXT_CPU_REDUCED_GEMM");
-    return value != nullptr && std::strcmp(value, "1") == 0;
+    if (value != nullptr && std::strcmp(value, "1") == 0) return ReducedProductsSetting::kOn;
+    if (value != nullptr && std::strcmp(value, "0") == 0) return ReducedProductsSetting::kOff;
+    return ReducedProductsSetting::kAuto;
   }();
-  return forced;
+  return setting;
 }
 
 // The reduced products' right factors (keys transposed, values) lie in blocks
@@ -711,7 +715,11 @@ class ReducedProducts {
 template <typename T>
 bool takes_reduced_products() {
   if constexpr (kIs16Bit<T>) {
-    return ReducedProducts<T>::vnni_kernels() || reduced_products_forced();
+    switch (reduced_products_setting()) {
+      case ReducedProductsSetting::kOn: return true;
+      case ReducedProductsSetting::kOff: return false;
+      default: return ReducedProducts<T>::vnni_kernels();
+    }
   } else {
     return false;
   }
