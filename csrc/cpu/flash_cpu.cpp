@@ -66,13 +66,30 @@ int64_t query_block_rows(const AttentionProblem& p) {
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
+// The float loops over every score, compiled for AVX-512, AVX2 + FMA and the
+// baseline, one picked at load time for the CPU at hand (GCC's target_clones,
+// where the C library resolves such functions; the rest of this file is built
+// for the baseline, whose vectors are a quarter of AVX-512's): the softmax's
+// exp, sum and max, the scale passes and the conversions of float tiles to 16
+// bits. Plain functions: a clone is made of a function, not of the lambdas and
+// templates around it.
+// The templates they call are inlined into them (FLASHATTN_EXT_CPU_INLINE:
+// GCC leaves a template's own copy, built for the baseline, called otherwise).
+#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define FLASHATTN_EXT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define FLASHATTN_EXT_CPU_INLINE inline __attribute__((always_inline))
+#else
+#define FLASHATTN_EXT_CPU_CLONES
+#define FLASHATTN_EXT_CPU_INLINE inline
+#endif
+
 // The sum and the max of n values, in kLanes independent chains: one chain is
 // a serial dependency the compiler may not reorder (and at 128 x 128 tiles it
 // cost as much as a tile product); independent lanes vectorize.
 constexpr int kLanes = 8;
 
 template <typename A>
-A sum_of(const A* x, int64_t n) {
+FLASHATTN_EXT_CPU_INLINE A sum_of(const A* x, int64_t n) {
   A lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -85,7 +102,7 @@ A sum_of(const A* x, int64_t n) {
 }
 
 template <typename A>
-A max_of(const A* x, int64_t n) {
+FLASHATTN_EXT_CPU_INLINE A max_of(const A* x, int64_t n) {
   A lanes[kLanes];
   std::fill(lanes, lanes + kLanes, kNegInf<A>);
   int64_t i = 0;
@@ -96,6 +113,17 @@ A max_of(const A* x, int64_t n) {
   return *std::max_element(lanes, lanes + kLanes);
 }
 
+// The same for float, in the vector code of the CPU at hand.
+FLASHATTN_EXT_CPU_CLONES float sum_of(const float* x, int64_t n) { return sum_of<float>(x, n); }
+FLASHATTN_EXT_CPU_CLONES float max_of(const float* x, int64_t n) { return max_of<float>(x, n); }
+
+// x[i] *= factor over n values.
+template <typename A>
+FLASHATTN_EXT_CPU_INLINE void scale_in_place(A* x, int64_t n, A factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+FLASHATTN_EXT_CPU_CLONES void scale_in_place(float* x, int64_t n, float factor) { scale_in_place<float>(x, n, factor); }
+
 // Copies rows [row0, row0 + rows) of head (b, h) into a rows x cols tile whose
 // rows lie ld apart (dense by default).
 template <typename T, typename A>
@@ -105,7 +133,9 @@ void load_tile(const TensorView4d& t, int64_t b, int64_t h, int64_t row0, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = base + (row0 + r) * t.stride_row;
     A* dst = tile + r * ld.value_or(cols);
-    if (t.stride_col == 1) {  // the usual case, in its own loop: vector code
+    if (t.stride_col == 1 && std::is_same_v<T, A>) {
+      std::memcpy(dst, src, cols * sizeof(A));
+    } else if (t.stride_col == 1) {  // the usual case, in its own loop: vector code
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<A>(src[c]);
     } else {
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<A>(src[c * t.stride_col]);
@@ -146,7 +176,7 @@ template <typename T, typename G>
 void load_scaled_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t row0, int64_t rows, int64_t dim,
                          double scale, G* tile) {
   load_tile<T>(q, b, h, row0, rows, dim, tile);
-  for (int64_t i = 0; i < rows * dim; ++i) tile[i] *= static_cast<G>(scale);
+  scale_in_place(tile, rows * dim, static_cast<G>(scale));
 }
 
 // A head's keys and values (the backward's, and the forward's where they fit),
@@ -204,8 +234,15 @@ void matmul(int64_t m, int64_t n, int64_t k, const double* a, int64_t lda, const
 
 // n values converted from one type to another (a loop the compiler vectorizes).
 template <typename From, typename To>
-void convert(const From* from, int64_t n, To* to) {
+FLASHATTN_EXT_CPU_INLINE void convert(const From* from, int64_t n, To* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = static_cast<To>(from[i]);
+}
+// float tiles rounded to 16 bits (P for its product), in the vector code of the CPU at hand.
+FLASHATTN_EXT_CPU_CLONES void convert(const float* from, int64_t n, c10::BFloat16* to) {
+  convert<float, c10::BFloat16>(from, n, to);
+}
+FLASHATTN_EXT_CPU_CLONES void convert(const float* from, int64_t n, c10::Half* to) {
+  convert<float, c10::Half>(from, n, to);
 }
 
 // n dense values as a tensor, for ATen's elementwise functions, which run the
@@ -215,16 +252,9 @@ at::Tensor tile_tensor(A* x, int64_t n) {
   return at::from_blob(x, {n}, at::TensorOptions().dtype(c10::CppTypeToScalarType<A>::value));
 }
 
-// The softmax's float exp, compiled for AVX-512, AVX2 + FMA and the baseline,
-// one picked at load time for the CPU at hand (GCC's target_clones, where the C
-// library resolves such functions); plain arithmetic and selects, which the
-// compiler vectorizes (with -fno-trapping-math: setup.py).
-#if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define FLASHATTN_EXT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FLASHATTN_EXT_CPU_CLONES
-#endif
-
+// The softmax's float exp, compiled for AVX-512, AVX2 + FMA and the baseline
+// (FLASHATTN_EXT_CPU_CLONES): plain arithmetic and selects, which the compiler
+// vectorizes (with -fno-trapping-math: setup.py).
 // e^x, within about 1 ulp of the exact value (torch's CPU kernel: 1 ulp; at::exp_
 // here, through MKL's accurate mode: 2.5x the time), with e^x below 2^-126
 // flushed to 0 and inf and NaN kept: x = n ln 2 + r (ln 2 in two parts, so r is
@@ -669,7 +699,7 @@ class ReducedProducts {
     if (ld != cols) {
       for (int64_t r = 1; r < rows; ++r) std::memmove(scores + r * cols, scores + r * ld, cols * sizeof(float));
     }
-    for (int64_t i = 0; i < rows * cols; ++i) scores[i] *= scale_;
+    scale_in_place(scores, rows * cols, scale_);
   }
 
   void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
@@ -695,7 +725,7 @@ class ReducedProducts {
   // destination itself, or scratch where it is packed.
   R* start_block(int64_t rows, R* destination) {
     R* block = vnni_ ? block_.data() : destination;
-    std::fill(block, block + rows * kPackedCols, R(0));
+    std::memset(block, 0, rows * kPackedCols * sizeof(R));  // (zero bits: +0)
     return block;
   }
   // The block's rows packed into the destination, where the VNNI kernels read it.
@@ -819,7 +849,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           static_assert(std::is_same_v<A, G>);
           const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
           for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t d = 0; d < p.head_dim_v; ++d) acc[r * acc_ld + d] *= rescale[r];
+            scale_in_place(&acc[r * acc_ld], p.head_dim_v, rescale[r]);
           }
           products.add_probs_times_values(rows, cols, tile, probs, acc.data());
         }
@@ -831,7 +861,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         // len_q > len_k) gets out = 0 and lse = -inf.
         const bool empty = row_sum[r] == A(0);
         const A inv_sum = empty ? A(0) : A(1) / row_sum[r];
-        for (int64_t d = 0; d < p.head_dim_v; ++d) acc[r * acc_ld + d] *= inv_sum;
+        scale_in_place(&acc[r * acc_ld], p.head_dim_v, inv_sum);
         lse[r] = static_cast<L>(empty ? kNegInf<A> : row_max[r] + std::log(row_sum[r]));
       }
       if constexpr (kWithOutput) store_tile<T>(params.out, b, h, row0, rows, p.head_dim_v, acc.data(), acc_ld);
