@@ -964,7 +964,8 @@ int64_t kept_tile_elems(const AttentionProblem& p) { return ceil_div(p.len_k, kB
 // Whether the backward keeps each query block's P and dP between its two
 // passes: where they fit in kCacheBytes a thread (two of the seven products
 // and an exp saved a tile pair), and not with softcap, whose derivative the
-// second pass would need too (dropout's factors it draws again).
+// second pass would need too (dropout's decisions it keeps beside them, a
+// byte a pair: see backward_tiles).
 template <typename A>
 bool backward_keeps_tiles(const AttentionProblem& p) {
   return p.softcap == 0.0 && 2 * kept_tile_elems(p) * int64_t{sizeof(A)} <= kCacheBytes;
@@ -1035,6 +1036,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     DualTile<A, G> prob_tile(kBlockQ * kBlockK), dscore_tile(kBlockQ * kBlockK),
         dropped_tile(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     std::vector<A> cache_p(cache_elems), cache_dp(cache_elems), row_product(kBlockK);
+    // With dropout, which pairs the delta pass's draw kept (1) and dropped (0):
+    // the second pass reads them instead of drawing again (a byte a pair, an
+    // eighth of the float tiles above).
+    std::vector<uint8_t> cache_keep(params.dropout.p > 0.0 ? cache_elems : 0);
     std::optional<ReducedProducts<T>> same_as_forward;
     if (scores_as_forward) same_as_forward.emplace(p, p.len_k, /*with_values=*/false);
     for (int64_t task = begin; task < end; ++task) {
@@ -1077,15 +1082,23 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
         // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
-        auto cached_tile = [&](std::vector<A>& cache, int64_t col0) {
+        auto cached_tile = [&](auto& cache, int64_t col0) {
           return cache.data() + (col0 - vis.key_begin(row0) / kBlockK * kBlockK) / kBlockK * (kBlockQ * kBlockK);
         };
 
-        // Dropout's factors of a tile, into drop_factors (drawn again by each
-        // pass that uses them, not kept); nullptr without dropout.
-        auto tile_factors = [&](int64_t col0, int64_t cols) -> const A* {
+        // Dropout's factors of a tile, into drop_factors; nullptr without
+        // dropout. The delta pass draws them; where the tiles are kept, it
+        // keeps its decisions for the second pass (second), which otherwise
+        // draws again.
+        auto tile_factors = [&](int64_t col0, int64_t cols, bool second) -> const A* {
           if (!dropout.enabled) return nullptr;
-          dropout.factors(row0, rows, col0, cols, drop_factors.data());
+          if (!cached) {
+            dropout.factors(row0, rows, col0, cols, drop_factors.data());
+            return drop_factors.data();
+          }
+          uint8_t* keep = cached_tile(cache_keep, col0);
+          if (!second) dropout.fill_tile(row0, rows, col0, cols, uint8_t{1}, uint8_t{0}, keep, cols);
+          for (int64_t i = 0; i < rows * cols; ++i) drop_factors[i] = keep[i] != 0 ? dropout.keep_scale : A(0);
           return drop_factors.data();
         };
 
@@ -1094,7 +1107,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         // kept (and P renormalized, where asked).
         std::fill(delta.begin(), delta.end(), A(0));
         auto add_to_delta = [&](const A* probs, A* dscores, int64_t col0, int64_t cols) {
-          const A* factors = tile_factors(col0, cols);
+          const A* factors = tile_factors(col0, cols, /*second=*/false);
           for (int64_t r = 0; r < rows; ++r) {
             score_gradient(probs + r * cols, dscores + r * cols, zeros.data(), 1, cols,
                            factors != nullptr ? factors + r * cols : nullptr,
@@ -1149,7 +1162,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
             dscores = dscore_tile.acc();
           }
           A* dropped = dropout.enabled ? dropped_tile.acc() : nullptr;
-          score_gradient(probs, dscores, delta.data(), rows, cols, tile_factors(col0, cols), dropped);
+          score_gradient(probs, dscores, delta.data(), rows, cols, tile_factors(col0, cols, /*second=*/true), dropped);
           if (dropout.enabled) used = dropped_tile.to_gemm(rows * cols);
           // An additive mask enters the scores as is: its gradient is dS. Each
           // (query, key) pair is visited once; pairs skipped keep their zero.
