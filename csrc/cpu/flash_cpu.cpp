@@ -260,20 +260,20 @@ at::Tensor tile_tensor(A* x, int64_t n) {
 // flushed to 0 and inf and NaN kept: x = n ln 2 + r (ln 2 in two parts, so r is
 // exact), e^r by its Taylor series to r^7 (|r| <= ln 2 / 2: 5e-9 left off),
 // times 2^n made from the exponent bits.
-inline float exp_float(float x) {
+constexpr float kExpMin = -87.5f, kExpMax = 88.7228f;  // e^kExpMin is below 2^-126; e^x overflows past kExpMax
+
+// The steps for kExpMin <= x <= kExpMax.
+inline float exp_steps(float x) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860676533018708e-06f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, left in the low mantissa bits
-  constexpr float kMin = -87.5f, kMax = 88.7228f;  // e^kMin is below 2^-126; e^x overflows past kMax
-  float xr = x < kMin ? kMin : x;
-  xr = xr > kMax ? kMax : xr;
-  const float t = (xr > 88.0f ? 88.0f : xr) * kLog2e + kRound;  // n <= 127: 2^n finite (then r <= 0.75)
+  const float t = (x > 88.0f ? 88.0f : x) * kLog2e + kRound;  // n <= 127: 2^n finite (then r <= 0.75)
   const float n = t - kRound;
   int32_t t_bits;
   std::memcpy(&t_bits, &t, sizeof t_bits);
   const int32_t scale_bits = (t_bits - 0x4B400000 + 127) << 23;  // (n + 127) << 23: 2^n
   float scale;
   std::memcpy(&scale, &scale_bits, sizeof scale);
-  const float r = (xr - n * kLn2Hi) - n * kLn2Lo;
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
   float e = 1.f / 5040;
   e = e * r + 1.f / 720;
   e = e * r + 1.f / 120;
@@ -282,10 +282,26 @@ inline float exp_float(float x) {
   e = e * r + 0.5f;
   e = e * r + 1.f;
   e = e * r + 1.f;
-  float y = e * scale;
-  y = x < kMin ? 0.f : y;
-  y = x > kMax ? std::numeric_limits<float>::infinity() : y;
+  return e * scale;
+}
+
+inline float exp_float(float x) {
+  float xr = x < kExpMin ? kExpMin : x;
+  xr = xr > kExpMax ? kExpMax : xr;
+  float y = exp_steps(xr);
+  y = x < kExpMin ? 0.f : y;
+  y = x > kExpMax ? std::numeric_limits<float>::infinity() : y;
   return x != x ? x : y;
+}
+
+// The same for x <= 0 (and NaN, kept: it passes through the arithmetic), to the
+// bit (checked over every float from 0 to -87.5), without the overflow's
+// selects: the softmax's exps, of scores less their row's max. 3.7x faster
+// (AVX2), where for exp_float GCC computes the polynomial twice, once for each
+// side of a select.
+inline float exp_nonpositive(float x) {
+  const float y = exp_steps(x < kExpMin ? kExpMin : x);
+  return x < kExpMin ? 0.f : y;
 }
 
 FLASHATTN_EXT_CPU_CLONES void exp_in_place(float* x, int64_t n) {
@@ -293,18 +309,19 @@ FLASHATTN_EXT_CPU_CLONES void exp_in_place(float* x, int64_t n) {
 }
 
 // x[i] = e^(x[i] - shift) over n values, returning their sum (in kLanes
-// chains, see sum_of): the forward's softmax of a row in one sweep.
+// chains, see sum_of): the forward's softmax of a row in one sweep. The values
+// are at most shift (their row's max), or NaN.
 FLASHATTN_EXT_CPU_CLONES float exp_shifted_sum(float* x, int64_t n, float shift) {
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      x[i + l] = exp_float(x[i + l] - shift);
+      x[i + l] = exp_nonpositive(x[i + l] - shift);
       lanes[l] += x[i + l];
     }
   }
   for (; i < n; ++i) {
-    x[i] = exp_float(x[i] - shift);
+    x[i] = exp_nonpositive(x[i] - shift);
     lanes[0] += x[i];
   }
   float total = 0;
