@@ -4,11 +4,15 @@
 # time and each test and sanitizer stage's result line also go to
 # $OUT/summary.txt, printed at the end.
 #   bash benchmarks/gpu_check.sh [smoke] [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [model] [model-profile]
+#                                [cpu-test] [cpu-test-forced] [cpu-bench]
 # (smoke: a minute's run of the Hopper kernels, the script stops if it fails or hangs; hopper: their own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
 #  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
 #  instructions in the built library; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
 #  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels; model: the model-level
-#  training-step benchmark; model-profile: the same, and each provider's GPU kernel table)
+#  training-step benchmark; model-profile: the same, and each provider's GPU kernel table; the machine's CPU:
+#  cpu-test: the CPU tests, cpu-test-forced: the same with FLASHATTN_EXT_CPU_REDUCED_GEMM=1 (the 16-bit products
+#  in the inputs' type, which the CPU takes by itself where it has AMX), cpu-bench: bench_cpu.py, 3 rounds, float32,
+#  bfloat16 and float16)
 # On a copy of the tree whose git metadata may be stale (the device tool's), pass the
 # commit, written out where the tree came from, for the benchmark to stamp its results:
 #   FLASHATTN_EXT_COMMIT=d09bf03 bash benchmarks/gpu_check.sh bench-full
@@ -19,7 +23,9 @@ stages="${*:-test sanitize bench}"
 export PYTHONUNBUFFERED=1
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader;
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } | tee "$OUT/device.txt"
+  lscpu | grep -E "Model name|^CPU\(s\)"; echo "amx flags: $(grep -o -w -E 'amx_[a-z0-9]+' /proc/cpuinfo | sort -u | xargs)";
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cpu capability", torch.backends.cpu.get_cpu_capability())'; } \
+  | tee "$OUT/device.txt"
 
 echo "== build"
 start=$(date +%s)
@@ -82,6 +88,17 @@ for stage in $stages; do
         -k regex:sm90 python3 benchmarks/ncu_workload.py >"$OUT/ncu.log" 2>&1 || status=1
       grep -E "attention_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Stall|Warp Cycles Per Issued" \
         "$OUT/ncu.log" | head -n 80 ;;
+    cpu-test|cpu-test-forced)
+      forced=
+      [ "$stage" = cpu-test-forced ] && forced=1
+      FLASHATTN_EXT_CPU_REDUCED_GEMM=$forced python3 -m pytest -q -rs -m "not cuda" -p no:cacheprovider tests 2>&1 \
+        | tee "$OUT/$stage.log" | tail -n 30
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      summarize "$stage" "$(grep -E '[0-9]+ (passed|failed)' "$OUT/$stage.log" | tail -n 1)" ;;
+    cpu-bench)
+      python3 benchmarks/bench_cpu.py --rounds 3 --dtypes float32 bfloat16 float16 --out "$OUT" 2>&1 \
+        | tee "$OUT/bench_cpu.log" | tail -n 20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1 ;;
     bench)
       python3 benchmarks/bench_attention.py --quick --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 30 ;;
     bench-full)
