@@ -29,28 +29,39 @@ def wall_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def measure(shape, dtype, rounds):
-    """{provider: (forward ms, forward+backward ms)}, minima over the rounds."""
+def attention_calls(attention, q, k, v, dout, **options):
+    """(forward, forward+backward) of one attention function on the inputs (causal)."""
+    def forward():
+        with torch.no_grad():
+            attention(q, k, v, is_causal=True, **options)
+
+    def forward_backward():
+        torch.autograd.grad(attention(q, k, v, is_causal=True, **options), (q, k, v), dout)
+
+    return forward, forward_backward
+
+
+def timed_rounds(shape, dtype, rounds, variants):
+    """{name: ([forward ms], [forward+backward ms])}, one of each a round after a warm-up round, the
+    variants ({name: (attention, options)}) taking turns on the same random inputs."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     dout = torch.randn(shape, generator=gen).to(dtype)
-    calls = {}
-    for name, attention in PROVIDERS.items():
-        def forward(attention=attention):
-            with torch.no_grad():
-                attention(q, k, v, is_causal=True)
-
-        def forward_backward(attention=attention):
-            torch.autograd.grad(attention(q, k, v, is_causal=True), (q, k, v), dout)
-
-        calls[name] = (forward, forward_backward)
-    times = {name: ([], []) for name in PROVIDERS}
+    calls = {name: attention_calls(attention, q, k, v, dout, **options)
+             for name, (attention, options) in variants.items()}
+    times = {name: ([], []) for name in calls}
     for round_ in range(rounds + 1):  # round 0 warms up
         for name, (forward, forward_backward) in calls.items():
             f, fb = wall_ms(forward), wall_ms(forward_backward)
             if round_ > 0:
                 times[name][0].append(f)
                 times[name][1].append(fb)
+    return times
+
+
+def measure(shape, dtype, rounds):
+    """{provider: (forward ms, forward+backward ms)}, minima over the rounds."""
+    times = timed_rounds(shape, dtype, rounds, {name: (attention, {}) for name, attention in PROVIDERS.items()})
     return {name: tuple(min(t) for t in pair) for name, pair in times.items()}
 
 

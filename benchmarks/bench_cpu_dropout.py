@@ -9,42 +9,20 @@ of the rounds after one warm-up round, in milliseconds, wall clock.
 import argparse
 import platform
 import statistics
-import time
 
 import torch
 
 import flashattn_ext
+from bench_cpu import SHAPES, timed_rounds
 
-SHAPES = [(1, 4, 512, 64), (4, 16, 2048, 64)]
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def wall_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
 
 
 def measure(shape, dtype, dropout_p, rounds):
     """{p: (forward ms, forward+backward ms)} for p = 0 and dropout_p, medians over the rounds."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(shape, generator=gen).to(dtype).requires_grad_() for _ in range(3))
-    dout = torch.randn(shape, generator=gen).to(dtype)
     attention = flashattn_ext.scaled_dot_product_attention
-    times = {p: ([], []) for p in (0.0, dropout_p)}
-    for round_ in range(rounds + 1):  # round 0 warms up
-        for p, (forward, forward_backward) in times.items():
-            def fwd(p=p):
-                with torch.no_grad():
-                    attention(q, k, v, dropout_p=p, is_causal=True)
-
-            def fwd_bwd(p=p):
-                torch.autograd.grad(attention(q, k, v, dropout_p=p, is_causal=True), (q, k, v), dout)
-
-            f, fb = wall_ms(fwd), wall_ms(fwd_bwd)
-            if round_ > 0:
-                forward.append(f)
-                forward_backward.append(fb)
+    variants = {p: (attention, {"dropout_p": p}) for p in (0.0, dropout_p)}
+    times = timed_rounds(shape, dtype, rounds, variants)
     return {p: tuple(statistics.median(t) for t in pair) for p, pair in times.items()}
 
 
