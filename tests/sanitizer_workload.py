@@ -79,14 +79,17 @@ def run_copied_inputs(dtype):
 def run_masked(dtype):
     """Masks over ragged tiles with GQA: a broadcast bool key mask, a float mask that requires grad
     (rows of 129 of 136 elements, which the Hopper forward's copy engine reads), a bool (L, S) one
-    (rows of 129 bytes, which it does not), per-head float masks at head dims 64 and 128, and a
-    key-padding mask with key blocks of each kind."""
+    (rows of 129 bytes, which it does not), one that leaves every other row one key (the rows the
+    backward marks), per-head float masks at head dims 64 and 128, and a key-padding mask with key
+    blocks of each kind."""
     q = torch.randn(1, 2, 65, 64, device="cuda", dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, 1, 129, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
     bool_mask = torch.rand(1, 1, 1, 129, device="cuda") > 0.3
     float_mask_rows = torch.randn(65, 136, device="cuda", dtype=dtype, requires_grad=True)
     float_mask = float_mask_rows[:, :129]
-    for mask in (bool_mask, float_mask, torch.rand(65, 129, device="cuda") > 0.3):
+    one_key = torch.rand(65, 129, device="cuda") > 0.3
+    one_key[::2] = torch.arange(129, device="cuda") == 2 * torch.arange(0, 65, 2, device="cuda")[:, None]
+    for mask in (bool_mask, float_mask, torch.rand(65, 129, device="cuda") > 0.3, one_key):
         out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out.backward(torch.randn_like(out))
     for dim in (64, 128):

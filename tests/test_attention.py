@@ -232,6 +232,78 @@ def test_a_row_that_sees_one_key_gets_exact_zero_gradients(device, kernels, case
     assert torch.equal(out[:, :, alone], v[:, :, :1].expand_as(out[:, :, alone]))
 
 
+def one_key_mask(kind, batch, len_q, len_k, dtype, gen):
+    """An attn_mask that leaves some query rows exactly one key, and (bool) which rows those are.
+
+    "bool": (batch, 1, len_q, len_k), every third row sees one key drawn at random, the others about
+    half the keys, none of keys 250 on, which only rows that see one key see. "additive": the same
+    pattern (L, S) for every batch, 0 or a random value where visible, -inf elsewhere. "key_padding":
+    (batch, 1, 1, len_k), batch 0 sees key 137 alone (all its rows see one key), batch 1 half the keys."""
+    if kind == "key_padding":
+        visible = torch.rand(batch, 1, 1, len_k, generator=gen) < 0.5
+        visible[0] = False
+        visible[0, ..., 137] = True
+        lone = torch.zeros(batch, 1, len_q, 1, dtype=torch.bool)
+        lone[0] = True
+        return visible, lone
+    mask_batch = batch if kind == "bool" else 1
+    visible = torch.rand(mask_batch, 1, len_q, len_k, generator=gen) < 0.5
+    visible[..., 250:] = False
+    lone = torch.zeros(mask_batch, 1, len_q, 1, dtype=torch.bool)
+    lone[..., ::3, :] = True
+    keys = torch.randint(len_k, (mask_batch, 1, len_q, 1), generator=gen)
+    visible = torch.where(lone, torch.arange(len_k) == keys, visible)
+    if kind == "bool":
+        return visible, lone
+    values = torch.randn(visible.shape, generator=gen, dtype=torch.float64)
+    values = values * (torch.rand(visible.shape, generator=gen) < 0.5)  # half of them 0
+    return torch.where(visible, values, -math.inf).to(dtype)[0, 0], lone.expand(batch, -1, -1, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "additive", "key_padding"])
+@pytest.mark.parametrize("kernels", ["default", "sm80", "deterministic"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_row_that_a_mask_leaves_one_key_gets_exact_zero_gradients(device, kernels, kind, dtype, monkeypatch):
+    """As above where an attn_mask leaves a row one key, any key (the CUDA kernels know these rows from
+    a pass over the mask): its dq is exactly 0, and a key that only such rows see gets dk exactly 0;
+    the rest matches the float64 reference. Head dim 128 with 16-bit inputs: the Hopper kernels'
+    masked backward, where the GPU has them."""
+    if kernels != "default" and device == "cpu":
+        pytest.skip("the CUDA kernel families")
+    if kernels == "sm80":
+        monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    batch, heads_q, heads_kv, len_q, len_k, dim = 2, 4, 2, 200, 300, 128
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(batch, heads, n, dim, generator=gen, dtype=torch.float64)
+               for heads, n in ((heads_q, len_q), (heads_kv, len_k), (heads_kv, len_k)))
+    dout = torch.randn(batch, heads_q, len_q, dim, generator=gen, dtype=torch.float64)
+    mask, lone = one_key_mask(kind, batch, len_q, len_k, dtype, gen)
+    leaves = [t.to(dtype).to(device).requires_grad_() for t in (q, k, v)]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(kernels == "deterministic")
+    try:
+        out = flashattn_ext.scaled_dot_product_attention(*leaves, attn_mask=mask.to(device), enable_gqa=True)
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype).to(device))
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    lone = lone.to(device).expand(batch, heads_q, len_q, dim)
+    assert (dq[lone] == 0).all()
+    if kind == "key_padding":
+        assert (dk[0] == 0).all()
+    else:
+        assert (dk[..., 250:, :] == 0).all()
+    # The rest against the float64 reference (the CPU's error bar: these are small sums).
+    exact = [t.double().requires_grad_() for t in (q, k, v)]
+    want_out, _ = naive_attention(*exact, attn_mask=mask.double() if mask.is_floating_point() else mask,
+                                  enable_gqa=True)
+    want = torch.autograd.grad(want_out, exact, dout)
+    tolerance = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}[dtype]
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (want_out, *want)):
+        assert torch.isfinite(got).all(), name
+        assert relative_error(got.cpu(), expected.detach()) < tolerance, name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("len_q,len_k,batch", [(5, 0, 2), (0, 7, 2), (5, 7, 0)])
 def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):

@@ -205,6 +205,24 @@ __device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionP
   return {clamp(first), clamp(end)};
 }
 
+// Rows that an attn_mask leaves one key (any key) are the same case: the
+// backward marks them before its kernels run (mark_rows_seeing_one_key) by
+// setting their delta to this NaN. Arithmetic never makes it (the GPU's NaNs are 0x7fffffff, and a
+// 16-bit NaN widened to float has its low 13 bits 0), so a NaN that comes from
+// the inputs is not mistaken for it.
+constexpr uint32_t kOneKeyRowDelta = 0x7fc00001u;
+
+__device__ __forceinline__ bool marks_one_key_row(float delta) { return __float_as_uint(delta) == kOneKeyRowDelta; }
+
+// dS = P (dP - delta) of one score; exactly 0 in a row marked kOneKeyRowDelta
+// (kMasked: kernels that take an attn_mask, the only ones that see the mark).
+// (The Hopper backward zeroes the marked rows of a tile after the fact instead:
+// zero_rows_seeing_one_key.)
+template <bool kMasked>
+__device__ __forceinline__ float score_gradient(float p, float dp, float delta) {
+  return kMasked && marks_one_key_row(delta) ? 0.f : p * (dp - delta);
+}
+
 // The first query row that sees key col0 or a later one (len_q if none does);
 // offset from causal_offset.
 __device__ __forceinline__ int64_t first_visible_query(const AttentionProblem& p, int64_t offset, int64_t col0) {

@@ -14,8 +14,9 @@ enum class ElementType { kFloat16, kBFloat16 };
 constexpr int kMaxHeadDim = 256;
 
 // Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
-// delta = rowsum(dO * O) per query row, into params.delta; zero-fills
-// params.dq_accum where set. Runs before the kernels that read either.
+// delta = rowsum(dO * O) per query row, into params.delta (kOneKeyRowDelta
+// in the rows that an attn_mask leaves one key: mark_rows_seeing_one_key);
+// zero-fills params.dq_accum where set. Runs before the kernels that read either.
 void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // Floats of a dq_accum workspace of the atomic-dQ backwards that holds the dQ
@@ -41,6 +42,10 @@ constexpr int kKeyBlockKeys = 128;
 int64_t key_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p);
 KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p, ElementType type,
                                 uint8_t* map, cudaStream_t stream);
+
+// Sets the delta of the query rows that params' attn_mask leaves exactly one
+// key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
+void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
 // decode_chunks is how many chunks of keys a call splits each sequence into;

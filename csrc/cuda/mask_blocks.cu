@@ -1,11 +1,17 @@
-// The key-block map of an attn_mask that repeats over queries (a key-padding
-// mask): for each (batch, head) of the mask and each block of kKeyBlockKeys
-// keys, whether the mask hides all of its keys, none, or some
-// (KeyBlockVisibility). The Hopper kernels skip hidden blocks (no loads, no
-// GEMMs) and run the unmasked code on visible ones; one pass over the mask's
-// B x H x S elements at most, before the forward and again before the backward.
+// Two passes over an attn_mask, before the kernels that read it:
+//  - The key-block map of a mask that repeats over queries (a key-padding
+//    mask): for each (batch, head) of the mask and each block of kKeyBlockKeys
+//    keys, whether the mask hides all of its keys, none, or some
+//    (KeyBlockVisibility). The Hopper kernels skip hidden blocks (no loads, no
+//    GEMMs) and run the unmasked code on visible ones; one pass over the mask's
+//    B x H x S elements at most, before the forward and again before the backward.
+//  - Before the backward, the query rows that the mask leaves exactly one key:
+//    their delta becomes kOneKeyRowDelta (flash_common.cuh), which the masked
+//    backward kernels read as dS = 0.
+#include <algorithm>
 #include <cstdint>
 
+#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
 
 namespace flashattn_ext::cuda {
@@ -21,23 +27,28 @@ MapShape map_shape(const TensorView4d& mask, const AttentionProblem& p) {
   return {own.batch ? p.batch : 1, own.heads ? p.heads_q : 1, (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
 }
 
-// One block of kKeyBlockKeys threads a key block, a key a thread. A bool mask
-// hides a key where it is false; an additive one (16-bit float) where it is
-// -inf, and leaves it as it is where it is +-0. Keys past len_k count neither way.
+// Whether the mask's element at offset (elements) hides its key: a bool mask
+// where it is false, an additive one (16-bit float, whose -inf is
+// minus_infinity) where it is -inf.
+__device__ __forceinline__ bool hides_key(const TensorView4d& mask, bool additive, uint16_t minus_infinity,
+                                          int64_t offset) {
+  return additive ? static_cast<const uint16_t*>(mask.data)[offset] == minus_infinity
+                  : static_cast<const uint8_t*>(mask.data)[offset] == 0;
+}
+
+uint16_t minus_infinity_bits(ElementType type) { return type == ElementType::kBFloat16 ? 0xff80 : 0xfc00; }
+
+// One block of kKeyBlockKeys threads a key block, a key a thread. Keys past
+// len_k count neither way.
 __global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, int64_t len_k,
                                            uint8_t* map) {
   const int64_t key = int64_t(blockIdx.x) * kKeyBlockKeys + threadIdx.x;
   bool hidden = true, visible = true;
   if (key < len_k) {
     const int64_t offset = blockIdx.z * mask.stride_batch + blockIdx.y * mask.stride_head + key * mask.stride_col;
-    if (additive) {
-      const uint16_t bits = static_cast<const uint16_t*>(mask.data)[offset];
-      hidden = bits == minus_infinity;
-      visible = (bits & 0x7fff) == 0;
-    } else {
-      hidden = static_cast<const uint8_t*>(mask.data)[offset] == 0;
-      visible = !hidden;
-    }
+    hidden = hides_key(mask, additive, minus_infinity, offset);
+    // (An additive value leaves the score as it is only where it is +-0.)
+    visible = additive ? (static_cast<const uint16_t*>(mask.data)[offset] & 0x7fff) == 0 : !hidden;
   }
   const bool all_hidden = __syncthreads_and(hidden), all_visible = __syncthreads_and(visible);
   if (threadIdx.x == 0) {
@@ -45,6 +56,40 @@ __global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uin
                                           : all_visible ? KeyBlockVisibility::kVisible
                                                         : KeyBlockVisibility::kPartial;
     map[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = static_cast<uint8_t>(visibility);
+  }
+}
+
+// One thread block per row of the mask that has its own values (one (batch,
+// head, query) where the mask has all three; a single row for all queries of a
+// key-padding mask: MaskDims), counting the keys it leaves visible,
+// kOneKeyThreads at a time, until it has seen two (most rows do in the first
+// sweep). Where it saw exactly one, every query row that the mask row applies
+// to gets delta = kOneKeyRowDelta.
+constexpr int kOneKeyThreads = 256;
+
+__global__ void __launch_bounds__(kOneKeyThreads)
+    mark_rows_seeing_one_key_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, AttentionProblem p,
+                                    MaskDims own, float* delta) {
+  const int64_t batches = own.batch ? p.batch : 1, heads = own.heads ? p.heads_q : 1, rows = own.rows ? p.len_q : 1;
+  for (int64_t index = blockIdx.x; index < batches * heads * rows; index += gridDim.x) {
+    const int64_t row = index % rows, head = index / rows % heads, batch = index / (rows * heads);
+    const int64_t base = batch * mask.stride_batch + head * mask.stride_head + row * mask.stride_row;
+    int visible = 0;  // the same in every thread: the loop ends for all alike
+    for (int64_t key0 = 0; key0 < p.len_k && visible < 2; key0 += kOneKeyThreads) {
+      const int64_t key = key0 + threadIdx.x;
+      visible += __syncthreads_count(key < p.len_k &&
+                                     !hides_key(mask, additive, minus_infinity, base + key * mask.stride_col));
+    }
+    if (visible != 1) continue;
+    // The query rows it applies to: its own batch, head and row, or all of those it repeats over.
+    const int64_t batch_count = own.batch ? 1 : p.batch, head_count = own.heads ? 1 : p.heads_q;
+    const int64_t row_count = own.rows ? 1 : p.len_q;
+    for (int64_t t = threadIdx.x; t < batch_count * head_count * row_count; t += kOneKeyThreads) {
+      const int64_t i = own.rows ? row : t % row_count;
+      const int64_t h = own.heads ? head : t / row_count % head_count;
+      const int64_t b = own.batch ? batch : t / (row_count * head_count);
+      delta[(b * p.heads_q + h) * p.len_q + i] = __uint_as_float(kOneKeyRowDelta);
+    }
   }
 }
 
@@ -67,7 +112,7 @@ KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const A
   if (shape.batches == 1) repeated.stride_batch = 0;
   if (shape.heads == 1) repeated.stride_head = 0;
   const bool additive = kind == MaskKind::kAdditive;
-  const uint16_t minus_infinity = type == ElementType::kBFloat16 ? 0xff80 : 0xfc00;
+  const uint16_t minus_infinity = minus_infinity_bits(type);
   const dim3 grid(static_cast<unsigned>(shape.blocks), static_cast<unsigned>(shape.heads),
                   static_cast<unsigned>(shape.batches));
   classify_key_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(repeated, additive, minus_infinity, p.len_k, map);
@@ -76,6 +121,17 @@ KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const A
   blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.blocks : 0;
   blocks.stride_head = shape.heads > 1 ? shape.blocks : 0;
   return blocks;
+}
+
+void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  if (params.mask_kind == MaskKind::kNone || p.batch * p.heads_q * p.len_q == 0) return;
+  const MaskDims own = mask_dims(params.mask, p);
+  const int64_t mask_rows = (own.batch ? p.batch : 1) * (own.heads ? p.heads_q : 1) * (own.rows ? p.len_q : 1);
+  constexpr int64_t kMaxBlocks = 1 << 16;  // enough to fill the GPU; the blocks loop over the rest
+  mark_rows_seeing_one_key_kernel<<<static_cast<unsigned>(std::min(mask_rows, kMaxBlocks)), kOneKeyThreads, 0,
+                                    stream>>>(params.mask, params.mask_kind == MaskKind::kAdditive,
+                                              minus_infinity_bits(type), p, own, static_cast<float*>(params.delta));
 }
 
 }  // namespace flashattn_ext::cuda

@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
       for (int e = 0; e < 4; ++e) {
         float dp = dst[0][nt][e];
         if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
-        dst[0][nt][e] = pt[0][nt][e] * (dp - delta[nt * 8 + (lane % 4) * 2 + e % 2]);
+        dst[0][nt][e] = score_gradient<kMasked>(pt[0][nt][e], dp, delta[nt * 8 + (lane % 4) * 2 + e % 2]);
       }
     }
     if (col0 == 0 && warp == 0 && lane < 4) {  // the lanes that hold key 0 (registers e < 2)
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
       for (int e = 0; e < 4; ++e) {
         float dp = ds[0][nt][e];
         if constexpr (kDropout) dp = keep[0][nt][e] ? dp * dropout.keep_scale : 0.f;
-        ds[0][nt][e] = s[0][nt][e] * (dp - row_delta[e / 2]);
+        ds[0][nt][e] = score_gradient<kMasked>(s[0][nt][e], dp, row_delta[e / 2]);
         if (nt == 0 && e % 2 == 0 && first_key_alone.holds(warp * 16 + lane / 4 + (e / 2) * 8)) ds[0][nt][e] = 0.f;
         if (kMasked && params.dmask.data != nullptr) {
           const int64_t query = row0 + warp * 16 + lane / 4 + (e / 2) * 8, key = col0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -445,6 +445,7 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
           <<<static_cast<unsigned>(blocks), sm80::kDeltaThreads, 0, stream>>>(params, zero_floats);
     });
   });
+  mark_rows_seeing_one_key(params, type, stream);
 }
 
 }  // namespace flashattn_ext::cuda

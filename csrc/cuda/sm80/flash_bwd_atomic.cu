@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
         for (int e = 0; e < 4; ++e) {
           float dp = dst[mt][nt][e];
           if constexpr (kDropout) dp = keep[mt][nt][e] ? dp * dropout.keep_scale : 0.f;
-          dst[mt][nt][e] = pt[mt][nt][e] * (dp - col_delta[nt][e % 2]);
+          dst[mt][nt][e] = score_gradient<kMasked>(pt[mt][nt][e], dp, col_delta[nt][e % 2]);
           if (mt == 0 && e < 2 && first_key_alone.holds(nt * 8 + (lane % 4) * 2 + e % 2)) dst[mt][nt][e] = 0.f;
           if constexpr (kDropout) pt[mt][nt][e] = keep[mt][nt][e] ? pt[mt][nt][e] : 0.f;
           if (store_dmask) {

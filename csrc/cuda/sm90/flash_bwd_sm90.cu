@@ -337,6 +337,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
     zero_first_key_alone<kBlockM>(dpt, p, col0, row0, offset, holds_first_key, lane);
+    if constexpr (Cfg::Mask::kPresent) zero_rows_seeing_one_key<kBlockM>(dpt, delta_q, lane);
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
     store_transposed_tile<Cfg::kDsColBlockBytes>(s_ds + ds_buffer * Cfg::kDsBytes, ds_frag, key_row, lane);

@@ -221,6 +221,21 @@ __device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const 
   }
 }
 
+// Zeroes the dS^T of the tile's queries that an attn_mask leaves one key
+// (their delta marked kOneKeyRowDelta, their dS^T so far NaN: flash_common.cuh).
+// The warp's lanes first look at the tile's kBlockM rows together, so that a
+// tile with none (nearly all) costs a few loads and a vote, not a select a score.
+template <int kBlockM, int kRegs>
+__device__ __forceinline__ void zero_rows_seeing_one_key(float (&dst)[kRegs], const float (&delta_q)[kBlockM],
+                                                         int lane) {
+  bool marked = false;
+#pragma unroll
+  for (int row = lane; row < kBlockM; row += kWarpSize) marked |= marks_one_key_row(delta_q[row]);
+  if (!__any_sync(0xffffffffu, marked)) return;
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) dst[i] = marks_one_key_row(delta_q[accumulator_column(i, lane)]) ? 0.f : dst[i];
+}
+
 // Stores a consumer's 64 keys x (16 kSteps) queries of A fragments (P^T or
 // dS^T) into a tile of rows of queries, a key a row, in blocks of 64 columns
 // (kColBlockBytes apart), 128-byte swizzled like the tiles the copy engine
