@@ -269,11 +269,6 @@ FLASHATTN_EXT_CPU_INLINE float max_scaling(P x, int64_t n, float factor) {
   for (float lane : lanes_of(chains[0])) max = max_keeping(max, lane);
   return max;
 }
-template <int kFloats>
-FLASHATTN_EXT_CPU_INLINE float max_of_vec(const float* x, int64_t n) {
-  return max_scaling<kFloats, false>(x, n, 1.f);
-}
-FLASHATTN_EXT_CPU_VERSIONS(float, max_of, (const float* x, int64_t n), max_of_vec, (x, n))
 
 // x[i] *= factor over n values, returning their max: the scale pass and the
 // row max in one sweep (factor 1: the max alone).
@@ -780,6 +775,17 @@ void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slo
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
   if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
+  if (mask.kind == MaskKind::kNone && alibi_slope == A(0)) {
+    // Causal or windowed: each row sees one range of keys, the rest is hidden.
+    for (int64_t r = 0; r < rows; ++r) {
+      A* row = scores + r * cols;
+      const int64_t begin = std::clamp<int64_t>(vis.key_begin(row0 + r) - col0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(vis.key_end(row0 + r) - col0, begin, cols);
+      std::fill(row, row + begin, kNegInf<A>);
+      std::fill(row + end, row + cols, kNegInf<A>);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = row0 + r, j = col0 + c;
@@ -788,6 +794,14 @@ void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slo
       score = partial && !vis.visible(i, j) ? kNegInf<A> : mask.apply(biased, i, j);
     }
   }
+}
+
+// Whether adjust_scores changes any score of the tile (most tiles it leaves as they are).
+template <typename T, typename A>
+bool adjusts_scores(A softcap, A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0,
+                    int64_t rows, int64_t col0, int64_t cols) {
+  return softcap > A(0) || alibi_slope != A(0) || mask.kind != MaskKind::kNone ||
+         vis.tile_is_partial(row0, rows, col0, cols);
 }
 
 // scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
@@ -805,8 +819,11 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
 // The forward's two tile products, QK^T and PV, for forward_tiles: a policy
 // that holds a thread's query tile and a head's key and value tiles (kept_keys
 // keys, in key tiles of kBlockK: tile t holds keys t * kBlockK on, loaded by
-// load_keys and load_values), and the scaled scores of the query tile against a
-// key tile, and adds P V to the output's accumulator, whose rows lie acc_ld() apart.
+// load_keys and load_values), and the scores of the query tile against a key
+// tile (raw_scores: short of the factor raw_scale(), 1 where they come out
+// scaled), and adds P V to the output's accumulator, whose rows lie acc_ld()
+// apart: P in float, or (kTakesRoundedProbs) rounded to 16 bits into
+// prob_row(r, cols) by the softmax's own sweep.
 
 // In G (float, or double for double) on tiles converted on load: the queries
 // times the softmax scale (see load_scaled_queries), the keys transposed.
@@ -836,9 +853,13 @@ class ConvertedProducts {
     load_tile<T>(v, b, h, col0, cols, dim_v_, v_.data() + tile * kBlockK * dim_v_);
   }
 
-  // The scaled scores of the query tile's rows against the tile's cols keys, into score_tile.acc().
+  static constexpr bool kTakesRoundedProbs = false;
+
+  // The scores of the query tile's rows against the tile's cols keys, into
+  // score_tile.acc(), scaled already (by the queries).
+  float raw_scale() const { return 1.f; }
   template <typename A>
-  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
+  void raw_scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
     matmul(rows, cols, dim_, q_.data(), dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK, score_tile.gemm(), cols);
     score_tile.from_gemm(rows * cols);
   }
@@ -942,7 +963,11 @@ class ReducedProducts {
     }
   }
 
-  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
+  static constexpr bool kTakesRoundedProbs = true;
+
+  // The scores unscaled (the forward scales them in its sweep for the row max), and scaled.
+  float raw_scale() const { return scale_; }
+  void raw_scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
     // Each block's kPackedCols columns, rows ld apart; then the rows moved
     // together (down, in order: no row overwrites one still to move).
     const int64_t ld = round_up(cols, kPackedCols);
@@ -954,15 +979,27 @@ class ReducedProducts {
     if (ld != cols) {
       for (int64_t r = 1; r < rows; ++r) std::memmove(scores + r * cols, scores + r * ld, cols * sizeof(float));
     }
-    scale_in_place(scores, rows * cols, scale_);
+  }
+  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
+    raw_scores(rows, cols, tile, score_tile);
+    scale_in_place(score_tile.acc(), rows * cols, scale_);
   }
 
-  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
+  // Where row r of P goes, rounded to R, for a tile of cols keys (the row
+  // padded to even with a zero, see load_values).
+  R* prob_row(int64_t r, int64_t cols) {
     const int64_t ld = round_up(cols, 2);
-    for (int64_t r = 0; r < rows; ++r) {
-      convert(probs + r * cols, cols, probs_.data() + r * ld);
-      if (ld != cols) probs_[r * ld + cols] = R(0);
-    }
+    if (ld != cols) probs_[r * ld + cols] = R(0);
+    return probs_.data() + r * ld;
+  }
+
+  // acc += P V, P in float (rows x cols, dense), or already rounded into prob_row.
+  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
+    for (int64_t r = 0; r < rows; ++r) convert(probs + r * cols, cols, prob_row(r, cols));
+    add_rounded_probs_times_values(rows, cols, tile, acc);
+  }
+  void add_rounded_probs_times_values(int64_t rows, int64_t cols, int64_t tile, float* acc) {
+    const int64_t ld = round_up(cols, 2);
     for (int64_t c0 = 0; c0 < dim_v_; c0 += kPackedCols) {
       at::native::cpublas::brgemm(rows, kPackedCols, ld, ld, kPackedCols, padded_dim_v_, /*add_C=*/true,
                                   probs_.data(), value_block(tile, c0), acc + c0, vnni_);
@@ -1070,22 +1107,42 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           if constexpr (kWithOutput) products.load_values(params.v, b, h_kv, col0, cols, tile);
           loaded = cols;
         }
-        products.scores(rows, cols, tile, score_tile);
+        products.raw_scores(rows, cols, tile, score_tile);
         A* scores = score_tile.acc();
-        adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
+        // The scores scaled and adjusted, then each row's max; where adjust_scores
+        // leaves the tile as it is (most tiles), scaled in the max's sweep.
+        const A raw_scale = static_cast<A>(products.raw_scale());
+        const bool adjusting = adjusts_scores(softcap, slope, vis, mask, row0, rows, col0, cols);
+        if (adjusting) {
+          if (raw_scale != A(1)) scale_in_place(scores, rows * cols, raw_scale);
+          adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
+        }
 
         // Online softmax: fold this tile into the running max, sum and output.
         for (int64_t r = 0; r < rows; ++r) {
-          const A new_max = std::max(row_max[r], max_of(&scores[r * cols], cols));
+          const A tile_max = scale_max_of(&scores[r * cols], cols, adjusting ? A(1) : raw_scale);
+          const A new_max = std::max(row_max[r], tile_max);
           // A row with nothing visible yet keeps max -inf: subtract 0 (its
           // scores are all -inf, and exp gives 0) rather than -inf (NaN).
           max_used[r] = new_max == kNegInf<A> ? A(0) : new_max;
           rescale[r] = new_max == kNegInf<A> ? A(1) : std::exp(row_max[r] - new_max);  // 0 on the first visible tile
           row_max[r] = new_max;
         }
+        // P rounded to 16 bits in the same sweep, straight where the products
+        // take it, unless dropout is to change it first.
+        constexpr bool kTakesRoundedProbs = kWithOutput && Products::kTakesRoundedProbs;
+        const bool probs_rounded = kTakesRoundedProbs && !dropout.enabled;
         if constexpr (std::is_same_v<A, float>) {  // exp, less the max, and sum in one sweep of each row
           for (int64_t r = 0; r < rows; ++r) {
-            row_sum[r] = row_sum[r] * rescale[r] + exp_shifted_sum(&scores[r * cols], cols, max_used[r]);
+            A* row = &scores[r * cols];
+            A sum;
+            if constexpr (kTakesRoundedProbs) {
+              sum = probs_rounded ? exp_shifted_sum(row, cols, max_used[r], products.prob_row(r, cols))
+                                  : exp_shifted_sum(row, cols, max_used[r]);
+            } else {
+              sum = exp_shifted_sum(row, cols, max_used[r]);
+            }
+            row_sum[r] = row_sum[r] * rescale[r] + sum;
           }
         } else {  // the scores less the row max, then one exp over the tile in G
           for (int64_t r = 0; r < rows; ++r) {
@@ -1102,11 +1159,15 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         if constexpr (kWithOutput) {
           // o = o * rescale + P V, the product added to o in place (A is G here).
           static_assert(std::is_same_v<A, G>);
-          const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
           for (int64_t r = 0; r < rows; ++r) {
             scale_in_place(&acc[r * acc_ld], p.head_dim_v, rescale[r]);
           }
-          products.add_probs_times_values(rows, cols, tile, probs, acc.data());
+          if (probs_rounded) {
+            if constexpr (kTakesRoundedProbs) products.add_rounded_probs_times_values(rows, cols, tile, acc.data());
+          } else {
+            const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
+            products.add_probs_times_values(rows, cols, tile, probs, acc.data());
+          }
         }
       }
 
