@@ -102,7 +102,8 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 // Vectors of kFloats lanes, in the vector extensions of GCC and Clang, whose
 // operators act lane by lane: floats, their bits as int32_t and uint32_t, and
 // 16-bit lanes. kFloats 1: the scalars themselves, for the loops' remainders
-// (the same steps: every value comes out the same in a vector and alone).
+// (the same steps; where the compiler fuses a multiply and an add differently
+// in the two, as it may for AVX2 and AVX-512, a last bit may differ).
 template <int kFloats>
 struct Vec {
 #if defined(__GNUC__)
@@ -465,8 +466,9 @@ at::Tensor tile_tensor(A* x, int64_t n) {
 
 // The softmax's float exp, compiled for AVX-512, AVX2 + FMA and the baseline
 // (FLASHATTN_EXT_CPU_VERSIONS): plain arithmetic and selects, on a float or a
-// vector of floats (V), to the same bits either way (-fno-trapping-math,
-// setup.py, lets the compiler keep the selects in vector code).
+// vector of floats (V) (-fno-trapping-math, setup.py, lets the compiler keep
+// the selects in vector code). The baseline's gives the bits of the scalar
+// code before it, over all 2^32 floats; the others fuse multiplies and adds.
 // e^x, within about 1 ulp of the exact value (torch's CPU kernel: 1 ulp; at::exp_
 // here, through MKL's accurate mode: 2.5x the time), with e^x below 2^-126
 // flushed to 0 and inf and NaN kept: x = n ln 2 + r (ln 2 in two parts, so r is
@@ -505,7 +507,7 @@ FLASHATTN_EXT_CPU_INLINE V exp_float(V x) {
 }
 
 // The same for x <= 0 (and NaN, kept: it passes through the arithmetic), to the
-// bit (checked over every float from 0 to -87.5), without the overflow's
+// bit (checked over every float from 0 to -87.5, baseline), without the overflow's
 // selects: the softmax's exps, of scores less their row's max. 3.7x faster
 // (AVX2, as GCC vectorized the scalar code), where for exp_float GCC computed
 // the polynomial twice, once for each side of a select.
