@@ -10,6 +10,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -67,25 +68,108 @@ template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
 // The float loops over every score, compiled for AVX-512, AVX2 + FMA and the
-// baseline, one picked at load time for the CPU at hand (GCC's target_clones,
-// where the C library resolves such functions; the rest of this file is built
-// for the baseline, whose vectors are a quarter of AVX-512's): the softmax's
-// exp, sum and max, the scale passes and the conversions of float tiles to 16
-// bits. Plain functions: a clone is made of a function, not of the lambdas and
-// templates around it.
-// The templates they call are inlined into them (FLASHATTN_EXT_CPU_INLINE:
+// baseline, one picked at load time for the CPU at hand (GCC's function
+// multiversioning, where the C library resolves such functions; the rest of
+// this file is built for the baseline, whose vectors are a quarter of
+// AVX-512's): the softmax's exp, sum and max, the scale passes and the
+// conversions of float tiles to 16 bits. Each is a template over the lanes of
+// its vectors (kFloats), and FLASHATTN_EXT_CPU_VERSIONS(ret, name, params,
+// impl, args) defines ret name(params) as impl<kFloats>(args) for each
+// instruction set, with the width of its registers: 16 floats for AVX-512, 8
+// for AVX2, 4 for the baseline (one vector width for all three: GCC 12 splits
+// a vector compare wider than the registers into one compare a lane).
+// Elsewhere GCC and Clang take the baseline's 4, other compilers one float at a time.
+// The templates these call are inlined into them (FLASHATTN_EXT_CPU_INLINE:
 // GCC leaves a template's own copy, built for the baseline, called otherwise).
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
-#define FLASHATTN_EXT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define FLASHATTN_EXT_CPU_VERSIONS(ret, name, params, impl, args)                    \
+  __attribute__((target("arch=x86-64-v4"))) ret name params { return impl<16> args; } \
+  __attribute__((target("arch=x86-64-v3"))) ret name params { return impl<8> args; }  \
+  __attribute__((target("default"))) ret name params { return impl<4> args; }
 #define FLASHATTN_EXT_CPU_INLINE inline __attribute__((always_inline))
+// (Every function that takes or returns a vector is inlined: no call passes one.)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#elif defined(__GNUC__)
+#define FLASHATTN_EXT_CPU_VERSIONS(ret, name, params, impl, args) \
+  ret name params { return impl<4> args; }
+#define FLASHATTN_EXT_CPU_INLINE inline
 #else
-#define FLASHATTN_EXT_CPU_CLONES
+#define FLASHATTN_EXT_CPU_VERSIONS(ret, name, params, impl, args) \
+  ret name params { return impl<1> args; }
 #define FLASHATTN_EXT_CPU_INLINE inline
 #endif
 
+// Vectors of kFloats lanes, in the vector extensions of GCC and Clang, whose
+// operators act lane by lane: floats, their bits as int32_t and uint32_t, and
+// 16-bit lanes. kFloats 1: the scalars themselves, for the loops' remainders
+// (the same steps; where the compiler fuses a multiply and an add differently
+// in the two, as it may for AVX2 and AVX-512, a last bit may differ).
+template <int kFloats>
+struct Vec {
+#if defined(__GNUC__)
+  typedef float Float __attribute__((vector_size(4 * kFloats)));
+  typedef int32_t Int __attribute__((vector_size(4 * kFloats)));
+  typedef uint32_t Bits __attribute__((vector_size(4 * kFloats)));
+  typedef uint16_t Bits16 __attribute__((vector_size(2 * kFloats)));
+#endif
+};
+template <>
+struct Vec<1> {
+  using Float = float;
+  using Int = int32_t;
+  using Bits = uint32_t;
+  using Bits16 = uint16_t;
+};
+// The helpers below take a float or a vector of floats, V.
+template <typename V>
+constexpr int kFloatsOf = sizeof(V) / sizeof(float);
+template <typename V>
+using VecOf = Vec<kFloatsOf<V>>;
+
+// The bits of x as another type of the same size (std::bit_cast, C++20).
+template <typename To, typename From>
+FLASHATTN_EXT_CPU_INLINE To reinterpret(From x) {
+  static_assert(sizeof(To) == sizeof(From));
+  To y;
+  std::memcpy(&y, &x, sizeof y);
+  return y;
+}
+
+// A vector of floats from memory of any alignment, and any vector (or scalar) to it.
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float load(const float* x) {
+  typename Vec<kFloats>::Float v;
+  std::memcpy(&v, x, sizeof v);
+  return v;
+}
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE void store(V v, void* to) {
+  std::memcpy(to, &v, sizeof v);
+}
+
+// x in every lane.
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float splat(float x) {
+  return x - typename Vec<kFloats>::Float{};  // (x - 0 is x, -0 too)
+}
+
+// The lanes of v, in order.
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE std::array<float, kFloatsOf<V>> lanes_of(V v) {
+  return reinterpret<std::array<float, kFloatsOf<V>>>(v);
+}
+
+// The larger of a and b, a where b is NaN (as std::max(a, b) keeps a): a
+// row's max passes over NaN scores, which the exp then carries into the sum.
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE V max_keeping(V a, V b) {
+  return a < b ? b : a;
+}
+
 // The sum and the max of n values, in kLanes independent chains: one chain is
 // a serial dependency the compiler may not reorder (and at 128 x 128 tiles it
-// cost as much as a tile product); independent lanes vectorize.
+// cost as much as a tile product); independent lanes vectorize. (float: the
+// vector loops below.)
 constexpr int kLanes = 8;
 
 template <typename A>
@@ -113,16 +197,93 @@ FLASHATTN_EXT_CPU_INLINE A max_of(const A* x, int64_t n) {
   return *std::max_element(lanes, lanes + kLanes);
 }
 
-// The same for float, in the vector code of the CPU at hand.
-FLASHATTN_EXT_CPU_CLONES float sum_of(const float* x, int64_t n) { return sum_of<float>(x, n); }
-FLASHATTN_EXT_CPU_CLONES float max_of(const float* x, int64_t n) { return max_of<float>(x, n); }
-
 // x[i] *= factor over n values.
 template <typename A>
 FLASHATTN_EXT_CPU_INLINE void scale_in_place(A* x, int64_t n, A factor) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
 }
-FLASHATTN_EXT_CPU_CLONES void scale_in_place(float* x, int64_t n, float factor) { scale_in_place<float>(x, n, factor); }
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE void scale_in_place_vec(float* x, int64_t n, float factor) {
+  int64_t i = 0;
+  for (; i + kFloats <= n; i += kFloats) store(load<kFloats>(x + i) * factor, x + i);
+  for (; i < n; ++i) x[i] *= factor;
+}
+FLASHATTN_EXT_CPU_VERSIONS(void, scale_in_place, (float* x, int64_t n, float factor), scale_in_place_vec,
+                           (x, n, factor))
+
+// The float loops keep kChains vectors of partial sums or maxima: a vector
+// add waits for the one before it in its chain.
+constexpr int kChains = 4;
+
+// The sum of the lanes of kChains vectors.
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE float lane_sum(V (&chains)[kChains]) {
+  for (int c = 1; c < kChains; ++c) chains[0] += chains[c];
+  float total = 0;
+  for (float lane : lanes_of(chains[0])) total += lane;
+  return total;
+}
+
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE float sum_of_vec(const float* x, int64_t n) {
+  typename Vec<kFloats>::Float chains[kChains] = {};
+  int64_t i = 0;
+  for (; i + kChains * kFloats <= n; i += kChains * kFloats) {
+    for (int c = 0; c < kChains; ++c) chains[c] += load<kFloats>(x + i + c * kFloats);
+  }
+  for (; i + kFloats <= n; i += kFloats) chains[0] += load<kFloats>(x + i);
+  float total = 0;
+  for (; i < n; ++i) total += x[i];
+  return total + lane_sum(chains);
+}
+FLASHATTN_EXT_CPU_VERSIONS(float, sum_of, (const float* x, int64_t n), sum_of_vec, (x, n))
+
+// kFloats values from x, times factor where kScale (and stored so: P is float*, else const float*).
+template <int kFloats, bool kScale, typename P>
+FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float load_scaling(P x, float factor) {
+  auto v = load<kFloats>(x);
+  if constexpr (kScale) {
+    v *= factor;
+    store(v, x);
+  }
+  return v;
+}
+
+// The max of n values (NaN ones passed over, see max_keeping), each times
+// factor first where kScale.
+template <int kFloats, bool kScale, typename P>
+FLASHATTN_EXT_CPU_INLINE float max_scaling(P x, int64_t n, float factor) {
+  typename Vec<kFloats>::Float chains[kChains];
+  std::fill(chains, chains + kChains, splat<kFloats>(kNegInf<float>));
+  int64_t i = 0;
+  for (; i + kChains * kFloats <= n; i += kChains * kFloats) {
+    for (int c = 0; c < kChains; ++c) {
+      chains[c] = max_keeping(chains[c], load_scaling<kFloats, kScale>(x + i + c * kFloats, factor));
+    }
+  }
+  for (; i + kFloats <= n; i += kFloats) {
+    chains[0] = max_keeping(chains[0], load_scaling<kFloats, kScale>(x + i, factor));
+  }
+  float max = kNegInf<float>;
+  for (; i < n; ++i) max = max_keeping(max, load_scaling<1, kScale>(x + i, factor));
+  for (int c = 1; c < kChains; ++c) chains[0] = max_keeping(chains[0], chains[c]);
+  for (float lane : lanes_of(chains[0])) max = max_keeping(max, lane);
+  return max;
+}
+
+// x[i] *= factor over n values, returning their max: the scale pass and the
+// row max in one sweep (factor 1: the max alone).
+template <typename A>
+FLASHATTN_EXT_CPU_INLINE A scale_max_of(A* x, int64_t n, A factor) {
+  if (factor != A(1)) scale_in_place(x, n, factor);
+  return max_of(x, n);
+}
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE float scale_max_of_vec(float* x, int64_t n, float factor) {
+  return factor == 1.f ? max_scaling<kFloats, false>(x, n, factor) : max_scaling<kFloats, true>(x, n, factor);
+}
+FLASHATTN_EXT_CPU_VERSIONS(float, scale_max_of, (float* x, int64_t n, float factor), scale_max_of_vec,
+                           (x, n, factor))
 
 // Copies rows [row0, row0 + rows) of head (b, h) into a rows x cols tile whose
 // rows lie ld apart (dense by default).
@@ -237,13 +398,64 @@ template <typename From, typename To>
 FLASHATTN_EXT_CPU_INLINE void convert(const From* from, int64_t n, To* to) {
   for (int64_t i = 0; i < n; ++i) to[i] = static_cast<To>(from[i]);
 }
+
+// 32-bit lanes cut to their low 16 bits.
+template <typename Bits>
+FLASHATTN_EXT_CPU_INLINE auto low_halves(Bits x) {
+  if constexpr (std::is_same_v<Bits, uint32_t>) {
+    return static_cast<uint16_t>(x);
+  } else {
+    return __builtin_convertvector(x, typename Vec<sizeof(Bits) / 4>::Bits16);
+  }
+}
+
+// The bits of x rounded to bfloat16 and to half, as c10's conversions round
+// (to nearest, ties to even; NaN to a quiet NaN), step for step.
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE auto bfloat16_bits(V x) {
+  using Bits = typename VecOf<V>::Bits;
+  const Bits bits = reinterpret<Bits>(x);
+  const Bits rounded = (bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16;
+  return low_halves(x != x ? 0x7FC0u : rounded);
+}
+
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE auto half_bits(V x) {  // (c10's fp16_ieee_from_fp32_value)
+  using Bits = typename VecOf<V>::Bits;
+  constexpr float kScaleToInf = 0x1.0p+112f, kScaleToZero = 0x1.0p-110f;
+  const Bits w = reinterpret<Bits>(x);
+  const Bits twice = w + w;  // (the sign shifted out)
+  const Bits sign = w & 0x80000000u;
+  V base = reinterpret<V>(w & 0x7FFFFFFFu) * kScaleToInf * kScaleToZero;  // |x|, rounded to half's precision
+  Bits bias = twice & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = reinterpret<V>((bias >> 1) + 0x07800000u) + base;
+  const Bits bits = reinterpret<Bits>(base);
+  const Bits nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+  return low_halves((sign >> 16) | (twice > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// x rounded to R (c10::BFloat16 or c10::Half), as bits.
+template <typename R, typename V>
+FLASHATTN_EXT_CPU_INLINE auto bits_rounded_to(V x) {
+  static_assert(std::is_same_v<R, c10::BFloat16> || std::is_same_v<R, c10::Half>);
+  if constexpr (std::is_same_v<R, c10::BFloat16>) {
+    return bfloat16_bits(x);
+  } else {
+    return half_bits(x);
+  }
+}
+
 // float tiles rounded to 16 bits (P for its product), in the vector code of the CPU at hand.
-FLASHATTN_EXT_CPU_CLONES void convert(const float* from, int64_t n, c10::BFloat16* to) {
-  convert<float, c10::BFloat16>(from, n, to);
+template <int kFloats, typename R>
+FLASHATTN_EXT_CPU_INLINE void convert_vec(const float* from, int64_t n, R* to) {
+  int64_t i = 0;
+  for (; i + kFloats <= n; i += kFloats) store(bits_rounded_to<R>(load<kFloats>(from + i)), to + i);
+  for (; i < n; ++i) store(bits_rounded_to<R>(from[i]), to + i);
 }
-FLASHATTN_EXT_CPU_CLONES void convert(const float* from, int64_t n, c10::Half* to) {
-  convert<float, c10::Half>(from, n, to);
-}
+FLASHATTN_EXT_CPU_VERSIONS(void, convert, (const float* from, int64_t n, c10::BFloat16* to), convert_vec,
+                           (from, n, to))
+FLASHATTN_EXT_CPU_VERSIONS(void, convert, (const float* from, int64_t n, c10::Half* to), convert_vec, (from, n, to))
 
 // n dense values as a tensor, for ATen's elementwise functions, which run the
 // vector code of the CPU they find (at 128 x 128 tiles the per-call cost is small).
@@ -253,8 +465,10 @@ at::Tensor tile_tensor(A* x, int64_t n) {
 }
 
 // The softmax's float exp, compiled for AVX-512, AVX2 + FMA and the baseline
-// (FLASHATTN_EXT_CPU_CLONES): plain arithmetic and selects, which the compiler
-// vectorizes (with -fno-trapping-math: setup.py).
+// (FLASHATTN_EXT_CPU_VERSIONS): plain arithmetic and selects, on a float or a
+// vector of floats (V) (-fno-trapping-math, setup.py, lets the compiler keep
+// the selects in vector code). The baseline's gives the bits of the scalar
+// code before it, over all 2^32 floats; the others fuse multiplies and adds.
 // e^x, within about 1 ulp of the exact value (torch's CPU kernel: 1 ulp; at::exp_
 // here, through MKL's accurate mode: 2.5x the time), with e^x below 2^-126
 // flushed to 0 and inf and NaN kept: x = n ln 2 + r (ln 2 in two parts, so r is
@@ -263,19 +477,16 @@ at::Tensor tile_tensor(A* x, int64_t n) {
 constexpr float kExpMin = -87.5f, kExpMax = 88.7228f;  // e^kExpMin is below 2^-126; e^x overflows past kExpMax
 
 // The steps for kExpMin <= x <= kExpMax.
-inline float exp_steps(float x) {
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE V exp_steps(V x) {
   constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f, kLn2Lo = 1.42860676533018708e-06f;
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer, left in the low mantissa bits
-  const float t = (x > 88.0f ? 88.0f : x) * kLog2e + kRound;  // n <= 127: 2^n finite (then r <= 0.75)
-  const float n = t - kRound;
-  int32_t t_bits;
-  std::memcpy(&t_bits, &t, sizeof t_bits);
-  const int32_t scale_bits = (t_bits - 0x4B400000 + 127) << 23;  // (n + 127) << 23: 2^n
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof scale);
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float e = 1.f / 5040;
-  e = e * r + 1.f / 720;
+  const V t = (x > 88.0f ? 88.0f : x) * kLog2e + kRound;  // n <= 127: 2^n finite (then r <= 0.75)
+  const V n = t - kRound;
+  using Int = typename VecOf<V>::Int;
+  const V scale = reinterpret<V>((reinterpret<Int>(t) - 0x4B400000 + 127) << 23);  // (n + 127) << 23: 2^n
+  const V r = (x - n * kLn2Hi) - n * kLn2Lo;
+  V e = 1.f / 5040 * r + 1.f / 720;
   e = e * r + 1.f / 120;
   e = e * r + 1.f / 24;
   e = e * r + 1.f / 6;
@@ -285,49 +496,73 @@ inline float exp_steps(float x) {
   return e * scale;
 }
 
-inline float exp_float(float x) {
-  float xr = x < kExpMin ? kExpMin : x;
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE V exp_float(V x) {
+  V xr = x < kExpMin ? kExpMin : x;
   xr = xr > kExpMax ? kExpMax : xr;
-  float y = exp_steps(xr);
+  V y = exp_steps(xr);
   y = x < kExpMin ? 0.f : y;
   y = x > kExpMax ? std::numeric_limits<float>::infinity() : y;
   return x != x ? x : y;
 }
 
 // The same for x <= 0 (and NaN, kept: it passes through the arithmetic), to the
-// bit (checked over every float from 0 to -87.5), without the overflow's
+// bit (checked over every float from 0 to -87.5, baseline), without the overflow's
 // selects: the softmax's exps, of scores less their row's max. 3.7x faster
-// (AVX2), where for exp_float GCC computes the polynomial twice, once for each
-// side of a select.
-inline float exp_nonpositive(float x) {
-  const float y = exp_steps(x < kExpMin ? kExpMin : x);
+// (AVX2, as GCC vectorized the scalar code), where for exp_float GCC computed
+// the polynomial twice, once for each side of a select.
+template <typename V>
+FLASHATTN_EXT_CPU_INLINE V exp_nonpositive(V x) {
+  const V y = exp_steps(x < kExpMin ? kExpMin : x);
   return x < kExpMin ? 0.f : y;
 }
 
-FLASHATTN_EXT_CPU_CLONES void exp_in_place(float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = exp_float(x[i]);
+template <int kFloats>
+FLASHATTN_EXT_CPU_INLINE void exp_in_place_vec(float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + kFloats <= n; i += kFloats) store(exp_float(load<kFloats>(x + i)), x + i);
+  for (; i < n; ++i) x[i] = exp_float(x[i]);
+}
+FLASHATTN_EXT_CPU_VERSIONS(void, exp_in_place, (float* x, int64_t n), exp_in_place_vec, (x, n))
+
+// e^(x - shift) for the kFloats values at x, stored at out as Out (float, or
+// rounded to 16 bits, see bits_rounded_to), and returned in float.
+template <int kFloats, typename Out>
+FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float store_shifted_exp(const float* x, float shift, Out* out) {
+  const auto e = exp_nonpositive(load<kFloats>(x) - shift);
+  if constexpr (std::is_same_v<Out, float>) {
+    store(e, out);
+  } else {
+    store(bits_rounded_to<Out>(e), out);
+  }
+  return e;
 }
 
-// x[i] = e^(x[i] - shift) over n values, returning their sum (in kLanes
-// chains, see sum_of): the forward's softmax of a row in one sweep. The values
-// are at most shift (their row's max), or NaN.
-FLASHATTN_EXT_CPU_CLONES float exp_shifted_sum(float* x, int64_t n, float shift) {
-  float lanes[kLanes] = {};
+// out[i] = e^(x[i] - shift) over n values, returning their sum (in float, in
+// kChains vectors of partial sums): the forward's softmax of a row in one
+// sweep. The values are at most shift (their row's max), or NaN. Out: float
+// (out may be x), or 16 bits: P rounded for the reduced products in the same sweep.
+template <int kFloats, typename Out>
+FLASHATTN_EXT_CPU_INLINE float exp_shifted_sum_vec(const float* x, int64_t n, float shift, Out* out) {
+  typename Vec<kFloats>::Float chains[kChains] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      x[i + l] = exp_nonpositive(x[i + l] - shift);
-      lanes[l] += x[i + l];
+  for (; i + kChains * kFloats <= n; i += kChains * kFloats) {
+    for (int c = 0; c < kChains; ++c) {
+      const int64_t at = i + c * kFloats;
+      chains[c] += store_shifted_exp<kFloats>(x + at, shift, out + at);
     }
   }
-  for (; i < n; ++i) {
-    x[i] = exp_nonpositive(x[i] - shift);
-    lanes[0] += x[i];
-  }
+  for (; i + kFloats <= n; i += kFloats) chains[0] += store_shifted_exp<kFloats>(x + i, shift, out + i);
   float total = 0;
-  for (int l = 0; l < kLanes; ++l) total += lanes[l];
-  return total;
+  for (; i < n; ++i) total += store_shifted_exp<1>(x + i, shift, out + i);
+  return total + lane_sum(chains);
 }
+FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (float* x, int64_t n, float shift), exp_shifted_sum_vec,
+                           (x, n, shift, x))
+FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (const float* x, int64_t n, float shift, c10::BFloat16* out),
+                           exp_shifted_sum_vec, (x, n, shift, out))
+FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (const float* x, int64_t n, float shift, c10::Half* out),
+                           exp_shifted_sum_vec, (x, n, shift, out))
 
 // A tile in the accumulation type A and, for the products, in the GEMM type G:
 // the same memory where the two agree, else a copy, converted on request. The
@@ -542,6 +777,17 @@ void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slo
   if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
   if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
+  if (mask.kind == MaskKind::kNone && alibi_slope == A(0)) {
+    // Causal or windowed: each row sees one range of keys, the rest is hidden.
+    for (int64_t r = 0; r < rows; ++r) {
+      A* row = scores + r * cols;
+      const int64_t begin = std::clamp<int64_t>(vis.key_begin(row0 + r) - col0, 0, cols);
+      const int64_t end = std::clamp<int64_t>(vis.key_end(row0 + r) - col0, begin, cols);
+      std::fill(row, row + begin, kNegInf<A>);
+      std::fill(row + end, row + cols, kNegInf<A>);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = row0 + r, j = col0 + c;
@@ -550,6 +796,14 @@ void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slo
       score = partial && !vis.visible(i, j) ? kNegInf<A> : mask.apply(biased, i, j);
     }
   }
+}
+
+// Whether adjust_scores changes any score of the tile (most tiles it leaves as they are).
+template <typename T, typename A>
+bool adjusts_scores(A softcap, A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0,
+                    int64_t rows, int64_t col0, int64_t cols) {
+  return softcap > A(0) || alibi_slope != A(0) || mask.kind != MaskKind::kNone ||
+         vis.tile_is_partial(row0, rows, col0, cols);
 }
 
 // scores[r][c] = <q_r, k_c> (in A; q_r already times the softmax scale, see
@@ -567,8 +821,11 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
 // The forward's two tile products, QK^T and PV, for forward_tiles: a policy
 // that holds a thread's query tile and a head's key and value tiles (kept_keys
 // keys, in key tiles of kBlockK: tile t holds keys t * kBlockK on, loaded by
-// load_keys and load_values), and the scaled scores of the query tile against a
-// key tile, and adds P V to the output's accumulator, whose rows lie acc_ld() apart.
+// load_keys and load_values), and the scores of the query tile against a key
+// tile (raw_scores: short of the factor raw_scale(), 1 where they come out
+// scaled), and adds P V to the output's accumulator, whose rows lie acc_ld()
+// apart: P in float, or (kTakesRoundedProbs) rounded to 16 bits into
+// prob_row(r, cols) by the softmax's own sweep.
 
 // In G (float, or double for double) on tiles converted on load: the queries
 // times the softmax scale (see load_scaled_queries), the keys transposed.
@@ -598,9 +855,13 @@ class ConvertedProducts {
     load_tile<T>(v, b, h, col0, cols, dim_v_, v_.data() + tile * kBlockK * dim_v_);
   }
 
-  // The scaled scores of the query tile's rows against the tile's cols keys, into score_tile.acc().
+  static constexpr bool kTakesRoundedProbs = false;
+
+  // The scores of the query tile's rows against the tile's cols keys, into
+  // score_tile.acc(), scaled already (by the queries).
+  float raw_scale() const { return 1.f; }
   template <typename A>
-  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
+  void raw_scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
     matmul(rows, cols, dim_, q_.data(), dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK, score_tile.gemm(), cols);
     score_tile.from_gemm(rows * cols);
   }
@@ -704,7 +965,11 @@ class ReducedProducts {
     }
   }
 
-  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
+  static constexpr bool kTakesRoundedProbs = true;
+
+  // The scores unscaled (the forward scales them in its sweep for the row max), and scaled.
+  float raw_scale() const { return scale_; }
+  void raw_scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
     // Each block's kPackedCols columns, rows ld apart; then the rows moved
     // together (down, in order: no row overwrites one still to move).
     const int64_t ld = round_up(cols, kPackedCols);
@@ -716,15 +981,27 @@ class ReducedProducts {
     if (ld != cols) {
       for (int64_t r = 1; r < rows; ++r) std::memmove(scores + r * cols, scores + r * ld, cols * sizeof(float));
     }
-    scale_in_place(scores, rows * cols, scale_);
+  }
+  void scores(int64_t rows, int64_t cols, int64_t tile, DualTile<float, float>& score_tile) {
+    raw_scores(rows, cols, tile, score_tile);
+    scale_in_place(score_tile.acc(), rows * cols, scale_);
   }
 
-  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
+  // Where row r of P goes, rounded to R, for a tile of cols keys (the row
+  // padded to even with a zero, see load_values).
+  R* prob_row(int64_t r, int64_t cols) {
     const int64_t ld = round_up(cols, 2);
-    for (int64_t r = 0; r < rows; ++r) {
-      convert(probs + r * cols, cols, probs_.data() + r * ld);
-      if (ld != cols) probs_[r * ld + cols] = R(0);
-    }
+    if (ld != cols) probs_[r * ld + cols] = R(0);
+    return probs_.data() + r * ld;
+  }
+
+  // acc += P V, P in float (rows x cols, dense), or already rounded into prob_row.
+  void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
+    for (int64_t r = 0; r < rows; ++r) convert(probs + r * cols, cols, prob_row(r, cols));
+    add_rounded_probs_times_values(rows, cols, tile, acc);
+  }
+  void add_rounded_probs_times_values(int64_t rows, int64_t cols, int64_t tile, float* acc) {
+    const int64_t ld = round_up(cols, 2);
     for (int64_t c0 = 0; c0 < dim_v_; c0 += kPackedCols) {
       at::native::cpublas::brgemm(rows, kPackedCols, ld, ld, kPackedCols, padded_dim_v_, /*add_C=*/true,
                                   probs_.data(), value_block(tile, c0), acc + c0, vnni_);
@@ -832,22 +1109,42 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
           if constexpr (kWithOutput) products.load_values(params.v, b, h_kv, col0, cols, tile);
           loaded = cols;
         }
-        products.scores(rows, cols, tile, score_tile);
+        products.raw_scores(rows, cols, tile, score_tile);
         A* scores = score_tile.acc();
-        adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
+        // The scores scaled and adjusted, then each row's max; where adjust_scores
+        // leaves the tile as it is (most tiles), scaled in the max's sweep.
+        const A raw_scale = static_cast<A>(products.raw_scale());
+        const bool adjusting = adjusts_scores(softcap, slope, vis, mask, row0, rows, col0, cols);
+        if (adjusting) {
+          if (raw_scale != A(1)) scale_in_place(scores, rows * cols, raw_scale);
+          adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
+        }
 
         // Online softmax: fold this tile into the running max, sum and output.
         for (int64_t r = 0; r < rows; ++r) {
-          const A new_max = std::max(row_max[r], max_of(&scores[r * cols], cols));
+          const A tile_max = scale_max_of(&scores[r * cols], cols, adjusting ? A(1) : raw_scale);
+          const A new_max = std::max(row_max[r], tile_max);
           // A row with nothing visible yet keeps max -inf: subtract 0 (its
           // scores are all -inf, and exp gives 0) rather than -inf (NaN).
           max_used[r] = new_max == kNegInf<A> ? A(0) : new_max;
           rescale[r] = new_max == kNegInf<A> ? A(1) : std::exp(row_max[r] - new_max);  // 0 on the first visible tile
           row_max[r] = new_max;
         }
+        // P rounded to 16 bits in the same sweep, straight where the products
+        // take it, unless dropout is to change it first.
+        constexpr bool kTakesRoundedProbs = kWithOutput && Products::kTakesRoundedProbs;
+        const bool probs_rounded = kTakesRoundedProbs && !dropout.enabled;
         if constexpr (std::is_same_v<A, float>) {  // exp, less the max, and sum in one sweep of each row
           for (int64_t r = 0; r < rows; ++r) {
-            row_sum[r] = row_sum[r] * rescale[r] + exp_shifted_sum(&scores[r * cols], cols, max_used[r]);
+            A* row = &scores[r * cols];
+            A sum;
+            if constexpr (kTakesRoundedProbs) {
+              sum = probs_rounded ? exp_shifted_sum(row, cols, max_used[r], products.prob_row(r, cols))
+                                  : exp_shifted_sum(row, cols, max_used[r]);
+            } else {
+              sum = exp_shifted_sum(row, cols, max_used[r]);
+            }
+            row_sum[r] = row_sum[r] * rescale[r] + sum;
           }
         } else {  // the scores less the row max, then one exp over the tile in G
           for (int64_t r = 0; r < rows; ++r) {
@@ -864,11 +1161,15 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         if constexpr (kWithOutput) {
           // o = o * rescale + P V, the product added to o in place (A is G here).
           static_assert(std::is_same_v<A, G>);
-          const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
           for (int64_t r = 0; r < rows; ++r) {
             scale_in_place(&acc[r * acc_ld], p.head_dim_v, rescale[r]);
           }
-          products.add_probs_times_values(rows, cols, tile, probs, acc.data());
+          if (probs_rounded) {
+            if constexpr (kTakesRoundedProbs) products.add_rounded_probs_times_values(rows, cols, tile, acc.data());
+          } else {
+            const G* probs = dropout.enabled ? score_tile.to_gemm(rows * cols) : score_tile.gemm();
+            products.add_probs_times_values(rows, cols, tile, probs, acc.data());
+          }
         }
       }
 
