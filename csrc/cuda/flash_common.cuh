@@ -207,9 +207,9 @@ __device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionP
 
 // Rows that an attn_mask leaves one key (any key) are the same case: the
 // backward marks them before its kernels run (mark_rows_seeing_one_key) by
-// setting their delta to this NaN. Arithmetic never makes it (the GPU's NaNs are 0x7fffffff, and a
-// 16-bit NaN widened to float has its low 13 bits 0), so a NaN that comes from
-// the inputs is not mistaken for it.
+// setting their delta to this NaN. Arithmetic never makes it (the GPU's NaNs
+// are 0x7fffffff, and a 16-bit NaN widened to float has its low 13 bits 0), so
+// a NaN that comes from the inputs is not mistaken for it.
 constexpr uint32_t kOneKeyRowDelta = 0x7fc00001u;
 
 __device__ __forceinline__ bool marks_one_key_row(float delta) { return __float_as_uint(delta) == kOneKeyRowDelta; }
