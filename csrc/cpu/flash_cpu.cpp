@@ -1066,6 +1066,14 @@ bool takes_reduced_products() {
   }
 }
 
+// The i-th of n query blocks in the order 0, n - 1, 1, n - 2, ...: causal
+// blocks grow longer down the rows, so that the few consecutive tasks a thread
+// takes at small shapes (blocks of one head) are as long in all as another
+// thread's (at 1 x 4 x 512 x 64 on 16 threads, four blocks of 32 rows a
+// thread: the busiest thread took twice the mean's time in order, 1.5x so;
+// the bfloat16 forward 250 to 188 us).
+int64_t longest_and_shortest_in_turn(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // The forward over every query block, its tile products by Products (see
 // ConvertedProducts). lse_all (batch, heads_q, len_q) receives the log-sum-exp
 // in the type L; with kWithOutput the output goes to params.out.
@@ -1098,7 +1106,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
     std::vector<A> drop_factors(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t q_block = task % q_blocks;
+      const int64_t q_block = longest_and_shortest_in_turn(task % q_blocks, q_blocks);
       const int64_t h = (task / q_blocks) % p.heads_q;
       const int64_t b = task / (q_blocks * p.heads_q);
       const int64_t h_kv = h / group;
