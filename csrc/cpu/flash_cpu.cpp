@@ -911,7 +911,7 @@ int64_t round_up(int64_t n, int64_t multiple) { return ceil_div(n, multiple) * m
 
 // n values of R (a 16-bit float type), zeroed: std::vector<R>(n) zeroes them a
 // value at a time (about 1 ns each: 60 us of a thread's start in a small
-// bfloat16 forward, 150 us on 16 threads), memset at a twentieth of that.
+// bfloat16 forward, 150 us on 16 threads), memset at a thirtieth of that.
 template <typename R>
 class ZeroedBuffer {
   static_assert(std::is_trivially_default_constructible_v<R>, "new R[n] must leave the values to memset");
