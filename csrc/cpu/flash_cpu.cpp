@@ -239,9 +239,9 @@ FLASHATTN_EXT_CPU_INLINE float sum_of_vec(const float* x, int64_t n) {
 }
 FLASHATTN_EXT_CPU_VERSIONS(float, sum_of, (const float* x, int64_t n), sum_of_vec, (x, n))
 
-// kFloats values from x, times factor where kScale (and stored so: P is float*, else const float*).
-template <int kFloats, bool kScale, typename P>
-FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float load_scaling(P x, float factor) {
+// kFloats values from x, times factor where kScale (and stored so).
+template <int kFloats, bool kScale>
+FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float load_scaling(float* x, float factor) {
   auto v = load<kFloats>(x);
   if constexpr (kScale) {
     v *= factor;
@@ -252,8 +252,8 @@ FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float load_scaling(P x, float fa
 
 // The max of n values (NaN ones passed over, see max_keeping), each times
 // factor first where kScale.
-template <int kFloats, bool kScale, typename P>
-FLASHATTN_EXT_CPU_INLINE float max_scaling(P x, int64_t n, float factor) {
+template <int kFloats, bool kScale>
+FLASHATTN_EXT_CPU_INLINE float max_scaling(float* x, int64_t n, float factor) {
   typename Vec<kFloats>::Float chains[kChains];
   std::fill(chains, chains + kChains, splat<kFloats>(kNegInf<float>));
   int64_t i = 0;
