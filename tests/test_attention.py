@@ -122,6 +122,36 @@ def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 300, 300, 64, 64), (2, 4, 2, 200, 330, 48, 48)], ids=["mqa", "gqa"])
+def test_cpu_any_thread_count(shape, threads, dtype):
+    """The CPU forward splits its work by the thread count: with fewer key/value heads than threads, the
+    threads share each head's key and value tiles, loaded in a pass of their own (here at 8 threads, and
+    for MQA at 3). Every split: within twice torch SDPA's error against float64, causal and with GQA."""
+    inputs = make_inputs(shape, dtype, "cpu")
+    grad_out = random_grad_out(shape, "cpu")
+
+    def run(fn, inputs):
+        return forward_and_grads(lambda q, k, v: fn(q, k, v, is_causal=True, enable_gqa=True), inputs, grad_out)
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run(flashattn_ext.scaled_dot_product_attention, inputs)
+    finally:
+        torch.set_num_threads(saved_threads)
+    want = run(F.scaled_dot_product_attention, [t.detach().double() for t in inputs])
+    baseline = run(F.scaled_dot_product_attention, inputs)
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
+        ours_error = relative_error(g, w, zero_scale=problem_scale)
+        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
+            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
+        )
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0], ids=["negative", "zero", "large"])
 def test_any_scale_error_within_twice_sdpa(scale, device):

@@ -2,8 +2,9 @@
 
 They run where oneDNN has VNNI kernels for the dtype (AMX); FLASHATTN_EXT_CPU_REDUCED_GEMM=1, read once per
 process, makes them run on any CPU. test_forced_reduced_products reruns this file's accuracy checks, the
-CPU parity sweep and the exact zeros of rows that see one key (the backward recomputes the scores as the
-forward made them) in a subprocess with it set; in this process the checks test whichever path the CPU takes.
+CPU parity sweep, the exact zeros of rows that see one key (the backward recomputes the scores as the
+forward made them) and the thread-count test (the forward's shared key/value tiles) in a subprocess with
+it set; in this process the checks test whichever path the CPU takes.
 The shapes cross the path's edges: several key tiles, keys and value columns that fill no whole block of
 64, odd head dims (padded to even), one query row, GQA, masks and a negative scale (applied to the float scores).
 """
@@ -83,12 +84,14 @@ def test_reduced_products_accuracy(dtype, case):
 
 @pytest.mark.skipif(os.environ.get(FORCE_VARIABLE) == "1", reason=f"{FORCE_VARIABLE}=1: the checks run in this process")
 def test_forced_reduced_products():
-    """This file's accuracy checks, the CPU parity sweep and the one-key rows' zeros, the reduced products forced."""
+    """This file's accuracy checks, the CPU parity sweep, the one-key rows' zeros and the thread counts' splits,
+    the reduced products forced."""
     tests = Path(__file__).parent
     command = [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not cuda",
         f"{tests / 'test_reduced_products.py'}::test_reduced_products_accuracy", str(tests / "test_parity.py"),
         f"{tests / 'test_attention.py'}::test_a_row_that_sees_one_key_gets_exact_zero_gradients",
+        f"{tests / 'test_attention.py'}::test_cpu_any_thread_count",
     ]  # fmt: skip
     result = subprocess.run(command, env={**os.environ, FORCE_VARIABLE: "1"}, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:]

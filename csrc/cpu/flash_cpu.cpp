@@ -826,23 +826,35 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
 // tile (raw_scores: short of the factor raw_scale(), 1 where they come out
 // scaled), and adds P V to the output's accumulator, whose rows lie acc_ld()
 // apart: P in float, or (kTakesRoundedProbs) rounded to 16 bits into
-// prob_row(r, cols) by the softmax's own sweep.
+// prob_row(r, cols) by the softmax's own sweep. The key and value tiles are
+// the policy's own, or (use_tiles) a head's in memory that threads share:
+// key_tiles_elems and value_tiles_elems Stored values each for a whole head.
 
 // In G (float, or double for double) on tiles converted on load: the queries
 // times the softmax scale (see load_scaled_queries), the keys transposed.
 template <typename T, typename G>
 class ConvertedProducts {
  public:
+  using Stored = G;
+
   ConvertedProducts(const AttentionProblem& p, int64_t kept_keys)
       : dim_(p.head_dim),
         dim_v_(p.head_dim_v),
         scale_(p.scale),
         q_(kBlockQ * dim_),
-        k_t_(key_tiles_size(kept_keys, dim_)),
-        v_(key_tiles_size(kept_keys, dim_v_)) {}
+        own_k_t_(key_tiles_size(kept_keys, dim_)),
+        own_v_(key_tiles_size(kept_keys, dim_v_)),
+        k_t_(own_k_t_.data()),
+        v_(own_v_.data()) {}
 
+  static int64_t key_tiles_elems(const AttentionProblem& p) { return key_tiles_size(p.len_k, p.head_dim); }
+  static int64_t value_tiles_elems(const AttentionProblem& p) { return key_tiles_size(p.len_k, p.head_dim_v); }
   static int64_t head_bytes(const AttentionProblem& p) {
-    return key_tiles_size(p.len_k, p.head_dim + p.head_dim_v) * int64_t{sizeof(G)};
+    return (key_tiles_elems(p) + value_tiles_elems(p)) * int64_t{sizeof(Stored)};
+  }
+  void use_tiles(Stored* keys, Stored* values) {
+    k_t_ = keys;
+    v_ = values;
   }
   int64_t acc_ld() const { return dim_v_; }
 
@@ -850,10 +862,10 @@ class ConvertedProducts {
     load_scaled_queries<T>(q, b, h, row0, rows, dim_, scale_, q_.data());
   }
   void load_keys(const TensorView4d& k, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
-    load_tile_transposed<T>(k, b, h, col0, cols, dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK);
+    load_tile_transposed<T>(k, b, h, col0, cols, dim_, k_t_ + tile * kBlockK * dim_, kBlockK);
   }
   void load_values(const TensorView4d& v, int64_t b, int64_t h, int64_t col0, int64_t cols, int64_t tile) {
-    load_tile<T>(v, b, h, col0, cols, dim_v_, v_.data() + tile * kBlockK * dim_v_);
+    load_tile<T>(v, b, h, col0, cols, dim_v_, v_ + tile * kBlockK * dim_v_);
   }
 
   static constexpr bool kTakesRoundedProbs = false;
@@ -863,14 +875,14 @@ class ConvertedProducts {
   float raw_scale() const { return 1.f; }
   template <typename A>
   void raw_scores(int64_t rows, int64_t cols, int64_t tile, DualTile<A, G>& score_tile) {
-    matmul(rows, cols, dim_, q_.data(), dim_, k_t_.data() + tile * kBlockK * dim_, kBlockK, score_tile.gemm(), cols);
+    matmul(rows, cols, dim_, q_.data(), dim_, k_t_ + tile * kBlockK * dim_, kBlockK, score_tile.gemm(), cols);
     score_tile.from_gemm(rows * cols);
   }
 
   // acc += P V, P (rows x cols) dense. matmul sums the tile's share apart before
   // adding it: blockwise summation keeps the rounding error of long float32 sums down.
   void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const G* probs, G* acc) {
-    matmul(rows, dim_v_, cols, probs, cols, v_.data() + tile * kBlockK * dim_v_, dim_v_, acc, dim_v_,
+    matmul(rows, dim_v_, cols, probs, cols, v_ + tile * kBlockK * dim_v_, dim_v_, acc, dim_v_,
            /*accumulate=*/true);
   }
 
@@ -879,7 +891,8 @@ class ConvertedProducts {
  private:
   int64_t dim_, dim_v_;
   double scale_;
-  std::vector<G> q_, k_t_, v_;
+  std::vector<G> q_, own_k_t_, own_v_;
+  G *k_t_, *v_;
 };
 
 template <typename T>
@@ -943,16 +956,27 @@ class ReducedProducts {
         scale_(static_cast<float>(p.scale)),
         vnni_(vnni_kernels()),
         q_(kBlockQ * padded_dim_),
-        keys_(key_tiles_size(kept_keys, padded_dim_)),
-        values_(with_values ? key_tiles_size(kept_keys, padded_dim_v_) : 0),
+        own_keys_(key_tiles_size(kept_keys, padded_dim_)),
+        own_values_(with_values ? key_tiles_size(kept_keys, padded_dim_v_) : 0),
         probs_(kBlockQ * kBlockK),
-        block_(std::max(padded_dim_, kBlockK) * kPackedCols) {}
+        block_(std::max(padded_dim_, kBlockK) * kPackedCols),
+        keys_(own_keys_.data()),
+        values_(own_values_.data()) {}
+
+  using Stored = R;
 
   // Whether oneDNN has VNNI kernels for R on this CPU (AMX: bfloat16 since Sapphire Rapids, float16 since Granite Rapids).
   static bool vnni_kernels() { return at::native::cpublas::could_pack(c10::CppTypeToScalarType<R>::value); }
+  static int64_t key_tiles_elems(const AttentionProblem& p) { return key_tiles_size(p.len_k, round_up(p.head_dim, 2)); }
+  static int64_t value_tiles_elems(const AttentionProblem& p) {
+    return key_tiles_size(p.len_k, round_up(p.head_dim_v, kPackedCols));
+  }
   static int64_t head_bytes(const AttentionProblem& p) {
-    return key_tiles_size(p.len_k, round_up(p.head_dim, 2) + round_up(p.head_dim_v, kPackedCols)) *
-           int64_t{sizeof(R)};
+    return (key_tiles_elems(p) + value_tiles_elems(p)) * int64_t{sizeof(Stored)};
+  }
+  void use_tiles(Stored* keys, Stored* values) {
+    keys_ = keys;
+    values_ = values;
   }
   int64_t acc_ld() const { return padded_dim_v_; }
 
@@ -1029,8 +1053,8 @@ class ReducedProducts {
   void release() { at::native::cpublas::brgemm_release(vnni_); }
 
  private:
-  R* key_block(int64_t tile, int64_t key0) { return keys_.data() + (tile * kBlockK + key0) * padded_dim_; }
-  R* value_block(int64_t tile, int64_t c0) { return values_.data() + (tile * padded_dim_v_ + c0) * kBlockK; }
+  R* key_block(int64_t tile, int64_t key0) { return keys_ + (tile * kBlockK + key0) * padded_dim_; }
+  R* value_block(int64_t tile, int64_t c0) { return values_ + (tile * padded_dim_v_ + c0) * kBlockK; }
 
   // A block of rows x kPackedCols to load, zeroed (its pads stay zero): the
   // destination itself, or scratch where it is packed.
@@ -1049,7 +1073,8 @@ class ReducedProducts {
   int64_t dim_, padded_dim_, dim_v_, padded_dim_v_;
   float scale_;
   bool vnni_;
-  ZeroedBuffer<R> q_, keys_, values_, probs_, block_;
+  ZeroedBuffer<R> q_, own_keys_, own_values_, probs_, block_;
+  R *keys_, *values_;
 };
 
 // Whether the forward of T takes ReducedProducts (and the backward its scores the same way).
@@ -1091,13 +1116,42 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const Visibility vis(p);
   const A softcap = static_cast<A>(p.softcap);
 
+  // A thread keeps the keys and values of the head its last task read, each
+  // tile loaded once for all the head's query blocks (a thread's tasks are
+  // consecutive: the blocks of one head, then the next); where a head's do not
+  // fit in kHeadKeysBytes, one tile, loaded for each use. Where the key/value
+  // heads number fewer than the threads, several threads would each load (and
+  // pack) a whole head: a pass of their own loads every head's tiles once,
+  // spread over all threads, into memory that the threads then share (at
+  // 1 x 4 x 512 x 64 on 16 threads, four loads of each head otherwise).
+  const bool keep_head = Products::head_bytes(p) <= kHeadKeysBytes;
+  const int64_t heads_kv = p.batch * p.heads_kv;
+  const bool share_heads = keep_head && heads_kv < at::get_num_threads();
+  using Stored = typename Products::Stored;
+  const int64_t key_elems = Products::key_tiles_elems(p), value_elems = Products::value_tiles_elems(p);
+  const int64_t key_tiles = ceil_div(p.len_k, kBlockK);
+  // (Not zeroed: the loads write every value that a product reads.)
+  std::unique_ptr<Stored[]> shared_keys, shared_values;
+  if (share_heads) {
+    shared_keys.reset(new Stored[heads_kv * key_elems]);
+    if constexpr (kWithOutput) shared_values.reset(new Stored[heads_kv * value_elems]);
+    at::parallel_for(0, heads_kv * key_tiles, 1, [&](int64_t begin, int64_t end) {
+      Products loader(p, /*kept_keys=*/0);
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t head = item / key_tiles, tile = item % key_tiles;
+        const int64_t b = head / p.heads_kv, h_kv = head % p.heads_kv;
+        const int64_t col0 = tile * kBlockK, cols = std::min(kBlockK, p.len_k - col0);
+        loader.use_tiles(shared_keys.get() + head * key_elems,
+                         kWithOutput ? shared_values.get() + head * value_elems : nullptr);
+        loader.load_keys(params.k, b, h_kv, col0, cols, tile);
+        if constexpr (kWithOutput) loader.load_values(params.v, b, h_kv, col0, cols, tile);
+      }
+    });
+  }
+
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    // The keys and values of the head the thread's last task read, each tile
-    // loaded once for all the head's query blocks (a thread's tasks are
-    // consecutive: the blocks of one head, then the next), keys_loaded[t] keys
-    // of tile t. Where a head's do not fit in kHeadKeysBytes, one tile, loaded for each use.
-    const bool keep_head = Products::head_bytes(p) <= kHeadKeysBytes;
-    const int64_t kept_keys = keep_head ? p.len_k : kBlockK;
+    // keys_loaded[t] keys of tile t of the thread's own head loaded.
+    const int64_t kept_keys = share_heads ? 0 : keep_head ? p.len_k : kBlockK;
     Products products(p, kept_keys);
     std::vector<int64_t> keys_loaded(ceil_div(kept_keys, kBlockK));
     int64_t loaded_head = -1;
@@ -1112,6 +1166,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t h_kv = h / group;
       if (b * p.heads_kv + h_kv != loaded_head) {
         loaded_head = b * p.heads_kv + h_kv;
+        if (share_heads) {
+          products.use_tiles(shared_keys.get() + loaded_head * key_elems,
+                             kWithOutput ? shared_values.get() + loaded_head * value_elems : nullptr);
+        }
         std::fill(keys_loaded.begin(), keys_loaded.end(), 0);
       }
       const int64_t row0 = q_block * block_q;
@@ -1129,10 +1187,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       for (int64_t col0 = vis.key_begin(row0) / kBlockK * kBlockK; col0 < key_end; col0 += kBlockK) {
         const int64_t cols = std::min(kBlockK, key_end - col0);
         const int64_t tile = keep_head ? col0 / kBlockK : 0;
-        if (int64_t& loaded = keys_loaded[tile]; !keep_head || loaded < cols) {
+        if (!share_heads && (!keep_head || keys_loaded[tile] < cols)) {
           products.load_keys(params.k, b, h_kv, col0, cols, tile);
           if constexpr (kWithOutput) products.load_values(params.v, b, h_kv, col0, cols, tile);
-          loaded = cols;
+          keys_loaded[tile] = cols;
         }
         products.raw_scores(rows, cols, tile, score_tile);
         A* scores = score_tile.acc();
@@ -1222,13 +1280,15 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
 // same_as_forward (the forward's products, holding the head's keys and these
 // rows' queries), S comes from the products the forward's came from, to the
 // same bits: P = exp(S - lse) is then as exact as with the float products (1
-// where a row sees one key).
+// where a row sees one key). With dout_values (such products holding the
+// head's values as their keys and these rows' dO as their queries), dP comes
+// from them: dO and V are in T already, so in T the product loses nothing.
 template <typename T, typename A, typename G>
 void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_kv, const G* dout, const A* lse,
                              int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h,
                              const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
                              DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad,
-                             ReducedProducts<T>* same_as_forward) {
+                             ReducedProducts<T>* same_as_forward, ReducedProducts<T>* dout_values) {
   const A softcap = static_cast<A>(p.softcap), slope = static_cast<A>(alibi_slope(p, b, h));
   if constexpr (kIs16Bit<T>) {
     if (same_as_forward != nullptr) {
@@ -1240,8 +1300,13 @@ void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_
     compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, softcap, slope, vis, mask, row0, col0, prob_tile,
                    softcap_grad);
   }
-  matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
-  dscore_tile.from_gemm(rows * cols);
+  if constexpr (kIs16Bit<T>) {
+    if (dout_values != nullptr) dout_values->raw_scores(rows, cols, col0 / kBlockK, dscore_tile);
+  }
+  if (dout_values == nullptr) {
+    matmul(rows, cols, p.head_dim_v, dout, p.head_dim_v, v_t, ld_kv, dscore_tile.gemm(), cols);
+    dscore_tile.from_gemm(rows * cols);
+  }
   A* probs = prob_tile.acc();
   // P = exp(S - lse), one exp over the tile; a row that sees no key (lse -inf)
   // gets -inf, so P = 0 there.
@@ -1337,7 +1402,8 @@ bool backward_keeps_tiles(const AttentionProblem& p) {
 // gives, without a pass to compute one. Only where the tiles are kept.
 //
 // With scores_as_forward (where the forward took ReducedProducts), S is
-// recomputed by those products (see recompute_probabilities).
+// recomputed by those products, and dP = dO V^T made by such products too
+// (see recompute_probabilities).
 template <typename T, typename A = Acc<T>, typename G = Gemm<T>>
 void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize = false,
                     bool scores_as_forward = false) {
@@ -1383,14 +1449,22 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     // the second pass reads them instead of drawing again (a byte a pair, an
     // eighth of the float tiles above).
     std::vector<uint8_t> cache_keep(params.dropout.p > 0.0 ? cache_elems : 0);
-    std::optional<ReducedProducts<T>> same_as_forward;
-    if (scores_as_forward) same_as_forward.emplace(p, p.len_k, /*with_values=*/false);
+    // And dP = dO V^T in the same products: V as their keys, dO as their queries (see recompute_probabilities).
+    std::optional<ReducedProducts<T>> same_as_forward, dout_values;
+    if (scores_as_forward) {
+      same_as_forward.emplace(p, p.len_k, /*with_values=*/false);
+      AttentionProblem dout_problem = p;
+      dout_problem.head_dim = dim_v;
+      dout_values.emplace(dout_problem, p.len_k, /*with_values=*/false);
+    }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
       if (same_as_forward) {
         for (int64_t col0 = 0; col0 < p.len_k; col0 += kBlockK) {
-          same_as_forward->load_keys(params.k, b, h_kv, col0, std::min(kBlockK, p.len_k - col0), col0 / kBlockK);
+          const int64_t cols = std::min(kBlockK, p.len_k - col0);
+          same_as_forward->load_keys(params.k, b, h_kv, col0, cols, col0 / kBlockK);
+          dout_values->load_keys(params.v, b, h_kv, col0, cols, col0 / kBlockK);
         }
       }
       load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
@@ -1406,7 +1480,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         const int64_t rows = std::min(block_q, p.len_q - row0);
         const A* lse = lse_all + (b * p.heads_q + h) * p.len_q + row0;
         load_scaled_queries<T>(params.q, b, h, row0, rows, dim, p.scale, q.data());
-        if (same_as_forward) same_as_forward->load_queries(params.q, b, h, row0, rows);
+        if (same_as_forward) {
+          same_as_forward->load_queries(params.q, b, h, row0, rows);
+          dout_values->load_queries(params.dout, b, h, row0, rows);
+        }
         load_tile_transposed<T>(params.q, b, h, row0, rows, dim, q_t.data(), kBlockQ);
         load_tile<T>(params.dout, b, h, row0, rows, dim_v, dout.data());
         load_tile_transposed<T>(params.dout, b, h, row0, rows, dim_v, dout_t.data(), kBlockQ);
@@ -1421,7 +1498,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         auto recompute = [&](int64_t col0, int64_t cols) {
           recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(),
                                   lse, rows, cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile,
-                                  softcap_grad.data(), same_as_forward ? &*same_as_forward : nullptr);
+                                  softcap_grad.data(), same_as_forward ? &*same_as_forward : nullptr,
+                                  dout_values ? &*dout_values : nullptr);
         };
         // Where the tiles' P and dP fit, the delta pass keeps them (tile t at
         // t * kBlockQ * kBlockK) for the second pass instead of its recomputing them.
@@ -1539,7 +1617,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         std::copy(dv_t.begin(), dv_t.end(), partial + dk_t.size());
       }
     }
-    if (same_as_forward) same_as_forward->release();
+    if (same_as_forward) {
+      same_as_forward->release();
+      dout_values->release();
+    }
   });
   if (splits == 1) return;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
