@@ -90,6 +90,9 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 #define FLASHATTN_EXT_CPU_INLINE inline __attribute__((always_inline))
 // (Every function that takes or returns a vector is inlined: no call passes one.)
 #pragma GCC diagnostic ignored "-Wpsabi"
+// And AVX512-BF16's conversion to bfloat16, for CPUs that have it (see exp_shifted_sum).
+#define FLASHATTN_EXT_CPU_AVX512BF16 1
+#include <immintrin.h>
 #elif defined(__GNUC__)
 #define FLASHATTN_EXT_CPU_VERSIONS(ret, name, params, impl, args) \
   ret name params { return impl<4> args; }
@@ -272,19 +275,26 @@ FLASHATTN_EXT_CPU_INLINE float max_scaling(float* x, int64_t n, float factor) {
   return max;
 }
 
-// x[i] *= factor over n values, returning their max: the scale pass and the
-// row max in one sweep (factor 1: the max alone).
+// For each of rows rows of cols values (dense), x[i] *= factor, and the row's
+// max into maxima: the scale pass and the row max in one sweep (factor 1: the
+// max alone), one call a tile (a row of 128 keys is 8 vectors: a call a row
+// spent about as many instructions on the call, the chains' setup and their
+// reduction as on the row).
 template <typename A>
-FLASHATTN_EXT_CPU_INLINE A scale_max_of(A* x, int64_t n, A factor) {
-  if (factor != A(1)) scale_in_place(x, n, factor);
-  return max_of(x, n);
+FLASHATTN_EXT_CPU_INLINE void scale_max_rows(A* x, int64_t rows, int64_t cols, A factor, A* maxima) {
+  if (factor != A(1)) scale_in_place(x, rows * cols, factor);
+  for (int64_t r = 0; r < rows; ++r) maxima[r] = max_of(x + r * cols, cols);
 }
 template <int kFloats>
-FLASHATTN_EXT_CPU_INLINE float scale_max_of_vec(float* x, int64_t n, float factor) {
-  return factor == 1.f ? max_scaling<kFloats, false>(x, n, factor) : max_scaling<kFloats, true>(x, n, factor);
+FLASHATTN_EXT_CPU_INLINE void scale_max_rows_vec(float* x, int64_t rows, int64_t cols, float factor, float* maxima) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = x + r * cols;
+    maxima[r] = factor == 1.f ? max_scaling<kFloats, false>(row, cols, factor)
+                              : max_scaling<kFloats, true>(row, cols, factor);
+  }
 }
-FLASHATTN_EXT_CPU_VERSIONS(float, scale_max_of, (float* x, int64_t n, float factor), scale_max_of_vec,
-                           (x, n, factor))
+FLASHATTN_EXT_CPU_VERSIONS(void, scale_max_rows, (float* x, int64_t rows, int64_t cols, float factor, float* maxima),
+                           scale_max_rows_vec, (x, rows, cols, factor, maxima))
 
 // Copies rows [row0, row0 + rows) of head (b, h) into a rows x cols tile whose
 // rows lie ld apart (dense by default).
@@ -526,13 +536,31 @@ FLASHATTN_EXT_CPU_INLINE void exp_in_place_vec(float* x, int64_t n) {
 }
 FLASHATTN_EXT_CPU_VERSIONS(void, exp_in_place, (float* x, int64_t n), exp_in_place_vec, (x, n))
 
+#ifdef FLASHATTN_EXT_CPU_AVX512BF16
+// 16 floats rounded to bfloat16 by AVX512-BF16's vcvtneps2bf16: to nearest,
+// ties to even, as bfloat16_bits rounds, in one instruction where that takes
+// nine (NaN stays NaN, with its own payload; the instruction flushes denormals,
+// which the softmax's exp does not make). (Not always_inline: the template
+// that calls it is built for the baseline too, where it cannot be inlined;
+// the compiler inlines it into exp_shifted_sum_bf16_instruction.)
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) inline Vec<16>::Bits16 bfloat16_bits_by_instruction(
+    Vec<16>::Float x) {
+  return reinterpret<Vec<16>::Bits16>(_mm512_cvtneps_pbh(reinterpret<__m512>(x)));
+}
+#endif
+
 // e^(x - shift) for the kFloats values at x, stored at out as Out (float, or
-// rounded to 16 bits, see bits_rounded_to), and returned in float.
-template <int kFloats, typename Out>
+// rounded to 16 bits, see bits_rounded_to; with kBf16Instruction, to bfloat16
+// by the instruction above), and returned in float.
+template <int kFloats, typename Out, bool kBf16Instruction = false>
 FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float store_shifted_exp(const float* x, float shift, Out* out) {
   const auto e = exp_nonpositive(load<kFloats>(x) - shift);
   if constexpr (std::is_same_v<Out, float>) {
     store(e, out);
+  } else if constexpr (kBf16Instruction && kFloats == 16) {
+#ifdef FLASHATTN_EXT_CPU_AVX512BF16
+    store(bfloat16_bits_by_instruction(e), out);
+#endif
   } else {
     store(bits_rounded_to<Out>(e), out);
   }
@@ -543,27 +571,62 @@ FLASHATTN_EXT_CPU_INLINE typename Vec<kFloats>::Float store_shifted_exp(const fl
 // kChains vectors of partial sums): the forward's softmax of a row in one
 // sweep. The values are at most shift (their row's max), or NaN. Out: float
 // (out may be x), or 16 bits: P rounded for the reduced products in the same sweep.
-template <int kFloats, typename Out>
+template <int kFloats, typename Out, bool kBf16Instruction = false>
 FLASHATTN_EXT_CPU_INLINE float exp_shifted_sum_vec(const float* x, int64_t n, float shift, Out* out) {
   typename Vec<kFloats>::Float chains[kChains] = {};
   int64_t i = 0;
   for (; i + kChains * kFloats <= n; i += kChains * kFloats) {
     for (int c = 0; c < kChains; ++c) {
       const int64_t at = i + c * kFloats;
-      chains[c] += store_shifted_exp<kFloats>(x + at, shift, out + at);
+      chains[c] += store_shifted_exp<kFloats, Out, kBf16Instruction>(x + at, shift, out + at);
     }
   }
-  for (; i + kFloats <= n; i += kFloats) chains[0] += store_shifted_exp<kFloats>(x + i, shift, out + i);
+  for (; i + kFloats <= n; i += kFloats) {
+    chains[0] += store_shifted_exp<kFloats, Out, kBf16Instruction>(x + i, shift, out + i);
+  }
   float total = 0;
   for (; i < n; ++i) total += store_shifted_exp<1>(x + i, shift, out + i);
   return total + lane_sum(chains);
 }
-FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (float* x, int64_t n, float shift), exp_shifted_sum_vec,
-                           (x, n, shift, x))
-FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (const float* x, int64_t n, float shift, c10::BFloat16* out),
-                           exp_shifted_sum_vec, (x, n, shift, out))
-FLASHATTN_EXT_CPU_VERSIONS(float, exp_shifted_sum, (const float* x, int64_t n, float shift, c10::Half* out),
-                           exp_shifted_sum_vec, (x, n, shift, out))
+// The same for each of rows rows of cols values (dense; out's rows ld_out
+// apart), less their own shifts[r], their sums into sums: one call a tile (see
+// scale_max_rows).
+template <int kFloats, typename Out, bool kBf16Instruction = false>
+FLASHATTN_EXT_CPU_INLINE void exp_shifted_sum_rows_vec(const float* x, int64_t rows, int64_t cols, const float* shifts,
+                                                       Out* out, int64_t ld_out, float* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    sums[r] = exp_shifted_sum_vec<kFloats, Out, kBf16Instruction>(x + r * cols, cols, shifts[r], out + r * ld_out);
+  }
+}
+FLASHATTN_EXT_CPU_VERSIONS(void, exp_shifted_sum_rows,
+                           (float* x, int64_t rows, int64_t cols, const float* shifts, float* sums),
+                           exp_shifted_sum_rows_vec, (x, rows, cols, shifts, x, cols, sums))
+FLASHATTN_EXT_CPU_VERSIONS(void, exp_shifted_sum_rows_portable,
+                           (const float* x, int64_t rows, int64_t cols, const float* shifts, c10::BFloat16* out,
+                            int64_t ld_out, float* sums),
+                           exp_shifted_sum_rows_vec, (x, rows, cols, shifts, out, ld_out, sums))
+#ifdef FLASHATTN_EXT_CPU_AVX512BF16
+__attribute__((target("arch=x86-64-v4,avx512bf16"))) void exp_shifted_sum_rows_bf16_instruction(
+    const float* x, int64_t rows, int64_t cols, const float* shifts, c10::BFloat16* out, int64_t ld_out,
+    float* sums) {
+  exp_shifted_sum_rows_vec<16, c10::BFloat16, /*kBf16Instruction=*/true>(x, rows, cols, shifts, out, ld_out, sums);
+}
+#endif
+// P in bfloat16 by the conversion instruction where the CPU has it (Sapphire
+// Rapids, Zen 4 on, where the reduced products run on AMX): the rounding took
+// nine of the sweep's 31 instructions a vector.
+void exp_shifted_sum_rows(const float* x, int64_t rows, int64_t cols, const float* shifts, c10::BFloat16* out,
+                          int64_t ld_out, float* sums) {
+#ifdef FLASHATTN_EXT_CPU_AVX512BF16
+  static const bool has_instruction = __builtin_cpu_supports("avx512bf16");
+  if (has_instruction) return exp_shifted_sum_rows_bf16_instruction(x, rows, cols, shifts, out, ld_out, sums);
+#endif
+  exp_shifted_sum_rows_portable(x, rows, cols, shifts, out, ld_out, sums);
+}
+FLASHATTN_EXT_CPU_VERSIONS(void, exp_shifted_sum_rows,
+                           (const float* x, int64_t rows, int64_t cols, const float* shifts, c10::Half* out,
+                            int64_t ld_out, float* sums),
+                           exp_shifted_sum_rows_vec, (x, rows, cols, shifts, out, ld_out, sums))
 
 // A tile in the accumulation type A and, for the products, in the GEMM type G:
 // the same memory where the two agree, else a copy, converted on request. The
@@ -826,7 +889,7 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
 // tile (raw_scores: short of the factor raw_scale(), 1 where they come out
 // scaled), and adds P V to the output's accumulator, whose rows lie acc_ld()
 // apart: P in float, or (kTakesRoundedProbs) rounded to 16 bits into
-// prob_row(r, cols) by the softmax's own sweep. The key and value tiles are
+// rounded_probs(rows, cols) by the softmax's own sweep. The key and value tiles are
 // the policy's own, or (use_tiles) a head's in memory that threads share:
 // key_tiles_elems and value_tiles_elems Stored values each for a whole head.
 
@@ -1028,21 +1091,25 @@ class ReducedProducts {
     scale_in_place(score_tile.acc(), rows * cols, scale_);
   }
 
-  // Where row r of P goes, rounded to R, for a tile of cols keys (the row
-  // padded to even with a zero, see load_values).
-  R* prob_row(int64_t r, int64_t cols) {
-    const int64_t ld = round_up(cols, 2);
-    if (ld != cols) probs_[r * ld + cols] = R(0);
-    return probs_.data() + r * ld;
+  // Where P goes, rounded to R, for a tile of rows x cols keys, its rows
+  // probs_ld(cols) apart (padded to even with a zero, see load_values).
+  static int64_t probs_ld(int64_t cols) { return round_up(cols, 2); }
+  R* rounded_probs(int64_t rows, int64_t cols) {
+    const int64_t ld = probs_ld(cols);
+    if (ld != cols) {
+      for (int64_t r = 0; r < rows; ++r) probs_[r * ld + cols] = R(0);
+    }
+    return probs_.data();
   }
 
-  // acc += P V, P in float (rows x cols, dense), or already rounded into prob_row.
+  // acc += P V, P in float (rows x cols, dense), or already rounded into rounded_probs.
   void add_probs_times_values(int64_t rows, int64_t cols, int64_t tile, const float* probs, float* acc) {
-    for (int64_t r = 0; r < rows; ++r) convert(probs + r * cols, cols, prob_row(r, cols));
+    R* rounded = rounded_probs(rows, cols);
+    for (int64_t r = 0; r < rows; ++r) convert(probs + r * cols, cols, rounded + r * probs_ld(cols));
     add_rounded_probs_times_values(rows, cols, tile, acc);
   }
   void add_rounded_probs_times_values(int64_t rows, int64_t cols, int64_t tile, float* acc) {
-    const int64_t ld = round_up(cols, 2);
+    const int64_t ld = probs_ld(cols);
     for (int64_t c0 = 0; c0 < dim_v_; c0 += kPackedCols) {
       at::native::cpublas::brgemm(rows, kPackedCols, ld, ld, kPackedCols, padded_dim_v_, /*add_C=*/true,
                                   probs_.data(), value_block(tile, c0), acc + c0, vnni_);
@@ -1157,6 +1224,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     int64_t loaded_head = -1;
     const int64_t acc_ld = products.acc_ld();
     std::vector<A> acc(kBlockQ * acc_ld), row_max(kBlockQ), row_sum(kBlockQ), rescale(kBlockQ), max_used(kBlockQ);
+    std::vector<A> tile_max(kBlockQ), tile_sum(kBlockQ);
     DualTile<A, G> score_tile(kBlockQ * kBlockK);
     std::vector<A> drop_factors(params.dropout.p > 0.0 ? kBlockQ * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
@@ -1204,9 +1272,9 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         }
 
         // Online softmax: fold this tile into the running max, sum and output.
+        scale_max_rows(scores, rows, cols, adjusting ? A(1) : raw_scale, tile_max.data());
         for (int64_t r = 0; r < rows; ++r) {
-          const A tile_max = scale_max_of(&scores[r * cols], cols, adjusting ? A(1) : raw_scale);
-          const A new_max = std::max(row_max[r], tile_max);
+          const A new_max = std::max(row_max[r], tile_max[r]);
           // A row with nothing visible yet keeps max -inf: subtract 0 (its
           // scores are all -inf, and exp gives 0) rather than -inf (NaN).
           max_used[r] = new_max == kNegInf<A> ? A(0) : new_max;
@@ -1218,17 +1286,17 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         constexpr bool kTakesRoundedProbs = kWithOutput && Products::kTakesRoundedProbs;
         const bool probs_rounded = kTakesRoundedProbs && !dropout.enabled;
         if constexpr (std::is_same_v<A, float>) {  // exp, less the max, and sum in one sweep of each row
-          for (int64_t r = 0; r < rows; ++r) {
-            A* row = &scores[r * cols];
-            A sum;
-            if constexpr (kTakesRoundedProbs) {
-              sum = probs_rounded ? exp_shifted_sum(row, cols, max_used[r], products.prob_row(r, cols))
-                                  : exp_shifted_sum(row, cols, max_used[r]);
+          if constexpr (kTakesRoundedProbs) {
+            if (probs_rounded) {
+              exp_shifted_sum_rows(scores, rows, cols, max_used.data(), products.rounded_probs(rows, cols),
+                                   Products::probs_ld(cols), tile_sum.data());
             } else {
-              sum = exp_shifted_sum(row, cols, max_used[r]);
+              exp_shifted_sum_rows(scores, rows, cols, max_used.data(), tile_sum.data());
             }
-            row_sum[r] = row_sum[r] * rescale[r] + sum;
+          } else {
+            exp_shifted_sum_rows(scores, rows, cols, max_used.data(), tile_sum.data());
           }
+          for (int64_t r = 0; r < rows; ++r) row_sum[r] = row_sum[r] * rescale[r] + tile_sum[r];
         } else {  // the scores less the row max, then one exp over the tile in G
           for (int64_t r = 0; r < rows; ++r) {
             for (int64_t c = 0; c < cols; ++c) scores[r * cols + c] -= max_used[r];
