@@ -24,11 +24,7 @@
 namespace flashattn_ext::cpu {
 namespace {
 
-constexpr int64_t kBlockQ = 128;  // query rows per backward task, at most (see query_block_rows)
-// Query rows per forward task, at most: each tile product is a few calls of oneDNN's brgemm (64 keys
-// or value columns a call), and taller tiles spread a call's cost over more rows (4 x 16 x 2048 x 64
-// bf16 on 16 threads: the products' thread time about a tenth less than at 128).
-constexpr int64_t kForwardBlockQ = 256;
+constexpr int64_t kBlockQ = 128;  // query rows per task, at most (see query_block_rows; but see ReducedProducts)
 constexpr int64_t kBlockK = 128;  // keys per streamed tile
 // Per thread: the backward's P and dP of a query block, kept between its two passes where they fit.
 constexpr int64_t kCacheBytes = int64_t{32} << 20;
@@ -887,15 +883,16 @@ void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_
 }
 
 // The forward's two tile products, QK^T and PV, for forward_tiles: a policy
-// that holds a thread's query tile and a head's key and value tiles (kept_keys
-// keys, in key tiles of kBlockK: tile t holds keys t * kBlockK on, loaded by
-// load_keys and load_values), and the scores of the query tile against a key
-// tile (raw_scores: short of the factor raw_scale(), 1 where they come out
-// scaled), and adds P V to the output's accumulator, whose rows lie acc_ld()
-// apart: P in float, or (kTakesRoundedProbs) rounded to 16 bits into
-// rounded_probs(rows, cols) by the softmax's own sweep. The key and value tiles are
-// the policy's own, or (use_tiles) a head's in memory that threads share:
-// key_tiles_elems and value_tiles_elems Stored values each for a whole head.
+// that holds a thread's query tile (up to max_rows rows) and a head's key and
+// value tiles (kept_keys keys, in key tiles of kBlockK: tile t holds keys t *
+// kBlockK on, loaded by load_keys and load_values), and the scores of the
+// query tile against a key tile (raw_scores: short of the factor raw_scale(),
+// 1 where they come out scaled), and adds P V to the output's accumulator,
+// whose rows lie acc_ld() apart: P in float, or (kTakesRoundedProbs) rounded
+// to 16 bits into rounded_probs(rows, cols) by the softmax's own sweep. The
+// key and value tiles are the policy's own, or (use_tiles) a head's in memory
+// that threads share: key_tiles_elems and value_tiles_elems Stored values
+// each for a whole head.
 
 // In G (float, or double for double) on tiles converted on load: the queries
 // times the softmax scale (see load_scaled_queries), the keys transposed.
@@ -903,12 +900,13 @@ template <typename T, typename G>
 class ConvertedProducts {
  public:
   using Stored = G;
+  static constexpr int64_t kMaxRows = kBlockQ;
 
-  ConvertedProducts(const AttentionProblem& p, int64_t kept_keys)
+  ConvertedProducts(const AttentionProblem& p, int64_t max_rows, int64_t kept_keys)
       : dim_(p.head_dim),
         dim_v_(p.head_dim_v),
         scale_(p.scale),
-        q_(kForwardBlockQ * dim_),
+        q_(max_rows * dim_),
         own_k_t_(key_tiles_size(kept_keys, dim_)),
         own_v_(key_tiles_size(kept_keys, dim_v_)),
         k_t_(own_k_t_.data()),
@@ -1015,22 +1013,28 @@ template <typename R>
 class ReducedProducts {
  public:
   // (Without values: for the backward's scores alone.)
-  ReducedProducts(const AttentionProblem& p, int64_t kept_keys, bool with_values = true)
+  ReducedProducts(const AttentionProblem& p, int64_t max_rows, int64_t kept_keys, bool with_values = true)
       : dim_(p.head_dim),
         padded_dim_(round_up(dim_, 2)),
         dim_v_(p.head_dim_v),
         padded_dim_v_(round_up(dim_v_, kPackedCols)),
         scale_(static_cast<float>(p.scale)),
         vnni_(vnni_kernels()),
-        q_(kForwardBlockQ * padded_dim_),
+        q_(max_rows * padded_dim_),
         own_keys_(key_tiles_size(kept_keys, padded_dim_)),
         own_values_(with_values ? key_tiles_size(kept_keys, padded_dim_v_) : 0),
-        probs_(kForwardBlockQ * kBlockK),
+        probs_(max_rows * kBlockK),
         block_(std::max(padded_dim_, kBlockK) * kPackedCols),
         keys_(own_keys_.data()),
         values_(own_values_.data()) {}
 
   using Stored = R;
+  // Query rows per forward task, at most: the AMX products are brgemm calls of
+  // 64 keys or value columns each, and taller tiles spread a call's cost
+  // (4 x 16 x 2048 x 64 bf16 on 16 threads: the products' thread time about
+  // a tenth less than at 128 rows). The float products, 2 to 3 times slower,
+  // keep 128 (256 took a tenth longer on AVX2).
+  static constexpr int64_t kMaxRows = 2 * kBlockQ;
 
   // Whether oneDNN has VNNI kernels for R on this CPU (AMX: bfloat16 since Sapphire Rapids, float16 since Granite Rapids).
   static bool vnni_kernels() { return at::native::cpublas::could_pack(c10::CppTypeToScalarType<R>::value); }
@@ -1182,7 +1186,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   using G = Gemm<T>;
   const AttentionProblem& p = params.problem;
   const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
-  const int64_t block_q = query_block_rows(p, kForwardBlockQ);
+  const int64_t block_q = query_block_rows(p, Products::kMaxRows);
   const int64_t q_blocks = ceil_div(p.len_q, block_q);
   const Visibility vis(p);
   const A softcap = static_cast<A>(p.softcap);
@@ -1207,7 +1211,7 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
     shared_keys.reset(new Stored[heads_kv * key_elems]);
     if constexpr (kWithOutput) shared_values.reset(new Stored[heads_kv * value_elems]);
     at::parallel_for(0, heads_kv * key_tiles, 1, [&](int64_t begin, int64_t end) {
-      Products loader(p, /*kept_keys=*/0);
+      Products loader(p, /*max_rows=*/0, /*kept_keys=*/0);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t head = item / key_tiles, tile = item % key_tiles;
         const int64_t b = head / p.heads_kv, h_kv = head % p.heads_kv;
@@ -1223,15 +1227,14 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     // keys_loaded[t] keys of tile t of the thread's own head loaded.
     const int64_t kept_keys = share_heads ? 0 : keep_head ? p.len_k : kBlockK;
-    Products products(p, kept_keys);
+    Products products(p, block_q, kept_keys);
     std::vector<int64_t> keys_loaded(ceil_div(kept_keys, kBlockK));
     int64_t loaded_head = -1;
     const int64_t acc_ld = products.acc_ld();
-    constexpr int64_t kRows = kForwardBlockQ;
-    std::vector<A> acc(kRows * acc_ld), row_max(kRows), row_sum(kRows), rescale(kRows), max_used(kRows);
-    std::vector<A> tile_max(kRows), tile_sum(kRows);
-    DualTile<A, G> score_tile(kRows * kBlockK);
-    std::vector<A> drop_factors(params.dropout.p > 0.0 ? kRows * kBlockK : 0);
+    std::vector<A> acc(block_q * acc_ld), row_max(block_q), row_sum(block_q), rescale(block_q), max_used(block_q);
+    std::vector<A> tile_max(block_q), tile_sum(block_q);
+    DualTile<A, G> score_tile(block_q * kBlockK);
+    std::vector<A> drop_factors(params.dropout.p > 0.0 ? block_q * kBlockK : 0);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t q_block = longest_and_shortest_in_turn(task % q_blocks, q_blocks);
       const int64_t h = (task / q_blocks) % p.heads_q;
@@ -1525,10 +1528,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     // And dP = dO V^T in the same products: V as their keys, dO as their queries (see recompute_probabilities).
     std::optional<ReducedProducts<T>> same_as_forward, dout_values;
     if (scores_as_forward) {
-      same_as_forward.emplace(p, p.len_k, /*with_values=*/false);
+      same_as_forward.emplace(p, kBlockQ, p.len_k, /*with_values=*/false);
       AttentionProblem dout_problem = p;
       dout_problem.head_dim = dim_v;
-      dout_values.emplace(dout_problem, p.len_k, /*with_values=*/false);
+      dout_values.emplace(dout_problem, kBlockQ, p.len_k, /*with_values=*/false);
     }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
