@@ -359,11 +359,12 @@ void load_scaled_queries(const TensorView4d& q, int64_t b, int64_t h, int64_t ro
 // few cache sets).
 int64_t key_tiles_size(int64_t len, int64_t cols) { return ceil_div(len, kBlockK) * kBlockK * cols; }
 
+// Tile `tile` of a head's len rows, into its place among the tiles.
 template <typename T, typename A>
-void load_key_tiles_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t len, int64_t cols, A* tiles) {
-  for (int64_t row0 = 0; row0 < len; row0 += kBlockK) {
-    load_tile_transposed<T>(t, b, h, row0, std::min(kBlockK, len - row0), cols, tiles + row0 * cols, kBlockK);
-  }
+void load_key_tile_transposed(const TensorView4d& t, int64_t b, int64_t h, int64_t tile, int64_t len, int64_t cols,
+                              A* tiles) {
+  const int64_t row0 = tile * kBlockK;
+  load_tile_transposed<T>(t, b, h, row0, std::min(kBlockK, len - row0), cols, tiles + row0 * cols, kBlockK);
 }
 
 template <typename T, typename A>
@@ -1506,11 +1507,77 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   const int64_t cache_elems = cached ? kept_tile_elems(p) : 0;
   std::vector<A> partials(splits > 1 ? pairs * splits * partial_size : 0);
 
+  // A pair's K as rows (for dQ) and as columns (for S), V as columns (for dP),
+  // and where the scores are as the forward's, K and V packed for its products
+  // (for S and dP). A task loads its pair's; where pairs are split, a pass of
+  // their own loads each pair's once, a key tile an item, into memory that the
+  // pair's tasks share (at 1 x 4 x 512 x 64 on 16 threads, each of the four
+  // pairs would be loaded by 8 tasks).
+  struct PairKeys {
+    G *k, *k_t, *v_t;
+  };
+  const int64_t k_elems = key_tiles_size(p.len_k, dim), k_t_elems = k_elems;
+  const int64_t v_t_elems = key_tiles_size(p.len_k, dim_v);
+  const int64_t key_tiles = ceil_div(p.len_k, kBlockK);
+  const bool share_pairs = splits > 1;
+  std::vector<G> shared_keys(share_pairs ? pairs * (k_elems + k_t_elems + v_t_elems) : 0);
+  auto shared_pair = [&](int64_t pair) {
+    G* base = shared_keys.data() + pair * (k_elems + k_t_elems + v_t_elems);
+    return PairKeys{base, base + k_elems, base + k_elems + k_t_elems};
+  };
+  // The packed ones: ReducedProducts' keys (K for S, V for dP: see recompute_probabilities).
+  using Packed = typename ReducedProducts<T>::Stored;
+  std::optional<AttentionProblem> dout_problem;  // dP's products: V as their keys, dO as their queries
+  if (scores_as_forward) {
+    dout_problem = p;
+    dout_problem->head_dim = dim_v;
+  }
+  const int64_t packed_k_elems = scores_as_forward ? ReducedProducts<T>::key_tiles_elems(p) : 0;
+  const int64_t packed_v_elems = scores_as_forward ? ReducedProducts<T>::key_tiles_elems(*dout_problem) : 0;
+  std::unique_ptr<Packed[]> shared_packed(share_pairs && scores_as_forward
+                                              ? new Packed[pairs * (packed_k_elems + packed_v_elems)]
+                                              : nullptr);
+  auto packed_keys = [&](int64_t pair) { return shared_packed.get() + pair * (packed_k_elems + packed_v_elems); };
+  auto packed_values = [&](int64_t pair) { return packed_keys(pair) + packed_k_elems; };
+  // Tile `tile` of the pair's keys and values in each layout, into keys and, where the scores are as the
+  // forward's, the products' own tiles.
+  auto load_pair_tile = [&](int64_t pair, int64_t tile, const PairKeys& keys, ReducedProducts<T>* scores_products,
+                            ReducedProducts<T>* dout_products) {
+    const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
+    const int64_t col0 = tile * kBlockK, cols = std::min(kBlockK, p.len_k - col0);
+    if (scores_products != nullptr) {
+      scores_products->load_keys(params.k, b, h_kv, col0, cols, tile);
+      dout_products->load_keys(params.v, b, h_kv, col0, cols, tile);
+    }
+    load_tile<T>(params.k, b, h_kv, col0, cols, dim, keys.k + col0 * dim);
+    load_key_tile_transposed<T>(params.k, b, h_kv, tile, p.len_k, dim, keys.k_t);
+    load_key_tile_transposed<T>(params.v, b, h_kv, tile, p.len_k, dim_v, keys.v_t);
+  };
+  if (share_pairs) {
+    at::parallel_for(0, pairs * key_tiles, 1, [&](int64_t begin, int64_t end) {
+      std::optional<ReducedProducts<T>> scores_loader, dout_loader;
+      if (scores_as_forward) {
+        scores_loader.emplace(p, /*max_rows=*/0, /*kept_keys=*/0, /*with_values=*/false);
+        dout_loader.emplace(*dout_problem, /*max_rows=*/0, /*kept_keys=*/0, /*with_values=*/false);
+      }
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t pair = item / key_tiles;
+        if (scores_as_forward) {
+          scores_loader->use_tiles(packed_keys(pair), nullptr);
+          dout_loader->use_tiles(packed_values(pair), nullptr);
+        }
+        load_pair_tile(pair, item % key_tiles, shared_pair(pair), scores_as_forward ? &*scores_loader : nullptr,
+                       scores_as_forward ? &*dout_loader : nullptr);
+      }
+    });
+  }
+
   at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    // K as rows (for dQ) and as columns (for S), V as columns (for dP), Q and
-    // dO as rows (for S and dP) and as columns (for dK^T and dV^T).
-    std::vector<G> k(p.len_k * dim), k_t(key_tiles_size(p.len_k, dim)), v_t(key_tiles_size(p.len_k, dim_v)),
-        q(kBlockQ * dim),
+    // The pair's keys and values (see PairKeys), Q and dO as rows (for S and
+    // dP) and as columns (for dK^T and dV^T).
+    const int64_t own_keys = share_pairs ? 0 : p.len_k;
+    std::vector<G> own_k(key_tiles_size(own_keys, dim)), own_k_t(key_tiles_size(own_keys, dim)),
+        own_v_t(key_tiles_size(own_keys, dim_v)), q(kBlockQ * dim),
         q_t(dim * kBlockQ), dout(kBlockQ * dim_v), dout_t(dim_v * kBlockQ),
         product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
     // dK and dV transposed, in key tiles (see key_tiles_size).
@@ -1528,24 +1595,25 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     // And dP = dO V^T in the same products: V as their keys, dO as their queries (see recompute_probabilities).
     std::optional<ReducedProducts<T>> same_as_forward, dout_values;
     if (scores_as_forward) {
-      same_as_forward.emplace(p, kBlockQ, p.len_k, /*with_values=*/false);
-      AttentionProblem dout_problem = p;
-      dout_problem.head_dim = dim_v;
-      dout_values.emplace(dout_problem, kBlockQ, p.len_k, /*with_values=*/false);
+      same_as_forward.emplace(p, kBlockQ, own_keys, /*with_values=*/false);
+      dout_values.emplace(*dout_problem, kBlockQ, own_keys, /*with_values=*/false);
     }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
-      if (same_as_forward) {
-        for (int64_t col0 = 0; col0 < p.len_k; col0 += kBlockK) {
-          const int64_t cols = std::min(kBlockK, p.len_k - col0);
-          same_as_forward->load_keys(params.k, b, h_kv, col0, cols, col0 / kBlockK);
-          dout_values->load_keys(params.v, b, h_kv, col0, cols, col0 / kBlockK);
+      PairKeys keys{own_k.data(), own_k_t.data(), own_v_t.data()};
+      if (share_pairs) {
+        keys = shared_pair(pair);
+        if (same_as_forward) {
+          same_as_forward->use_tiles(packed_keys(pair), nullptr);
+          dout_values->use_tiles(packed_values(pair), nullptr);
+        }
+      } else {
+        for (int64_t tile = 0; tile < key_tiles; ++tile) {
+          load_pair_tile(pair, tile, keys, same_as_forward ? &*same_as_forward : nullptr,
+                         dout_values ? &*dout_values : nullptr);
         }
       }
-      load_tile<T>(params.k, b, h_kv, 0, p.len_k, dim, k.data());
-      load_key_tiles_transposed<T>(params.k, b, h_kv, p.len_k, dim, k_t.data());
-      load_key_tiles_transposed<T>(params.v, b, h_kv, p.len_k, dim_v, v_t.data());
       std::fill(dk_t.begin(), dk_t.end(), A(0));
       std::fill(dv_t.begin(), dv_t.end(), A(0));
       for (int64_t item = split; item < items; item += splits) {
@@ -1572,7 +1640,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         };
         // P and dP of one tile pair, recomputed into prob_tile and dscore_tile.
         auto recompute = [&](int64_t col0, int64_t cols) {
-          recompute_probabilities(q.data(), k_t.data() + col0 * dim, v_t.data() + col0 * dim_v, kBlockK, dout.data(),
+          recompute_probabilities(q.data(), keys.k_t + col0 * dim, keys.v_t + col0 * dim_v, kBlockK, dout.data(),
                                   lse, rows, cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile,
                                   softcap_grad.data(), same_as_forward ? &*same_as_forward : nullptr,
                                   dout_values ? &*dout_values : nullptr);
@@ -1680,7 +1748,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
                       product.data());
           add_product(dim, cols, rows, q_t.data(), kBlockQ, dscores_g, cols, dk_t.data() + col0 * dim, kBlockK,
                       product.data());
-          add_product(rows, dim, cols, dscores_g, cols, k.data() + col0 * dim, dim, dq.data(), dim, product.data());
+          add_product(rows, dim, cols, dscores_g, cols, keys.k + col0 * dim, dim, dq.data(), dim, product.data());
         });
         store_tile<T>(params.dq, b, h, row0, rows, dim, dq.data());
       }
