@@ -1520,9 +1520,10 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   const int64_t v_t_elems = key_tiles_size(p.len_k, dim_v);
   const int64_t key_tiles = ceil_div(p.len_k, kBlockK);
   const bool share_pairs = splits > 1;
-  std::vector<G> shared_keys(share_pairs ? pairs * (k_elems + k_t_elems + v_t_elems) : 0);
+  // (Not zeroed: the loads write every value that a product reads.)
+  std::unique_ptr<G[]> shared_keys(share_pairs ? new G[pairs * (k_elems + k_t_elems + v_t_elems)] : nullptr);
   auto shared_pair = [&](int64_t pair) {
-    G* base = shared_keys.data() + pair * (k_elems + k_t_elems + v_t_elems);
+    G* base = shared_keys.get() + pair * (k_elems + k_t_elems + v_t_elems);
     return PairKeys{base, base + k_elems, base + k_elems + k_t_elems};
   };
   // The packed ones: ReducedProducts' keys (K for S, V for dP: see recompute_probabilities).
