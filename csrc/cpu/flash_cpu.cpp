@@ -1516,16 +1516,14 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
   struct PairKeys {
     G *k, *k_t, *v_t;
   };
-  const int64_t k_elems = key_tiles_size(p.len_k, dim), k_t_elems = k_elems;
-  const int64_t v_t_elems = key_tiles_size(p.len_k, dim_v);
+  // A pair's keys and values in pair_elems values from base: k, then k_t, then v_t.
+  const int64_t k_elems = key_tiles_size(p.len_k, dim), pair_elems = 2 * k_elems + key_tiles_size(p.len_k, dim_v);
+  auto pair_keys_at = [&](G* base) { return PairKeys{base, base + k_elems, base + 2 * k_elems}; };
   const int64_t key_tiles = ceil_div(p.len_k, kBlockK);
   const bool share_pairs = splits > 1;
   // (Not zeroed: the loads write every value that a product reads.)
-  std::unique_ptr<G[]> shared_keys(share_pairs ? new G[pairs * (k_elems + k_t_elems + v_t_elems)] : nullptr);
-  auto shared_pair = [&](int64_t pair) {
-    G* base = shared_keys.get() + pair * (k_elems + k_t_elems + v_t_elems);
-    return PairKeys{base, base + k_elems, base + k_elems + k_t_elems};
-  };
+  std::unique_ptr<G[]> shared_keys(share_pairs ? new G[pairs * pair_elems] : nullptr);
+  auto shared_pair = [&](int64_t pair) { return pair_keys_at(shared_keys.get() + pair * pair_elems); };
   // The packed ones: ReducedProducts' keys (K for S, V for dP: see recompute_probabilities).
   using Packed = typename ReducedProducts<T>::Stored;
   std::optional<AttentionProblem> dout_problem;  // dP's products: V as their keys, dO as their queries
@@ -1577,8 +1575,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     // The pair's keys and values (see PairKeys), Q and dO as rows (for S and
     // dP) and as columns (for dK^T and dV^T).
     const int64_t own_keys = share_pairs ? 0 : p.len_k;
-    std::vector<G> own_k(key_tiles_size(own_keys, dim)), own_k_t(key_tiles_size(own_keys, dim)),
-        own_v_t(key_tiles_size(own_keys, dim_v)), q(kBlockQ * dim),
+    std::vector<G> own_pair(share_pairs ? 0 : pair_elems), q(kBlockQ * dim),
         q_t(dim * kBlockQ), dout(kBlockQ * dim_v), dout_t(dim_v * kBlockQ),
         product(std::max(kBlockK, kBlockQ) * std::max(dim, dim_v));
     // dK and dV transposed, in key tiles (see key_tiles_size).
@@ -1602,9 +1599,8 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, pair = task / splits;
       const int64_t h_kv = pair % p.heads_kv, b = pair / p.heads_kv;
-      PairKeys keys{own_k.data(), own_k_t.data(), own_v_t.data()};
+      const PairKeys keys = share_pairs ? shared_pair(pair) : pair_keys_at(own_pair.data());
       if (share_pairs) {
-        keys = shared_pair(pair);
         if (same_as_forward) {
           same_as_forward->use_tiles(packed_keys(pair), nullptr);
           dout_values->use_tiles(packed_values(pair), nullptr);
