@@ -57,6 +57,19 @@ def random_grad_out(shape, device, seed=0):
     return torch.randn(batch, heads_q, len_q, head_dim_v, generator=gen, dtype=torch.float64).to(device)
 
 
+def assert_within_twice_sdpa(got, baseline, want, dtype, names=("out", "dq", "dk", "dv")):
+    """Each of got (ours: in dtype, finite) within twice baseline's error (torch SDPA's, in dtype) against want
+    (float64), plus ERROR_FLOOR, errors measured against the problem's scale."""
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(names, got, baseline, want):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        ours_error = relative_error(g, w, zero_scale=problem_scale)
+        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
+            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
+        )
+
+
 def forward_and_grads(fn, inputs, grad_out):
     """Runs fn on fresh leaf copies of inputs; returns (out, dq, dk, dv)."""
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
@@ -112,14 +125,7 @@ def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
     want = forward_and_grads(sdpa, inputs64, grad_out)
     got = forward_and_grads(ours, inputs, grad_out)
     baseline = forward_and_grads(sdpa, inputs, grad_out)
-    problem_scale = max(w.abs().max().item() for w in want)
-    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
-        assert g.dtype == dtype and torch.isfinite(g).all(), name
-        ours_error = relative_error(g, w, zero_scale=problem_scale)
-        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
-        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
-            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
-        )
+    assert_within_twice_sdpa(got, baseline, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -143,13 +149,7 @@ def test_cpu_any_thread_count(shape, threads, dtype):
         torch.set_num_threads(saved_threads)
     want = run(F.scaled_dot_product_attention, [t.detach().double() for t in inputs])
     baseline = run(F.scaled_dot_product_attention, inputs)
-    problem_scale = max(w.abs().max().item() for w in want)
-    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
-        ours_error = relative_error(g, w, zero_scale=problem_scale)
-        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
-        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
-            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
-        )
+    assert_within_twice_sdpa(got, baseline, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -174,14 +174,7 @@ def test_any_scale_error_within_twice_sdpa(scale, device):
     # returned NaN here (2026-11-21), as a kernel would that assumes a positive scale.
     with sdpa_kernel(SDPBackend.MATH):
         baseline = forward_and_grads(sdpa, inputs, grad_out)
-    problem_scale = max(w.abs().max().item() for w in want)
-    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, baseline, want):
-        assert torch.isfinite(g).all(), name
-        ours_error = relative_error(g, w, zero_scale=problem_scale)
-        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
-        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
-            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
-        )
+    assert_within_twice_sdpa(got, baseline, want, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -566,12 +559,7 @@ def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, deterministic):
     mask64 = mask if mask.dtype == torch.bool else mask.detach().double().requires_grad_()
     want = run(F.scaled_dot_product_attention, *upcast, mask64)
     baseline = run(F.scaled_dot_product_attention, q, k, v, mask)
-    problem_scale = max(w.abs().max().item() for w in want)
-    for name, g, b, w in zip(("out", "dq", "dk", "dv", "dmask"), got, baseline, want):
-        assert g.dtype == dtype and torch.isfinite(g).all(), name
-        ours_error = relative_error(g, w, zero_scale=problem_scale)
-        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
-        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
+    assert_within_twice_sdpa(got, baseline, want, dtype, names=("out", "dq", "dk", "dv", "dmask"))
 
 
 @cuda_test
