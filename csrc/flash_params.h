@@ -48,6 +48,8 @@ struct AttentionProblem {
   const float* alibi_slopes = nullptr;
   int64_t alibi_stride_batch = 0;
   int64_t alibi_stride_head = 0;
+
+  FLASHATTN_EXT_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
 };
 
 // How attn_mask enters the scores: kBool hides the pairs where it is false;

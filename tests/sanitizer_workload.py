@@ -1,6 +1,6 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
-dropout on some, and bool and float masks (with the float mask's gradient).
+dropout on some, bool and float masks (with the float mask's gradient), and sliding windows.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -113,6 +113,27 @@ def run_masked(dtype):
             raise RuntimeError(f"{name} is not finite for the masked case in {dtype}")
 
 
+def run_windowed(dtype):
+    """Sliding windows through the Hopper forward: key tiles from the window's first, both edges
+    crossing ragged tiles, rows that see no key, with a float mask and with dropout, head dims 64,
+    128 and 256."""
+    windows = [
+        ((1, 2, 1, 300, 300, 64), dict(window=(70, 0), is_causal=True)),
+        ((1, 2, 2, 260, 333, 128), dict(window=(40, 90))),
+        ((1, 2, 2, 333, 130, 128), dict(window=(20, None), causal_lower_right=True)),  # rows that see no key
+        ((1, 2, 2, 200, 300, 256), dict(window=(100, 0), is_causal=True)),
+        ((1, 2, 2, 200, 304, 128), dict(window=(90, 10), attn_mask=torch.randn(200, 304, device="cuda", dtype=dtype))),
+        ((1, 2, 2, 200, 300, 128), dict(window=(90, 10), dropout_p=0.3)),
+    ]
+    for (batch, heads_q, heads_kv, len_q, len_k, dim), options in windows:
+        q = torch.randn(batch, heads_q, len_q, dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(batch, heads_kv, len_k, dim, device="cuda", dtype=dtype) for _ in range(2))
+        out, _ = flashattn_ext.attention_with_lse(q, k, v, enable_gqa=heads_q != heads_kv, **options)
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"out is not finite for the window {options.get('window')} in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -136,6 +157,8 @@ def main():
             print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)
             run_masked(dtype)
             print(f"ok masks {dtype} deterministic={deterministic}", flush=True)
+            run_windowed(dtype)
+            print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 namespace flashattn_ext {
 namespace {
 
-// Why the hand-written kernels cannot take a call, or nothing when they can.
+// Why the hand-written kernels cannot take a call, or nothing when they can
+// (a sliding window: the Hopper forward alone, which the caller checks).
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
   if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
@@ -35,11 +36,11 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
-  if (p.window_left >= 0 || p.window_right >= 0 || p.softcap > 0.0 || p.alibi_slopes != nullptr) {
-    return std::string("the CUDA kernels take no sliding window, softcap or ALiBi yet");
-  }
+  if (p.softcap > 0.0 || p.alibi_slopes != nullptr) return std::string("the CUDA kernels take no softcap or ALiBi yet");
   return std::nullopt;
 }
+
+constexpr const char* kWindowGap = "of the CUDA kernels, only the Hopper forward takes a sliding window yet";
 
 void warn_fallback(const std::string& gap) {
   TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
@@ -137,14 +138,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
   FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
-  if (const auto gap = kernel_gap(q, params.problem)) {
-    warn_fallback(*gap);
+  auto run_fallback = [&](const std::string& gap) {
+    warn_fallback(gap);
     fallback_forward(q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, out, lse);
-    return {out, lse, rng_state};
-  }
+    return std::make_tuple(out, lse, rng_state);
+  };
+  if (const auto gap = kernel_gap(q, params.problem)) return run_fallback(*gap);
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
+  const bool window = params.problem.has_window();
+  if (window && !sm90) return run_fallback(kWindowGap);
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
   at::Tensor key_block_map;
   if (sm90) {
@@ -154,6 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     key_block_map = classify_mask_key_blocks(q, params, stream);
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
+    // (Tensors the copy engine cannot address: a window's call has no other kernel.)
+    if (window) return run_fallback(kWindowGap);
     cuda::sm80::attention_forward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -173,7 +179,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
                                       compute_grad_attn_mask, dq, dk, dv, dmask);
-  if (const auto gap = kernel_gap(q, params.problem)) {
+  std::optional<std::string> gap = kernel_gap(q, params.problem);
+  if (!gap && params.problem.has_window()) gap = kWindowGap;
+  if (gap) {
     warn_fallback(*gap);
     fallback_backward(dout_rows, q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p,
                       params.problem, dq, dk, dv, dmask);

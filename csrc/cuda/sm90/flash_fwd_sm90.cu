@@ -23,10 +23,17 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_flag(p.is_causal, [&](auto causal) {
-      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-        constexpr bool kCausal = decltype(causal)::value, kDropout = decltype(dropout)::value;
-        constexpr MaskKind kNone = MaskKind::kNone;
+    dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+      constexpr bool kDropout = decltype(dropout)::value;
+      constexpr MaskKind kNone = MaskKind::kNone;
+      if (p.has_window()) {  // the causal calls' 128-key tiles: the window's edges cross them as the diagonal does
+        launched = p.head_dim <= 64
+                       ? forward_kernel::launch_forward<Elem, 64, true, kDropout, kNone, true>(params, stream)
+                       : forward_kernel::launch_forward<Elem, 128, true, kDropout, kNone, true>(params, stream);
+        return;
+      }
+      dispatch_flag(p.is_causal, [&](auto causal) {
+        constexpr bool kCausal = decltype(causal)::value;
         launched = p.head_dim <= 64 ? forward_kernel::launch_forward<Elem, 64, kCausal, kDropout, kNone>(params, stream)
                                     : forward_kernel::launch_forward<Elem, 128, kCausal, kDropout, kNone>(params, stream);
       });

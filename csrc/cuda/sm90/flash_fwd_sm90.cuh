@@ -57,12 +57,13 @@ struct FwdKernelParams {
   bool heads_first;
 };
 
-// Where a tile of the forward lies, and how many key tiles its consumers run
-// (those its rows see, less the blocks a key-padding mask hides);
-// n_blocks < 0: no tile is left. The producer works it out (integer divisions)
-// and hands it to the consumers.
+// Where a tile of the forward lies, and which key tiles its consumers run:
+// n_blocks of them from key block first_block on (those its rows see, through
+// the causal diagonal and a sliding window, less the blocks a key-padding mask
+// hides); n_blocks < 0: no tile is left. The producer works it out (integer
+// divisions) and hands it to the consumers.
 struct FwdTile {
-  int row0, head, kv_head, batch, n_blocks;
+  int row0, head, kv_head, batch, first_block, n_blocks;
 };
 
 // The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
@@ -163,7 +164,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const ui
   ptx::wgmma_commit();
 }
 
-template <typename Cfg>
+template <typename Cfg, bool kWindow>
 __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
   const AttentionProblem& p = kp.call.problem;
   const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
@@ -176,11 +177,23 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
   t.head = static_cast<int>(position.head);
   t.kv_head = t.head / static_cast<int>(p.heads_q / p.heads_kv);
   t.batch = static_cast<int>(position.batch);
-  t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
+  if constexpr (kWindow) {
+    const Visibility seen(p);
+    const int64_t key_begin = seen.key_begin(t.row0);
+    const int64_t key_end = seen.key_end(min(p.len_q, t.row0 + int64_t{Cfg::kBlockM}) - 1);
+    t.first_block = static_cast<int>(key_begin / Cfg::kBlockN);
+    t.n_blocks = key_end > key_begin ? static_cast<int>(ceil_div(key_end, Cfg::kBlockN)) - t.first_block : 0;
+  } else {
+    t.first_block = 0;
+    t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
+  }
   return t;
 }
 
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
+// kWindow: a sliding window (the problem's window_left / window_right): key
+// tiles from the window's first, its edges masked as the causal diagonal is.
+// A template flag, so that the calls without one keep the code they had.
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
@@ -248,7 +261,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     uint32_t out_held = 0, out_waits = 0;
     for (int round = 0, kv = 0, q_round = 0;; ++round) {
       const int slot = round % 2;
-      FwdTile t = tile < kp.tiles ? fwd_tile<Cfg>(kp, tile) : FwdTile{0, 0, 0, 0, -1};
+      FwdTile t = tile < kp.tiles ? fwd_tile<Cfg, kWindow>(kp, tile) : FwdTile{0, 0, 0, 0, 0, -1};
       // The tile's key blocks; the consumers are handed those that the mask
       // does not hide (a key-padding mask's map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
@@ -258,7 +271,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         visibility = key_map.visibility + t.batch * key_map.stride_batch + t.head * key_map.stride_head;
         int shown = 0;
 #pragma unroll 8
-        for (int n_block = 0; n_block < key_blocks; ++n_block) {
+        for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
           shown += visibility[n_block] != static_cast<uint8_t>(KeyBlockVisibility::kHidden);
         }
         t.n_blocks = shown;
@@ -277,7 +290,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                            t.row0, head, batch);
         }
       }
-      for (int n_block = 0; n_block < key_blocks; ++n_block) {
+      for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
         const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
                                                 : KeyBlockVisibility::kPartial;
         if (seen == KeyBlockVisibility::kHidden) continue;
@@ -346,7 +359,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // max fold into one fma.
   const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const float softmax_scale = masked_scores_scale(kMask, scale_log2);
-  const int64_t offset = causal_offset(p);
+  const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // attn_mask: this thread's values in a stage's mask tile are those of its
   // two rows (r and r + 8; in a one-row tile, both row 0) at its columns 8 j
@@ -395,12 +408,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     int n_block;
     bool unmasked;
   };
-  auto stage_block = [&](int kv, int index) {
+  auto stage_block = [&](int kv, int index, int first_block) {
     if constexpr (Cfg::Mask::kPresent) {
       const int code = shared->stage_block[kv % kStages];
       return StageBlock{code / 2, code % 2 != 0};
     } else {
-      return StageBlock{index, false};
+      return StageBlock{first_block + index, false};
     }
   };
   // The attn_mask of the kv-th K/V tile on its scores, not read where it hides
@@ -450,7 +463,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       break;
     }
     const int64_t row0 = t.row0;
-    const int n_blocks = t.n_blocks;
+    const int first_block = kWindow ? t.first_block : 0, n_blocks = t.n_blocks;
 
     // Frees the K of the tile's index-th key tile; its last Q K^T is its last
     // read of Q: the next tile's may load.
@@ -458,26 +471,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_arrive(&shared->k_empty[(kv + index) % kStages]);
       if (index == n_blocks - 1) ptx::mbarrier_arrive(&shared->q_empty);
     };
-    // Masks keys past the end and above the causal diagonal (to -inf): only the
-    // tiles for which tile_needs_mask holds have any.
-    auto crosses_diagonal = [&](int n_block) {
-      return p.is_causal && int64_t(n_block) * kBlockN + kBlockN - 1 > row0 + offset;
-    };
+    // Masks keys past the end, right of the causal diagonal or of the window's
+    // right edge, and left of its left edge (to -inf): only the tiles for which
+    // tile_needs_mask holds have any.
     auto tile_needs_mask = [&](int n_block) {
-      return int64_t(n_block) * kBlockN + kBlockN > p.len_k || crosses_diagonal(n_block);
+      const int64_t col0 = int64_t(n_block) * kBlockN;
+      const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)
+                                        : p.is_causal && col0 + kBlockN - 1 > row0 + seen.offset;
+      return col0 + kBlockN > p.len_k || crosses_edge;
     };
     // In 32-bit tile coordinates: key c of the tile is past the end when c >=
-    // keys_left, and above the causal diagonal (col0 + c > row0 + r + offset)
-    // when c - r > diagonal.
+    // keys_left; right of the edge (col0 + c > row0 + r + offset + right) when
+    // c - r > right_edge, left of it (col0 + c < row0 + r + offset - left)
+    // when c - r < left_edge.
     auto mask_tile = [&](auto& s, int n_block) {
       const int64_t col0 = int64_t(n_block) * kBlockN;
       const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
-      const int diagonal =
-          crosses_diagonal(n_block) ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+      auto in_tile = [](int64_t d) { return static_cast<int>(clamp_index(d, -kBlockM, kBlockN)); };
+      const int right_edge = seen.right < 0 ? kBlockN : in_tile(row0 + seen.offset + seen.right - col0);
+      const int left_edge = kWindow && seen.left >= 0 ? in_tile(row0 + seen.offset - seen.left - col0) : -kBlockM;
 #pragma unroll
       for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) {
         const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
-        if (c >= keys_left || c - r > diagonal) s[i] = -INFINITY;
+        if (c >= keys_left || c - r > right_edge || (kWindow && c - r < left_edge)) s[i] = -INFINITY;
       }
     };
 
@@ -585,7 +601,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     if (n_blocks > 0) {
       // The keys of the tile's last key tile: their GEMMs run narrow where
       // they fit (not in a first tile: a call of a few keys).
-      const int last_keys = static_cast<int>(visible_key_end(p, offset, row0, kBlockM) - (n_blocks - 1) * kBlockN);
+      const int last_keys = static_cast<int>(seen.key_end(min(p.len_q, row0 + kBlockM) - 1) -
+                                             int64_t(first_block + n_blocks - 1) * kBlockN);
       const int last_width = !Cfg::kNarrowLastTile || n_blocks == 1 ? kBlockN
                              : last_keys <= Cfg::kNarrowKeys0     ? Cfg::kNarrowKeys0
                              : last_keys <= Cfg::kNarrowKeys1     ? Cfg::kNarrowKeys1
@@ -598,7 +615,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       {
         float s[kKeyRegs];
         wait_k(kv);
-        const StageBlock block = stage_block(kv, 0);
+        const StageBlock block = stage_block(kv, 0, first_block);
         issue_scores<Elem, Cfg, kBlockN>(s, q_tile_desc, k_stage_desc(kv));
         hand_back_out_stage();
         ptx::wgmma_wait<0>();
@@ -609,7 +626,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         float rescale[2];
         softmax(s, rescale);
         to_fragments<Elem>(s, pa);
-        if constexpr (kDropout) apply_dropout(pa, 0, Whole{});
+        if constexpr (kDropout) apply_dropout(pa, block.n_block, Whole{});
       }
       // The index-th key tile of the tile, index >= 1 (its GEMMs over its first
       // kKeys keys): its scores and the P V of the previous one run together;
@@ -618,7 +635,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         constexpr int kKeys = decltype(keys)::value;
         float s[kKeys / 2];
         wait_k(kv + index);
-        const StageBlock block = stage_block(kv + index, index);
+        const StageBlock block = stage_block(kv + index, index, first_block);
         wait_v(kv + index - 1);
         wait_turn();
         issue_scores<Elem, Cfg, kKeys>(s, q_tile_desc, k_stage_desc(kv + index));
@@ -645,7 +662,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         release_v(kv + index - 1);
         if (rescale_o) scale_rows(o, rescale);
         to_fragments<Elem>(s, *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa));
-        if constexpr (kDropout) apply_dropout(pa, index, keys);  // (no mask: the index is the block)
+        if constexpr (kDropout) apply_dropout(pa, block.n_block, keys);
       };
       const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;
       for (int index = 1; index < whole_tiles; ++index) key_tile(index, Whole{});
@@ -735,7 +752,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 // The tile scheduler counts tiles in an int (with room for the grid's last fetches past the end).
 constexpr int64_t kMaxTiles = int64_t{1} << 30;
 
-template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask>
+// kCausal picks the tile shape (fwd_block_n); the kernel reads the call's
+// causal flag and window from params.
+template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
   constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
@@ -759,7 +778,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   // Tiles that run together then read the mask's rows once from memory, not once
   // a head: at N = 16384 an (L, S) bfloat16 mask is 512 MiB, read 16 times at 16 heads.
   kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
-  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask>;
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;

@@ -9,10 +9,11 @@ bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStrea
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_flag(params.problem.is_causal, [&](auto causal) {
+    // (80-key tiles, causal or not: one kernel for both.)
+    dispatch_flag(params.problem.has_window(), [&](auto window) {
       dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-        constexpr bool kCausal = decltype(causal)::value, kDropout = decltype(dropout)::value;
-        launched = launch_forward<Elem, 256, kCausal, kDropout, MaskKind::kNone>(params, stream);
+        constexpr bool kWindow = decltype(window)::value, kDropout = decltype(dropout)::value;
+        launched = launch_forward<Elem, 256, true, kDropout, MaskKind::kNone, kWindow>(params, stream);
       });
     });
   });

@@ -10,12 +10,13 @@ bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_flag(p.is_causal, [&](auto causal) {
+    // (Masked calls take 128-key tiles, causal or not: one kernel for both.)
+    dispatch_flag(p.has_window(), [&](auto window) {
       dispatch_flag(params.mask_kind == MaskKind::kBool, [&](auto bool_mask) {
-        constexpr bool kCausal = decltype(causal)::value;
+        constexpr bool kWindow = decltype(window)::value;
         constexpr MaskKind kMask = decltype(bool_mask)::value ? MaskKind::kBool : MaskKind::kAdditive;
-        launched = p.head_dim <= 64 ? launch_forward<Elem, 64, kCausal, false, kMask>(params, stream)
-                                    : launch_forward<Elem, 128, kCausal, false, kMask>(params, stream);
+        launched = p.head_dim <= 64 ? launch_forward<Elem, 64, true, false, kMask, kWindow>(params, stream)
+                                    : launch_forward<Elem, 128, true, false, kMask, kWindow>(params, stream);
       });
     });
   });
