@@ -137,7 +137,7 @@ FLASHATTN_EXT_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t low, int64_t hi
 // Shared by the CPU kernels and the decode kernels of both devices.
 struct Visibility {
   int64_t offset, left, right;
-  int64_t len_k;
+  int64_t len_q, len_k;
 
   FLASHATTN_EXT_HOST_DEVICE explicit Visibility(const AttentionProblem& p) : Visibility(p, p.len_k) {}
   // With len_k keys instead of p.len_k (a decoding step: a sequence's own keys).
@@ -145,6 +145,7 @@ struct Visibility {
       : offset(p.causal_lower_right ? len_k_ - p.len_q : 0),
         left(p.window_left),
         right(p.is_causal ? 0 : p.window_right),
+        len_q(p.len_q),
         len_k(len_k_) {}
 
   FLASHATTN_EXT_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
@@ -156,6 +157,13 @@ struct Visibility {
   }
   FLASHATTN_EXT_HOST_DEVICE int64_t key_end(int64_t last_row) const {
     return right < 0 ? len_k : clamp_index(last_row + offset + right + 1, 0, len_k);
+  }
+  // The queries that see some key of [first_key, last_key] lie in [query_begin, query_end).
+  FLASHATTN_EXT_HOST_DEVICE int64_t query_begin(int64_t first_key) const {
+    return right < 0 ? 0 : clamp_index(first_key - offset - right, 0, len_q);
+  }
+  FLASHATTN_EXT_HOST_DEVICE int64_t query_end(int64_t last_key) const {
+    return left < 0 ? len_q : clamp_index(last_key - offset + left + 1, 0, len_q);
   }
   // How far key j lies from query i's diagonal: ALiBi's distance.
   FLASHATTN_EXT_HOST_DEVICE int64_t distance(int64_t i, int64_t j) const {

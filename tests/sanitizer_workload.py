@@ -114,9 +114,9 @@ def run_masked(dtype):
 
 
 def run_windowed(dtype):
-    """Sliding windows through the Hopper forward: key tiles from the window's first, both edges
-    crossing ragged tiles, rows that see no key, with a float mask and with dropout, head dims 64,
-    128 and 256."""
+    """Sliding windows through the Hopper kernels: key (query) tiles from the window's first, both
+    edges crossing ragged tiles, rows that see no key, with a float mask and with dropout, head dims
+    64, 128 and 256."""
     windows = [
         ((1, 2, 1, 300, 300, 64), dict(window=(70, 0), is_causal=True)),
         ((1, 2, 2, 260, 333, 128), dict(window=(40, 90))),
@@ -126,12 +126,15 @@ def run_windowed(dtype):
         ((1, 2, 2, 200, 300, 128), dict(window=(90, 10), dropout_p=0.3)),
     ]
     for (batch, heads_q, heads_kv, len_q, len_k, dim), options in windows:
-        q = torch.randn(batch, heads_q, len_q, dim, device="cuda", dtype=dtype)
-        k, v = (torch.randn(batch, heads_kv, len_k, dim, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(batch, heads_q, len_q, dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(batch, heads_kv, len_k, dim, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))
         out, _ = flashattn_ext.attention_with_lse(q, k, v, enable_gqa=heads_q != heads_kv, **options)
+        out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
-        if not torch.isfinite(out).all():
-            raise RuntimeError(f"out is not finite for the window {options.get('window')} in {dtype}")
+        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            if not torch.isfinite(t).all():
+                raise RuntimeError(f"{name} is not finite for the window {options.get('window')} in {dtype}")
 
 
 def main():

@@ -22,7 +22,7 @@ namespace flashattn_ext {
 namespace {
 
 // Why the hand-written kernels cannot take a call, or nothing when they can
-// (a sliding window: the Hopper forward alone, which the caller checks).
+// (a sliding window: the Hopper kernels alone, which the caller checks).
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
   if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
@@ -40,7 +40,9 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
   return std::nullopt;
 }
 
-constexpr const char* kWindowGap = "of the CUDA kernels, only the Hopper forward takes a sliding window yet";
+constexpr const char* kWindowGap =
+    "of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the backward not in "
+    "deterministic mode)";
 
 void warn_fallback(const std::string& gap) {
   TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
@@ -179,14 +181,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
                                       compute_grad_attn_mask, dq, dk, dv, dmask);
-  std::optional<std::string> gap = kernel_gap(q, params.problem);
-  if (!gap && params.problem.has_window()) gap = kWindowGap;
-  if (gap) {
-    warn_fallback(*gap);
-    fallback_backward(dout_rows, q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p,
-                      params.problem, dq, dk, dv, dmask);
-    return {dq, dk, dv, dmask};
-  }
+  auto run_fallback = [&](const std::string& gap) {
+    warn_fallback(gap);
+    fallback_backward(dout_rows, q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, dq, dk,
+                      dv, dmask);
+    return std::make_tuple(dq, dk, dv, dmask);
+  };
+  if (const auto gap = kernel_gap(q, params.problem)) return run_fallback(*gap);
   // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
@@ -195,6 +196,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // head dim kMaxAtomicDqHeadDim.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const bool sm90 = !deterministic && use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
+  const bool window = params.problem.has_window();
+  if (window && !sm90) return run_fallback(kWindowGap);
   at::Tensor dq_accum;
   if (!deterministic && (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
@@ -207,6 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor key_block_map = sm90 ? classify_mask_key_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
+    if (window) return run_fallback(kWindowGap);  // (tensors the copy engine cannot address)
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -24,7 +24,9 @@
 // queries) and is applied to S^T before P^T is made. Where the mask repeats
 // over queries, its key-block map lets a block whose keys it hides stream
 // nothing (its dK and dV are 0), and one whose keys it leaves visible run
-// unmasked.
+// unmasked. With a sliding window a block streams the query tiles its keys'
+// window reaches only, and the window's edges are masked as the causal
+// diagonal is.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum; its
 // layout is DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first
 // (compute_delta).
@@ -36,7 +38,8 @@ namespace flashattn_ext::cuda::sm90 {
 namespace backward_kernel {
 namespace {
 
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask>
+// kWindow: a sliding window (backward_block).
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
@@ -65,10 +68,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_buffer_of(Cfg::kConsumers, 0));
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
-  const BwdBlock block = backward_block<Cfg>(kp);
+  const BwdBlock block = backward_block<Cfg, kWindow>(kp);
   const int64_t h_kv = block.h_kv, b = block.b, col0 = block.col0, group = block.group, m_begin = block.m_begin;
   const int m_count = block.m_count, tiles = block.tiles;
-  const int64_t offset = causal_offset(p);
+  const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // Named barriers (0 is __syncthreads). kDsReady: both consumers' dS^T of a
   // tile are in shared memory. Consumer c hands its dQ block buffer i to the dQ
@@ -289,7 +292,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::Mask::kPresent) {
       if (apply_mask) apply_attn_mask(st, stage);
     }
-    transposed_probabilities<kBlockN>(st, p, col0, row0, offset, key_row, lane, lse_q, score_scale);
+    transposed_probabilities<kBlockN, kWindow>(st, p, col0, row0, seen, key_row, lane, lse_q, score_scale);
     // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
     // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept
     // ones: both are made once dP^T is in. dV takes P^T where kept, and is
@@ -336,7 +339,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
       }
     }
-    zero_first_key_alone<kBlockM>(dpt, p, col0, row0, offset, holds_first_key, lane);
+    if constexpr (kWindow) {
+      zero_window_rows_seeing_one_key<kBlockM>(dpt, seen, row0, lane);
+    } else {
+      zero_first_key_alone<kBlockM>(dpt, p, col0, row0, seen.offset, holds_first_key, lane);
+    }
     if constexpr (Cfg::Mask::kPresent) zero_rows_seeing_one_key<kBlockM>(dpt, delta_q, lane);
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
@@ -391,10 +398,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #endif
 }
 
-template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask>
+template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask, bool kWindow>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, mask_elem_bytes(kMask)>;
-  return launch_backward_kernel<Elem, Cfg>(params, attention_backward_kernel<Elem, Cfg, kDropout, kMask>, stream);
+  return launch_backward_kernel<Elem, Cfg>(params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow>,
+                                           stream);
 }
 
 }  // namespace
@@ -441,19 +449,22 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   using backward_kernel::launch_backward;
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
-    using Elem = decltype(elem);
-    if (params.mask_kind == MaskKind::kBool) {
-      launched = launch_backward<Elem, 128, false, MaskKind::kBool>(params, stream);
-    } else if (params.mask_kind == MaskKind::kAdditive) {
-      launched = launch_backward<Elem, 128, false, MaskKind::kAdditive>(params, stream);
-    } else {
-      dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-        constexpr bool kDropout = decltype(dropout)::value;
-        constexpr MaskKind kNone = MaskKind::kNone;
-        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout, kNone>(params, stream)
-                                    : launch_backward<Elem, 128, kDropout, kNone>(params, stream);
-      });
-    }
+    dispatch_flag(p.has_window(), [&](auto window) {
+      using Elem = decltype(elem);
+      constexpr bool kWindow = decltype(window)::value;
+      if (params.mask_kind == MaskKind::kBool) {
+        launched = launch_backward<Elem, 128, false, MaskKind::kBool, kWindow>(params, stream);
+      } else if (params.mask_kind == MaskKind::kAdditive) {
+        launched = launch_backward<Elem, 128, false, MaskKind::kAdditive, kWindow>(params, stream);
+      } else {
+        dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
+          constexpr bool kDropout = decltype(dropout)::value;
+          constexpr MaskKind kNone = MaskKind::kNone;
+          launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout, kNone, kWindow>(params, stream)
+                                      : launch_backward<Elem, 128, kDropout, kNone, kWindow>(params, stream);
+        });
+      }
+    });
   });
   return launched;
 }

@@ -35,8 +35,8 @@ struct BwdBarriers {
 };
 
 // A block's keys and the query tiles it streams: kBlockN keys from col0 of key
-// head h_kv of batch b; the query blocks from m_begin on (those that see any
-// of the keys) of each of the group's query heads: tiles of them in all.
+// head h_kv of batch b; m_count query blocks from m_begin on (those that see
+// any of the keys) of each of the group's query heads: tiles of them in all.
 // dq_accum: where the dQ rows of the group's first query head start in
 // dq_accum (the next heads' follow). keys: what the attn_mask does to the
 // keys (kVisible without a mask); where it hides them all, no tiles.
@@ -62,7 +62,9 @@ __device__ __forceinline__ KeyBlockVisibility group_key_block_visibility(const K
   return static_cast<KeyBlockVisibility>(seen[0]);
 }
 
-template <typename Cfg>
+// kWindow: the call has a sliding window (the kernels' template flag), whose
+// edges bound the query blocks on both sides.
+template <typename Cfg, bool kWindow>
 __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -82,8 +84,16 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   block.group = p.heads_q / p.heads_kv;
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
   block.dq_accum = params.dq_accum + pair_in_chunk * block.group * padded_len_q * Cfg::kHeadDim;
-  block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
-  block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
+  if constexpr (kWindow) {
+    const Visibility seen(p);
+    const int64_t query_begin = seen.query_begin(block.col0);
+    const int64_t query_end = seen.query_end(min(block.col0 + Cfg::kBlockN, p.len_k) - 1);
+    block.m_begin = query_begin / Cfg::kBlockM;
+    block.m_count = query_end > query_begin ? static_cast<int>(ceil_div(query_end, Cfg::kBlockM) - block.m_begin) : 0;
+  } else {
+    block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
+    block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
+  }
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
   block.keys = KeyBlockVisibility::kVisible;
   if constexpr (Cfg::Mask::kPresent) {
@@ -140,7 +150,8 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   for (int head = static_cast<int>(block.h_kv * block.group); head < (block.h_kv + 1) * block.group; ++head) {
     const float* lse = static_cast<const float*>(params.lse) + (block.b * p.heads_q + head) * p.len_q;
     const float* delta = static_cast<const float*>(params.delta) + (block.b * p.heads_q + head) * p.len_q;
-    for (int q_row = static_cast<int>(block.m_begin * kBlockM); q_row < p.len_q; q_row += kBlockM, ++tile) {
+    for (int m = 0; m < block.m_count; ++m, ++tile) {
+      const int q_row = static_cast<int>((block.m_begin + m) * kBlockM);
       const int stage = tile % kStages;
       const uint32_t parity = (tile / kStages) & 1;
       ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
@@ -180,25 +191,29 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
 // A consumer's 64 keys x kBlockM queries of a tile's scores S^T become P^T =
 // exp2(S^T * score_scale - lse) (lse_q: the tile's queries' lse in log2
 // units, +inf for rows past the end and rows that see no key, whose P is then
-// 0). Only tiles on the causal diagonal or at the end of the keys hide pairs;
-// there, in 32-bit tile coordinates, key >= key_end is past the end and key -
-// query > diagonal above the causal diagonal. key_row: the thread's first key
-// in the block (the other is key_row + 8); its queries are its accumulator's
-// columns.
-template <int kBlockN, int kBlockM, int kRegs>
+// 0). Only tiles on the causal diagonal, a window's edges (kWindow) or at the
+// end of the keys hide pairs; there, in 32-bit tile coordinates, key >=
+// key_end is past the end, key - query > right_edge right of the diagonal (or
+// the window's right edge) and key - query < left_edge left of the window.
+// key_row: the thread's first key in the block (the other is key_row + 8); its
+// queries are its accumulator's columns.
+template <int kBlockN, bool kWindow, int kBlockM, int kRegs>
 __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], const AttentionProblem& p, int64_t col0,
-                                                         int64_t row0, int64_t offset, int key_row, int lane,
+                                                         int64_t row0, const Visibility& seen, int key_row, int lane,
                                                          const float (&lse_q)[kBlockM], float score_scale) {
-  const bool crosses_diagonal = p.is_causal && col0 + kBlockN - 1 > row0 + offset;
+  const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)
+                                    : p.is_causal && col0 + kBlockN - 1 > row0 + seen.offset;
   const bool crosses_end = col0 + kBlockN > p.len_k;
-  if (crosses_diagonal || crosses_end) {
+  if (crosses_edge || crosses_end) {
     const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
-    const int diagonal =
-        crosses_diagonal ? static_cast<int>(max(row0 + offset - col0, int64_t{-kBlockM})) : kBlockN;
+    auto in_tile = [](int64_t d) { return static_cast<int>(clamp_index(d, -kBlockM, kBlockN)); };
+    const int right_edge = crosses_edge && seen.right >= 0 ? in_tile(row0 + seen.offset + seen.right - col0) : kBlockN;
+    const int left_edge = kWindow && seen.left >= 0 ? in_tile(row0 + seen.offset - seen.left - col0) : -kBlockM;
 #pragma unroll
     for (int i = 0; i < kRegs; ++i) {
       const int key = key_row + accumulator_row_offset(i), query = accumulator_column(i, lane);
-      st[i] = key >= key_end || key - query > diagonal ? 0.f : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
+      const bool hidden = key >= key_end || key - query > right_edge || (kWindow && key - query < left_edge);
+      st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
     }
   } else {
 #pragma unroll
@@ -219,6 +234,21 @@ __device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const 
     if (accumulator_row_offset(i) != 0) continue;
     dst[i] = holds_first_key && alone.holds(accumulator_column(i, lane)) ? 0.f : dst[i];
   }
+}
+
+// With a sliding window, zeroes the dS^T of the tile's queries that see one
+// key alone (exactly 0 there, as SDPA gives; the window's form of
+// zero_first_key_alone). How many keys a query sees rises, stays and falls
+// along the queries (the window clipped by the ends of the keys), so a tile
+// has such queries only where its first or last one sees at most one key:
+// only those tiles test each query.
+template <int kBlockM, int kRegs>
+__device__ __forceinline__ void zero_window_rows_seeing_one_key(float (&dst)[kRegs], const Visibility& seen,
+                                                                int64_t row0, int lane) {
+  auto keys_seen = [&](int64_t row) { return seen.key_end(row) - seen.key_begin(row); };
+  if (keys_seen(row0) > 1 && keys_seen(min(row0 + kBlockM, seen.len_q) - 1) > 1) return;
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) dst[i] = keys_seen(row0 + accumulator_column(i, lane)) == 1 ? 0.f : dst[i];
 }
 
 // Zeroes the dS^T of the tile's queries that an attn_mask leaves one key

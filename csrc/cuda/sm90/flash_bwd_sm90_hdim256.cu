@@ -20,7 +20,8 @@
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 namespace {
 
-template <typename Elem, typename Cfg>
+// kWindow: a sliding window (backward_block).
+template <typename Elem, typename Cfg, bool kWindow>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -44,9 +45,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
-  const BwdBlock block = backward_block<Cfg>(kp);
+  const BwdBlock block = backward_block<Cfg, kWindow>(kp);
   const int64_t col0 = block.col0;
-  const int64_t offset = causal_offset(p);
+  const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // Named barriers (0 is __syncthreads), both consumers: kPtReady, consumer 0
   // has stored the tile's P^T (and consumer 1 computed its dP^T); kDsReady,
@@ -156,7 +157,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
     if (consumer == 0) {
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)).
-      transposed_probabilities<kBlockN>(s, p, col0, row0, offset, key_row, lane, lse_q, scale_log2);
+      transposed_probabilities<kBlockN, kWindow>(s, p, col0, row0, seen, key_row, lane, lse_q, scale_log2);
       // P^T to consumer 1. Its last reader, consumer 1's load of tile t - 1's,
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
@@ -171,7 +172,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       load_tile(s_pt, p_frag);
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) s[i] = from_fragments<Elem>(p_frag, i) * (s[i] - delta_q[query_of(i)]);
-      zero_first_key_alone<kBlockM>(s, p, col0, row0, offset, holds_first_key, lane);
+      if constexpr (kWindow) {
+        zero_window_rows_seeing_one_key<kBlockM>(s, seen, row0, lane);
+      } else {
+        zero_first_key_alone<kBlockM>(s, p, col0, row0, seen.offset, holds_first_key, lane);
+      }
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
       // proxy). Its last readers, tile t - 2's dQ of both consumers and
       // consumer 0's load, were done before consumer 0 reached tile t - 1's kDsReady.
@@ -231,8 +236,12 @@ bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStre
   using Cfg = BwdSplitTileConfig<256>;
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
-    using Elem = decltype(elem);
-    launched = launch_backward_kernel<Elem, Cfg>(params, attention_backward_split_kernel<Elem, Cfg>, stream);
+    dispatch_flag(params.problem.has_window(), [&](auto window) {
+      using Elem = decltype(elem);
+      constexpr bool kWindow = decltype(window)::value;
+      launched =
+          launch_backward_kernel<Elem, Cfg>(params, attention_backward_split_kernel<Elem, Cfg, kWindow>, stream);
+    });
   });
   return launched;
 }

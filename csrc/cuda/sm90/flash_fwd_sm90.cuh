@@ -19,7 +19,9 @@
 //    the consumers take turns to issue them (ping-pong), so that one's softmax
 //    hides under the others' GEMMs.
 // Scores of tiles that cross the causal diagonal or the end of the keys are
-// masked; those tiles come last in the loop. An attn_mask's tile of each key
+// masked; those tiles come last in the loop. With a sliding window a tile's
+// key tiles start at the window's first, and its edges are masked as the
+// diagonal is. An attn_mask's tile of each key
 // tile comes with K (one row of it where the mask repeats over queries, such
 // as a key-padding mask), and each consumer applies it to its scores as soon
 // as they are in. With dropout, the probabilities are dropped after the rows'
