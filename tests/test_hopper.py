@@ -548,16 +548,7 @@ def test_sliding_window(shape, options, dtype):
     twice the naive attention's error in the same dtype, every output element written."""
     q, k, v = random_inputs(shape, dtype, seed=7)
     kwargs = dict(options, enable_gqa=shape[1] != shape[2])
-    call = lambda: forward_with(q, k, v, **kwargs)  # noqa: E731
-    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
-    out, lse = call()
-    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
-    baseline, _ = naive_attention(q, k, v, **kwargs)
-    assert torch.isfinite(out).all(), "an output element was not written (NaN poison)"
-    assert relative_error(out, want_out) <= 2 * relative_error(baseline, want_out) + ERROR_FLOOR[dtype]
-    visible = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(lse), visible)
-    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+    out = check_hopper_forward(q, k, v, **kwargs)
 
     dout = torch.randn_like(out)
 
@@ -579,6 +570,40 @@ def forward_with(q, k, v, **kwargs):
     """attention_with_lse(**kwargs), its outputs allocated on poisoned memory."""
     poison_cuda_allocator(POISON_BYTES)
     return flashattn_ext.attention_with_lse(q, k, v, **kwargs)
+
+
+def check_hopper_forward(q, k, v, **kwargs):
+    """attention_with_lse(**kwargs) runs the Hopper forward, its out within twice the naive
+    attention's error in the inputs' dtype, every element written, its lse to 1e-3 (-inf where
+    no key is seen). Returns out."""
+    call = lambda: forward_with(q, k, v, **kwargs)  # noqa: E731
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
+    out, lse = call()
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
+    baseline, _ = naive_attention(q, k, v, **kwargs)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison)"
+    assert relative_error(out, want_out) <= 2 * relative_error(baseline, want_out) + ERROR_FLOOR[q.dtype]
+    visible = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+    return out
+
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's softcap options
+SOFTCAP_CASES = [
+    ((2, 4, 2, 700, 900, 128), dict(softcap=1.0)),  # scores of about 1: the cap bends them all
+    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),  # Gemma 2's cap, scores of about 8
+    ((1, 2, 1, 500, 500, 256), dict(softcap=20.0, scale=0.25, window=(100, 0), is_causal=True)),  # with a window
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, options", SOFTCAP_CASES, ids=[str(o) for _, o in SOFTCAP_CASES])
+def test_softcap_forward(shape, options, dtype):
+    """The Hopper forward caps the scores itself (softcap * tanh(s / softcap) of the scaled scores);
+    the backward runs the ATen fallback for now, which test_window_softcap checks."""
+    q, k, v = random_inputs(shape, dtype, seed=9)
+    check_hopper_forward(q, k, v, **options, enable_gqa=shape[1] != shape[2])
 
 
 def test_sliding_window_with_attn_mask_or_dropout():

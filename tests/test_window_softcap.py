@@ -1,9 +1,9 @@
 """Sliding-window attention, logit softcapping and ALiBi (attention_with_lse's window, softcap and
 alibi_slopes): values, log-sum-exps and gradients against the naive attention in float64, within
 twice the naive attention's own error in the inputs' dtype (plus a floor). Lengths above the CPU kernels' 128-row
-tiles, so that whole tiles outside the window are skipped; on CUDA, windows alone run the Hopper
-kernels on an H100/H200 (test_hopper checks those further), the rest the ATen fallback, which the
-CPU runs too under FLASHATTN_EXT_KERNELS=aten."""
+tiles, so that whole tiles outside the window are skipped; on CUDA (an H100/H200) windows run the
+Hopper kernels and softcap their forward (test_hopper checks those further), the rest the ATen
+fallback, which the CPU runs too under FLASHATTN_EXT_KERNELS=aten."""
 import math
 
 import pytest

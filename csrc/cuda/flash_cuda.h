@@ -84,9 +84,10 @@ void attention_backward_atomic_dq(const BwdParams& params, ElementType type, cud
 namespace sm90 {
 
 // Whether the Hopper forward takes the call, as far as its sizes and options
-// tell (float16 or bfloat16 is the caller's): head dim up to 128 (value's
-// equal), a positive scale, dropout (with the sm80 kernels' numbers) or an
-// attn_mask but not both.
+// tell (float16 or bfloat16 is the caller's): head dim up to 256, 128 with an
+// attn_mask (value's equal), a positive scale, dropout (with the sm80 kernels'
+// numbers) or an attn_mask but not both, softcap with neither, a sliding
+// window with any of them; no ALiBi.
 bool forward_covers(const FwdParams& params);
 
 // Runs the Hopper forward and returns true where it covers the call:
@@ -97,7 +98,7 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 
 // Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
 // (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no
-// mask gradient; above 128, no dropout.
+// mask gradient; above 128, no dropout; a sliding window, no softcap or ALiBi.
 bool backward_covers(const BwdParams& params);
 
 // How many (batch, key/value head) pairs the Hopper backward takes at most at

@@ -22,7 +22,7 @@ namespace flashattn_ext {
 namespace {
 
 // Why the hand-written kernels cannot take a call, or nothing when they can
-// (a sliding window: the Hopper kernels alone, which the caller checks).
+// (a sliding window and softcap: the Hopper kernels alone, hopper_only_feature).
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
   if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
@@ -36,13 +36,22 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
-  if (p.softcap > 0.0 || p.alibi_slopes != nullptr) return std::string("the CUDA kernels take no softcap or ALiBi yet");
+  if (p.alibi_slopes != nullptr) return std::string("the CUDA kernels take no ALiBi yet");
   return std::nullopt;
 }
 
-constexpr const char* kWindowGap =
-    "of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the backward not in "
-    "deterministic mode)";
+// For a call with what only the Hopper kernels take, what to say where they do not take it.
+std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
+  if (p.softcap > 0.0) {
+    return std::string("of the CUDA kernels only the Hopper forward takes softcap (an H100 or H200, without "
+                       "attn_mask or dropout)");
+  }
+  if (p.has_window()) {
+    return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "
+                       "backward not in deterministic mode)");
+  }
+  return std::nullopt;
+}
 
 void warn_fallback(const std::string& gap) {
   TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
@@ -149,8 +158,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
-  const bool window = params.problem.has_window();
-  if (window && !sm90) return run_fallback(kWindowGap);
+  const std::optional<std::string> hopper_only = hopper_only_feature(params.problem);
+  if (hopper_only && !sm90) return run_fallback(*hopper_only);
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
   at::Tensor key_block_map;
   if (sm90) {
@@ -160,8 +169,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     key_block_map = classify_mask_key_blocks(q, params, stream);
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
-    // (Tensors the copy engine cannot address: a window's call has no other kernel.)
-    if (window) return run_fallback(kWindowGap);
+    // (Tensors the copy engine cannot address: such a call has no other kernel.)
+    if (hopper_only) return run_fallback(*hopper_only);
     cuda::sm80::attention_forward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -196,8 +205,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // head dim kMaxAtomicDqHeadDim.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const bool sm90 = !deterministic && use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
-  const bool window = params.problem.has_window();
-  if (window && !sm90) return run_fallback(kWindowGap);
+  const std::optional<std::string> hopper_only = hopper_only_feature(params.problem);
+  if (hopper_only && !sm90) return run_fallback(*hopper_only);
   at::Tensor dq_accum;
   if (!deterministic && (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
@@ -210,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor key_block_map = sm90 ? classify_mask_key_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
-    if (window) return run_fallback(kWindowGap);  // (tensors the copy engine cannot address)
+    if (hopper_only) return run_fallback(*hopper_only);  // (tensors the copy engine cannot address)
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

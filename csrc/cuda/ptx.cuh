@@ -155,6 +155,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { re
 template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 
+// tanh.approx.f32: tanh(x) to a relative error of about 2^-11 (MUFU.TANH).
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ex2.approx.ftz.f32: 2^x, the fast exponential the softmax uses.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -417,7 +417,8 @@ bool backward_covers(const BwdParams& params) {
   // head dim 256 without dropout.
   const bool head_dim_covered = p.head_dim <= 64 || p.head_dim > 96;
   const bool masked = params.mask_kind != MaskKind::kNone;
-  return head_dim_covered && p.head_dim == p.head_dim_v && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
+  return head_dim_covered && p.head_dim == p.head_dim_v && !(p.softcap > 0.0) && p.alibi_slopes == nullptr &&
+         p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
          p.batch > 0 && !(masked && (p.head_dim <= 64 || p.head_dim > 128 || params.dropout.p > 0.0 ||
                                      params.dmask.data != nullptr)) &&
          !(p.head_dim > 128 && params.dropout.p > 0.0);

@@ -21,10 +21,10 @@
 // Scores of tiles that cross the causal diagonal or the end of the keys are
 // masked; those tiles come last in the loop. With a sliding window a tile's
 // key tiles start at the window's first, and its edges are masked as the
-// diagonal is. An attn_mask's tile of each key
-// tile comes with K (one row of it where the mask repeats over queries, such
-// as a key-padding mask), and each consumer applies it to its scores as soon
-// as they are in. With dropout, the probabilities are dropped after the rows'
+// diagonal is; with softcapping the scores are capped as they come in. An
+// attn_mask's tile of each key tile comes with K (one row of it where the mask
+// repeats over queries, such as a key-padding mask), and each consumer applies
+// it to its scores as soon as they are in. With dropout, the probabilities are dropped after the rows'
 // sums and before P V. At head dim 128 the output leaves through shared
 // memory and the copy engine: the consumers round it into the K buffer of the
 // tile's last stage, which the producer refills only once the copy engine has
@@ -194,12 +194,14 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 
 // kWindow: a sliding window (the problem's window_left / window_right): key
 // tiles from the window's first, its edges masked as the causal diagonal is.
-// A template flag, so that the calls without one keep the code they had.
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow>
+// kSoftcap: logit softcapping (the problem's softcap; no attn_mask). Template
+// flags, so that the calls without them keep the code they had.
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
                 "a key-block map's blocks are the key tiles (and the tiles' places their blocks: no dropout)");
+  static_assert(!(kSoftcap && Cfg::Mask::kPresent), "softcapped scores take no attn_mask here");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
@@ -360,7 +362,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   // times the scale is the max of the scaled ones: scaling and subtracting the
   // max fold into one fma.
   const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  const float softmax_scale = masked_scores_scale(kMask, scale_log2);
+  // Softcapping: the scores become softcap * tanh(scale * s / softcap), in log2
+  // units, as they come in; the softmax then takes them as they are. tanh.approx
+  // (FlashAttention's choice): a logit of 10 moves by up to 0.005, one of 50 by
+  // 0.025, against probabilities rounded to 16 bits anyway; tanhf ran the
+  // forward at 0.47x the speed of no softcap, tanh.approx at 0.72x (H200, bf16,
+  // D=128, N=8192). (The decode kernel, bound by memory, keeps tanhf.)
+  const float scale_over_cap = kSoftcap ? static_cast<float>(p.scale / p.softcap) : 0.f;
+  const float cap_log2 = static_cast<float>(p.softcap * M_LOG2E);
+  auto cap_scores = [&](auto& s) {
+    if constexpr (kSoftcap) {
+#pragma unroll
+      for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) {
+        s[i] = cap_log2 * ptx::tanh_approx(s[i] * scale_over_cap);
+      }
+    }
+  };
+  const float softmax_scale = kSoftcap ? 1.f : masked_scores_scale(kMask, scale_log2);
   const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // attn_mask: this thread's values in a stage's mask tile are those of its
@@ -622,6 +640,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         hand_back_out_stage();
         ptx::wgmma_wait<0>();
         fence_registers(s);
+        cap_scores(s);
         apply_stage_mask(s, kv, block);
         release_k(0);
         if (tile_needs_mask(block.n_block)) mask_tile(s, block.n_block);
@@ -645,6 +664,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         grant_turn();
         ptx::wgmma_wait<1>();
         fence_registers(s);
+        cap_scores(s);
         apply_stage_mask(s, kv + index, block);
         release_k(index);
         // The softmax sits in the branches of its own if: the compiler schedules
@@ -756,7 +776,8 @@ constexpr int64_t kMaxTiles = int64_t{1} << 30;
 
 // kCausal picks the tile shape (fwd_block_n); the kernel reads the call's
 // causal flag and window from params.
-template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false>
+template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false,
+          bool kSoftcap = false>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
   constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
@@ -780,7 +801,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   // Tiles that run together then read the mask's rows once from memory, not once
   // a head: at N = 16384 an (L, S) bfloat16 mask is 512 MiB, read 16 times at 16 heads.
   kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
-  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow>;
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;

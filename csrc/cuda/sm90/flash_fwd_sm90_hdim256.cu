@@ -9,10 +9,15 @@ bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStrea
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    // (80-key tiles, causal or not: one kernel for both.)
+    // (80-key tiles, causal or not: one kernel for both. Softcap: no dropout.)
     dispatch_flag(params.problem.has_window(), [&](auto window) {
+      constexpr bool kWindow = decltype(window)::value;
+      if (params.problem.softcap > 0.0) {
+        launched = launch_forward<Elem, 256, true, false, MaskKind::kNone, kWindow, true>(params, stream);
+        return;
+      }
       dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-        constexpr bool kWindow = decltype(window)::value, kDropout = decltype(dropout)::value;
+        constexpr bool kDropout = decltype(dropout)::value;
         launched = launch_forward<Elem, 256, true, kDropout, MaskKind::kNone, kWindow>(params, stream);
       });
     });
