@@ -134,7 +134,8 @@ FLASHATTN_EXT_HOST_DEVICE int64_t clamp_index(int64_t x, int64_t low, int64_t hi
 // i + offset - left <= j <= i + offset + right (offset 0: top-left alignment,
 // len_k - len_q: bottom-right), a bound of -1 leaving its side open. Causal
 // attention is right = 0; a sliding window sets either or both.
-// Shared by the CPU kernels and the decode kernels of both devices.
+// Shared by the CPU kernels, the decode kernels of both devices and the Hopper
+// kernels (whose calls without a window keep their own causal bounds).
 struct Visibility {
   int64_t offset, left, right;
   int64_t len_q, len_k;
