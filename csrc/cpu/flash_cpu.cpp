@@ -1295,12 +1295,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         constexpr bool kTakesRoundedProbs = kWithOutput && Products::kTakesRoundedProbs;
         const bool probs_rounded = kTakesRoundedProbs && !dropout.enabled;
         if constexpr (std::is_same_v<A, float>) {  // exp, less the max, and sum in one sweep of each row
-          if constexpr (kTakesRoundedProbs) {
-            if (probs_rounded) {
+          if (probs_rounded) {
+            if constexpr (kTakesRoundedProbs) {  // (probs_rounded is false without)
               exp_shifted_sum_rows(scores, rows, cols, max_used.data(), products.rounded_probs(rows, cols),
                                    Products::probs_ld(cols), tile_sum.data());
-            } else {
-              exp_shifted_sum_rows(scores, rows, cols, max_used.data(), tile_sum.data());
             }
           } else {
             exp_shifted_sum_rows(scores, rows, cols, max_used.data(), tile_sum.data());
