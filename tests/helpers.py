@@ -55,7 +55,8 @@ def naive_attention(q, k, v, is_causal=False, causal_lower_right=False, scale=No
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if alibi_slopes is not None:
-        scores = scores - alibi_slopes[..., None, None] * (rows + offset - cols).abs().to(scores.dtype)
+        slopes = alibi_slopes.to(scores.dtype)[..., None, None]  # (float32 slopes keep the inputs' dtype)
+        scores = scores - slopes * (rows + offset - cols).abs().to(scores.dtype)
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     left, right = window if window is not None else (None, None)

@@ -1,6 +1,6 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
-dropout on some, bool and float masks (with the float mask's gradient), sliding windows and softcap.
+dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap and ALiBi.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -116,7 +116,7 @@ def run_masked(dtype):
 def run_windowed(dtype):
     """Sliding windows through the Hopper kernels: key (query) tiles from the window's first, both
     edges crossing ragged tiles, rows that see no key, with a float mask and with dropout, head dims
-    64, 128 and 256; softcap, alone and with a window."""
+    64, 128 and 256; softcap, alone and with a window; ALiBi, alone and with a window."""
     windows = [
         ((1, 2, 1, 300, 300, 64), dict(window=(70, 0), is_causal=True)),
         ((1, 2, 2, 260, 333, 128), dict(window=(40, 90))),
@@ -126,6 +126,10 @@ def run_windowed(dtype):
         ((1, 2, 2, 200, 300, 128), dict(window=(90, 10), dropout_p=0.3)),
         ((1, 2, 1, 200, 300, 64), dict(softcap=5.0)),  # the Hopper forward's softcap (the backward: ATen)
         ((1, 2, 2, 130, 250, 256), dict(softcap=5.0, window=(60, 0), is_causal=True)),
+        ((1, 2, 1, 200, 300, 128), dict(softcap=5.0, window=(50, 20))),  # softcap in the Hopper backward too
+        ((1, 2, 1, 200, 300, 128), dict(alibi_slopes=torch.tensor([0.5, 0.25], device="cuda"))),
+        ((1, 2, 2, 210, 150, 64), dict(alibi_slopes=torch.tensor([0.5, 0.25], device="cuda"), is_causal=True)),
+        ((1, 2, 2, 130, 250, 256), dict(alibi_slopes=torch.tensor([[0.5, 0.25]], device="cuda"), window=(60, 0))),
     ]
     for (batch, heads_q, heads_kv, len_q, len_k, dim), options in windows:
         q = torch.randn(batch, heads_q, len_q, dim, device="cuda", dtype=dtype, requires_grad=True)

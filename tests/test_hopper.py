@@ -592,18 +592,68 @@ def check_hopper_forward(q, k, v, **kwargs):
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's softcap options
 SOFTCAP_CASES = [
     ((2, 4, 2, 700, 900, 128), dict(softcap=1.0)),  # scores of about 1: the cap bends them all
-    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),  # Gemma 2's cap, scores of about 8
+    ((1, 4, 4, 600, 600, 128), dict(softcap=30.0, scale=1.0, is_causal=True)),  # Gemma 2's cap, scores of about 11
+    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),  # (backward: the ATen fallback)
     ((1, 2, 1, 500, 500, 256), dict(softcap=20.0, scale=0.25, window=(100, 0), is_causal=True)),  # with a window
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape, options", SOFTCAP_CASES, ids=[str(o) for _, o in SOFTCAP_CASES])
-def test_softcap_forward(shape, options, dtype):
-    """The Hopper forward caps the scores itself (softcap * tanh(s / softcap) of the scaled scores);
-    the backward runs the ATen fallback for now, which test_window_softcap checks."""
+@pytest.mark.parametrize("shape, options", SOFTCAP_CASES, ids=[f"{s[-1]}-{o}" for s, o in SOFTCAP_CASES])
+def test_softcap(shape, options, dtype):
+    """The Hopper kernels cap the scores themselves (softcap * tanh(s / softcap) of the scaled
+    scores); the backward at head dims 97 to 128 (P^T kept in float for the cap's derivative),
+    elsewhere the ATen fallback: gradients within twice the naive attention's error either way."""
     q, k, v = random_inputs(shape, dtype, seed=9)
-    check_hopper_forward(q, k, v, **options, enable_gqa=shape[1] != shape[2])
+    kwargs = dict(options, enable_gqa=shape[1] != shape[2])
+    out = check_hopper_forward(q, k, v, **kwargs)
+    dout = torch.randn_like(out)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves, **kwargs)[0], leaves, dout.to(cast))
+
+    backward = lambda: grads(flashattn_ext.attention_with_lse, dtype)  # noqa: E731
+    sm90 = any("sm90" in n and "attention_backward" in n for n in kernel_names(backward))
+    assert sm90 == (96 < shape[-1] <= 128), "the Hopper backward takes softcap at head dims 97 to 128 only"
+    got, want, base = backward(), grads(naive_attention, torch.float64), grads(naive_attention, dtype)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        error, budget = relative_error(g, w), 2 * relative_error(b, w) + ERROR_FLOOR[dtype]
+        assert error <= budget, f"{name}: {error:.3g} > {budget:.3g}"
+
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's options; ALiBi's slopes
+# are the paper's geometric ones for the heads (per batch element in the second case).
+ALIBI_CASES = [
+    ((2, 4, 2, 700, 900, 128), dict()),  # distances on both sides of the diagonal
+    ((2, 4, 4, 600, 600, 64), dict(is_causal=True, causal_lower_right=True)),
+    ((1, 2, 1, 500, 520, 256), dict(window=(100, 30))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, options", ALIBI_CASES, ids=[f"{s[-1]}-{o}" for s, o in ALIBI_CASES])
+def test_alibi(shape, options, dtype):
+    """The Hopper kernels add ALiBi's bias themselves, forward and backward: out, lse and gradients
+    within twice the naive attention's error in the same dtype."""
+    q, k, v = random_inputs(shape, dtype, seed=10)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / shape[1]) for h in range(shape[1])], device="cuda")
+    if options.get("is_causal"):
+        slopes = torch.stack([slopes, slopes.flip(0)])[: shape[0]]
+    kwargs = dict(options, enable_gqa=shape[1] != shape[2])
+    out = check_hopper_forward(q, k, v, alibi_slopes=slopes, **kwargs)
+    dout = torch.randn_like(out)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves, alibi_slopes=slopes, **kwargs)[0], leaves, dout.to(cast))
+
+    backward = lambda: grads(flashattn_ext.attention_with_lse, dtype)  # noqa: E731
+    assert any("sm90" in n and "attention_backward" in n for n in kernel_names(backward)), "sm90 not run"
+    got, want, base = backward(), grads(naive_attention, torch.float64), grads(naive_attention, dtype)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        error, budget = relative_error(g, w), 2 * relative_error(b, w) + ERROR_FLOOR[dtype]
+        assert error <= budget, f"{name}: {error:.3g} > {budget:.3g}"
 
 
 def test_sliding_window_with_attn_mask_or_dropout():

@@ -86,8 +86,8 @@ namespace sm90 {
 // Whether the Hopper forward takes the call, as far as its sizes and options
 // tell (float16 or bfloat16 is the caller's): head dim up to 256, 128 with an
 // attn_mask (value's equal), a positive scale, dropout (with the sm80 kernels'
-// numbers) or an attn_mask but not both, softcap with neither, a sliding
-// window with any of them; no ALiBi.
+// numbers) or an attn_mask but not both, softcap or ALiBi (not both) with
+// neither, a sliding window with any of them.
 bool forward_covers(const FwdParams& params);
 
 // Runs the Hopper forward and returns true where it covers the call:
@@ -98,7 +98,8 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 
 // Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
 // (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no
-// mask gradient; above 128, no dropout; a sliding window, no softcap or ALiBi.
+// mask gradient; above 128, no dropout; a sliding window; softcap at head dims
+// 97 to 128 without a mask or dropout; ALiBi without a mask, dropout or softcap.
 bool backward_covers(const BwdParams& params);
 
 // How many (batch, key/value head) pairs the Hopper backward takes at most at

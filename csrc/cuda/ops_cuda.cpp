@@ -22,7 +22,8 @@ namespace flashattn_ext {
 namespace {
 
 // Why the hand-written kernels cannot take a call, or nothing when they can
-// (a sliding window and softcap: the Hopper kernels alone, hopper_only_feature).
+// (a sliding window, softcap and ALiBi: the Hopper kernels alone,
+// hopper_only_feature).
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
   if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
@@ -36,15 +37,18 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
                     p.head_dim);
   }
-  if (p.alibi_slopes != nullptr) return std::string("the CUDA kernels take no ALiBi yet");
   return std::nullopt;
 }
 
 // For a call with what only the Hopper kernels take, what to say where they do not take it.
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
+  if (p.alibi_slopes != nullptr) {
+    return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "
+                       "dropout or softcap; the backward not in deterministic mode)");
+  }
   if (p.softcap > 0.0) {
-    return std::string("of the CUDA kernels only the Hopper forward takes softcap (an H100 or H200, without "
-                       "attn_mask or dropout)");
+    return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
+                       "or dropout; the backward at head dims 97 to 128, not in deterministic mode)");
   }
   if (p.has_window()) {
     return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "

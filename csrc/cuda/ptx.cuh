@@ -162,6 +162,13 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return y;
 }
 
+// lg2.approx.ftz.f32: log2(x).
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // ex2.approx.ftz.f32: 2^x, the fast exponential the softmax uses.
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;

@@ -38,11 +38,17 @@ namespace flashattn_ext::cuda::sm90 {
 namespace backward_kernel {
 namespace {
 
-// kWindow: a sliding window (backward_block).
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow>
+// kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
+// (Softcap), without a mask or dropout, where P^T stays in float (64-query tiles).
+// kAlibi: ALiBi's bias on the recomputed scores (it has no gradient), without a
+// mask, dropout or softcap.
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
+  static_assert(!kSoftcap || (!kDropout && !Cfg::Mask::kPresent && Cfg::kBlockM == 64),
+                "softcap's derivative from the float P^T, without a mask or dropout");
+  static_assert(!kAlibi || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap), "ALiBi alone");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
@@ -180,6 +186,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool apply_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
   const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const float score_scale = apply_mask ? masked_scores_scale(kMask, scale_log2) : scale_log2;
+  Softcap softcap;
+  if constexpr (kSoftcap) {
+    softcap.scale_over_cap = static_cast<float>(p.scale / p.softcap);
+    softcap.cap_log2 = static_cast<float>(p.softcap * M_LOG2E);
+  }
 
   // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
   // (lane % 4) + e of the tile) reads the mask tile's row of that query (row 0
@@ -238,6 +249,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
     const int64_t row0 = (m_begin + m_index) * kBlockM, bh = b * p.heads_q + head;
+    const float alibi_log2 = kAlibi ? alibi_slope(p, b, head) * float(M_LOG2E) : 0.f;
     if (++m_index == m_count) {
       m_index = 0;
       ++head;
@@ -292,7 +304,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::Mask::kPresent) {
       if (apply_mask) apply_attn_mask(st, stage);
     }
-    transposed_probabilities<kBlockN, kWindow>(st, p, col0, row0, seen, key_row, lane, lse_q, score_scale);
+    transposed_probabilities<kBlockN, kWindow, kSoftcap, kAlibi>(st, p, col0, row0, seen, key_row, lane, lse_q,
+                                                                 score_scale, softcap, alibi_log2);
     // With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
     // (Z dP^T - delta) needs every probability and dV += (Z P)^T dO the kept
     // ones: both are made once dP^T is in. dV takes P^T where kept, and is
@@ -337,6 +350,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int i = 0; i < kScoreRegs; ++i) {
         const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
         dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
+        if constexpr (kSoftcap) dpt[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
       }
     }
     if constexpr (kWindow) {
@@ -398,11 +412,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #endif
 }
 
-template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask, bool kWindow>
+template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap = false,
+          bool kAlibi = false>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, mask_elem_bytes(kMask)>;
-  return launch_backward_kernel<Elem, Cfg>(params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow>,
-                                           stream);
+  return launch_backward_kernel<Elem, Cfg>(
+      params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi>, stream);
 }
 
 }  // namespace
@@ -417,7 +432,13 @@ bool backward_covers(const BwdParams& params) {
   // head dim 256 without dropout.
   const bool head_dim_covered = p.head_dim <= 64 || p.head_dim > 96;
   const bool masked = params.mask_kind != MaskKind::kNone;
-  return head_dim_covered && p.head_dim == p.head_dim_v && !(p.softcap > 0.0) && p.alibi_slopes == nullptr &&
+  // Softcap: head dims 97 to 128 (64-query tiles, whose P^T stays in float for
+  // the cap's derivative), no mask, no dropout.
+  const bool softcap_covered = !(p.softcap > 0.0) || (p.head_dim > 96 && p.head_dim <= 128 && !masked &&
+                                                        params.dropout.p == 0.0);
+  // ALiBi: no mask, dropout or softcap.
+  const bool alibi_covered = p.alibi_slopes == nullptr || (!masked && params.dropout.p == 0.0 && p.softcap == 0.0);
+  return head_dim_covered && p.head_dim == p.head_dim_v && softcap_covered && alibi_covered &&
          p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
          p.batch > 0 && !(masked && (p.head_dim <= 64 || p.head_dim > 128 || params.dropout.p > 0.0 ||
                                      params.dmask.data != nullptr)) &&
@@ -453,14 +474,19 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
     dispatch_flag(p.has_window(), [&](auto window) {
       using Elem = decltype(elem);
       constexpr bool kWindow = decltype(window)::value;
-      if (params.mask_kind == MaskKind::kBool) {
+      constexpr MaskKind kNone = MaskKind::kNone;
+      if (p.softcap > 0.0) {
+        launched = launch_backward<Elem, 128, false, kNone, kWindow, true>(params, stream);
+      } else if (p.alibi_slopes != nullptr) {
+        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, false, true>(params, stream)
+                                    : launch_backward<Elem, 128, false, kNone, kWindow, false, true>(params, stream);
+      } else if (params.mask_kind == MaskKind::kBool) {
         launched = launch_backward<Elem, 128, false, MaskKind::kBool, kWindow>(params, stream);
       } else if (params.mask_kind == MaskKind::kAdditive) {
         launched = launch_backward<Elem, 128, false, MaskKind::kAdditive, kWindow>(params, stream);
       } else {
         dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
           constexpr bool kDropout = decltype(dropout)::value;
-          constexpr MaskKind kNone = MaskKind::kNone;
           launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout, kNone, kWindow>(params, stream)
                                       : launch_backward<Elem, 128, kDropout, kNone, kWindow>(params, stream);
         });

@@ -188,6 +188,21 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   }
 }
 
+// Logit softcapping in the backward: the scores capped as in the forward
+// (softcap * tanh(scale * s / softcap), in log2 units), and dS^T times the
+// cap's derivative 1 - tanh^2, its tanh taken back from the float P^T and the
+// lse (log2 P + lse is the capped score): no registers kept for it.
+struct Softcap {
+  float scale_over_cap = 0.f, cap_log2 = 0.f;
+
+  __device__ __forceinline__ float cap(float s) const { return cap_log2 * ptx::tanh_approx(s * scale_over_cap); }
+  // (0 where P is: the pair is hidden or its weight underflowed, and its dS is 0.)
+  __device__ __forceinline__ float derivative(float p, float lse_log2) const {
+    const float t = (ptx::log2_approx(p) + lse_log2) / cap_log2;
+    return p > 0.f ? 1.f - t * t : 0.f;
+  }
+};
+
 // A consumer's 64 keys x kBlockM queries of a tile's scores S^T become P^T =
 // exp2(S^T * score_scale - lse) (lse_q: the tile's queries' lse in log2
 // units, +inf for rows past the end and rows that see no key, whose P is then
@@ -196,11 +211,21 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
 // key_end is past the end, key - query > right_edge right of the diagonal (or
 // the window's right edge) and key - query < left_edge left of the window.
 // key_row: the thread's first key in the block (the other is key_row + 8); its
-// queries are its accumulator's columns.
-template <int kBlockN, bool kWindow, int kBlockM, int kRegs>
+// queries are its accumulator's columns. kSoftcap: the scores are capped
+// (softcap) instead of scaled by score_scale; kAlibi: scaled, then less
+// alibi_log2 * |i + offset - j| (ALiBi's bias in log2 units).
+template <int kBlockN, bool kWindow, bool kSoftcap = false, bool kAlibi = false, int kBlockM, int kRegs>
 __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], const AttentionProblem& p, int64_t col0,
                                                          int64_t row0, const Visibility& seen, int key_row, int lane,
-                                                         const float (&lse_q)[kBlockM], float score_scale) {
+                                                         const float (&lse_q)[kBlockM], float score_scale,
+                                                         const Softcap& softcap = {}, float alibi_log2 = 0.f) {
+  // i + offset - j at the tile's (key 0, query 0): 32 bits, as the tile coordinates.
+  const int corner = kAlibi ? static_cast<int>(row0 + seen.offset - col0) : 0;
+  auto log2_score = [&](float s, int key, int query) {
+    if constexpr (kSoftcap) return softcap.cap(s);
+    if constexpr (kAlibi) return fmaf(s, score_scale, -alibi_log2 * fabsf(static_cast<float>(corner + query - key)));
+    return s * score_scale;
+  };
   const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)
                                     : p.is_causal && col0 + kBlockN - 1 > row0 + seen.offset;
   const bool crosses_end = col0 + kBlockN > p.len_k;
@@ -213,11 +238,14 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], con
     for (int i = 0; i < kRegs; ++i) {
       const int key = key_row + accumulator_row_offset(i), query = accumulator_column(i, lane);
       const bool hidden = key >= key_end || key - query > right_edge || (kWindow && key - query < left_edge);
-      st[i] = hidden ? 0.f : ptx::exp2_approx(st[i] * score_scale - lse_q[query]);
+      st[i] = hidden ? 0.f : ptx::exp2_approx(log2_score(st[i], key, query) - lse_q[query]);
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kRegs; ++i) st[i] = ptx::exp2_approx(st[i] * score_scale - lse_q[accumulator_column(i, lane)]);
+    for (int i = 0; i < kRegs; ++i) {
+      const int key = key_row + accumulator_row_offset(i), query = accumulator_column(i, lane);
+      st[i] = ptx::exp2_approx(log2_score(st[i], key, query) - lse_q[query]);
+    }
   }
 }
 

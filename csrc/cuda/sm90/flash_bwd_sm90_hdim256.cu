@@ -20,8 +20,9 @@
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 namespace {
 
-// kWindow: a sliding window (backward_block).
-template <typename Elem, typename Cfg, bool kWindow>
+// kWindow: a sliding window (backward_block). kAlibi: ALiBi's bias on the
+// recomputed scores (no dropout here).
+template <typename Elem, typename Cfg, bool kWindow, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -127,6 +128,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t parity = (tile / kStages) & 1;
     const uint32_t stage_offset = stage * Cfg::kQBytes;
     const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
+    const float alibi_log2 = kAlibi ? alibi_slope(p, block.b, head) * float(M_LOG2E) : 0.f;
     if (++m_index == block.m_count) {
       m_index = 0;
       ++head;
@@ -157,7 +159,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
     if (consumer == 0) {
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)).
-      transposed_probabilities<kBlockN, kWindow>(s, p, col0, row0, seen, key_row, lane, lse_q, scale_log2);
+      transposed_probabilities<kBlockN, kWindow, false, kAlibi>(s, p, col0, row0, seen, key_row, lane, lse_q, scale_log2,
+                                                                {}, alibi_log2);
       // P^T to consumer 1. Its last reader, consumer 1's load of tile t - 1's,
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
@@ -237,10 +240,12 @@ bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStre
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(params.problem.has_window(), [&](auto window) {
-      using Elem = decltype(elem);
-      constexpr bool kWindow = decltype(window)::value;
-      launched =
-          launch_backward_kernel<Elem, Cfg>(params, attention_backward_split_kernel<Elem, Cfg, kWindow>, stream);
+      dispatch_flag(params.problem.alibi_slopes != nullptr, [&](auto alibi) {
+        using Elem = decltype(elem);
+        constexpr bool kWindow = decltype(window)::value, kAlibi = decltype(alibi)::value;
+        launched = launch_backward_kernel<Elem, Cfg>(
+            params, attention_backward_split_kernel<Elem, Cfg, kWindow, kAlibi>, stream);
+      });
     });
   });
   return launched;

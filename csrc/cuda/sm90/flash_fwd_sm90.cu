@@ -10,9 +10,11 @@ bool forward_covers(const FwdParams& params) {
   const AttentionProblem& p = params.problem;
   const bool masked = params.mask_kind != MaskKind::kNone;
   // Head dims up to 256, up to 128 with a mask (no room for its tiles at 256);
-  // softcap without a mask or dropout; no ALiBi.
-  return !(masked && params.dropout.p > 0.0) && !(p.softcap > 0.0 && (masked || params.dropout.p > 0.0)) &&
-         p.alibi_slopes == nullptr && p.scale > 0.0 && p.head_dim == p.head_dim_v &&
+  // softcap, and ALiBi, without a mask or dropout (and not both).
+  const bool plain = !masked && params.dropout.p == 0.0;
+  return !(masked && params.dropout.p > 0.0) && !(p.softcap > 0.0 && !plain) &&
+         !(p.alibi_slopes != nullptr && !(plain && p.softcap == 0.0)) && p.scale > 0.0 &&
+         p.head_dim == p.head_dim_v &&
          p.head_dim <= (masked ? 128 : 256) && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;
 }
 
@@ -24,13 +26,18 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    if (p.softcap > 0.0) {  // (no dropout) the causal calls' 128-key tiles, as a window's
+    // Softcap or ALiBi (not both, no dropout: forward_covers): the causal
+    // calls' 128-key tiles, as a window's.
+    if (p.softcap > 0.0 || p.alibi_slopes != nullptr) {
       dispatch_flag(p.has_window(), [&](auto window) {
-        constexpr bool kWindow = decltype(window)::value;
-        constexpr MaskKind kNone = MaskKind::kNone;
-        launched = p.head_dim <= 64
-                       ? forward_kernel::launch_forward<Elem, 64, true, false, kNone, kWindow, true>(params, stream)
-                       : forward_kernel::launch_forward<Elem, 128, true, false, kNone, kWindow, true>(params, stream);
+        dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
+          constexpr bool kWindow = decltype(window)::value, kAlibi = decltype(alibi)::value, kSoftcap = !kAlibi;
+          constexpr MaskKind kNone = MaskKind::kNone;
+          using forward_kernel::launch_forward;
+          launched = p.head_dim <= 64
+                         ? launch_forward<Elem, 64, true, false, kNone, kWindow, kSoftcap, kAlibi>(params, stream)
+                         : launch_forward<Elem, 128, true, false, kNone, kWindow, kSoftcap, kAlibi>(params, stream);
+        });
       });
       return;
     }

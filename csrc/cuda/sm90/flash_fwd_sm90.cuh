@@ -194,14 +194,16 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 
 // kWindow: a sliding window (the problem's window_left / window_right): key
 // tiles from the window's first, its edges masked as the causal diagonal is.
-// kSoftcap: logit softcapping (the problem's softcap; no attn_mask). Template
+// kSoftcap: logit softcapping (the problem's softcap; no attn_mask). kAlibi:
+// ALiBi's bias (the problem's alibi_slopes; no attn_mask or softcap). Template
 // flags, so that the calls without them keep the code they had.
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap>
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
                 "a key-block map's blocks are the key tiles (and the tiles' places their blocks: no dropout)");
   static_assert(!(kSoftcap && Cfg::Mask::kPresent), "softcapped scores take no attn_mask here");
+  static_assert(!(kAlibi && (kSoftcap || Cfg::Mask::kPresent)), "ALiBi's scores take no cap or attn_mask here");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
@@ -378,7 +380,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       }
     }
   };
-  const float softmax_scale = kSoftcap ? 1.f : masked_scores_scale(kMask, scale_log2);
+  const float softmax_scale = kSoftcap || kAlibi ? 1.f : masked_scores_scale(kMask, scale_log2);
   const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // attn_mask: this thread's values in a stage's mask tile are those of its
@@ -483,6 +485,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       break;
     }
     const int64_t row0 = t.row0;
+    // ALiBi: the scores scaled, less slope * |i + offset - j| (log2 units), as
+    // they come in; the softmax then takes them as they are.
+    const float alibi_log2 = kAlibi ? alibi_slope(p, t.batch, t.head) * float(M_LOG2E) : 0.f;
+    auto add_alibi = [&](auto& s, int n_block) {
+      if constexpr (kAlibi) {
+        // i + offset - j at the tile's (0, 0): 32 bits, as the tile coordinates.
+        const int corner = static_cast<int>(row0 + seen.offset - int64_t(n_block) * kBlockN);
+#pragma unroll
+        for (int i = 0; i < int(sizeof(s) / sizeof(float)); ++i) {
+          const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
+          s[i] = fmaf(s[i], scale_log2, -alibi_log2 * fabsf(static_cast<float>(corner + r - c)));
+        }
+      }
+    };
     const int first_block = kWindow ? t.first_block : 0, n_blocks = t.n_blocks;
 
     // Frees the K of the tile's index-th key tile; its last Q K^T is its last
@@ -641,6 +657,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         ptx::wgmma_wait<0>();
         fence_registers(s);
         cap_scores(s);
+        add_alibi(s, block.n_block);
         apply_stage_mask(s, kv, block);
         release_k(0);
         if (tile_needs_mask(block.n_block)) mask_tile(s, block.n_block);
@@ -665,6 +682,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         ptx::wgmma_wait<1>();
         fence_registers(s);
         cap_scores(s);
+        add_alibi(s, block.n_block);
         apply_stage_mask(s, kv + index, block);
         release_k(index);
         // The softmax sits in the branches of its own if: the compiler schedules
@@ -777,7 +795,7 @@ constexpr int64_t kMaxTiles = int64_t{1} << 30;
 // kCausal picks the tile shape (fwd_block_n); the kernel reads the call's
 // causal flag and window from params.
 template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false,
-          bool kSoftcap = false>
+          bool kSoftcap = false, bool kAlibi = false>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
   constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
@@ -801,7 +819,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   // Tiles that run together then read the mask's rows once from memory, not once
   // a head: at N = 16384 an (L, S) bfloat16 mask is 512 MiB, read 16 times at 16 heads.
   kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
-  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap>;
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;

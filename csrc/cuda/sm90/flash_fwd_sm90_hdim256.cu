@@ -9,11 +9,15 @@ bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStrea
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    // (80-key tiles, causal or not: one kernel for both. Softcap: no dropout.)
+    // (80-key tiles, causal or not: one kernel for both. Softcap, ALiBi: no dropout.)
     dispatch_flag(params.problem.has_window(), [&](auto window) {
       constexpr bool kWindow = decltype(window)::value;
       if (params.problem.softcap > 0.0) {
         launched = launch_forward<Elem, 256, true, false, MaskKind::kNone, kWindow, true>(params, stream);
+        return;
+      }
+      if (params.problem.alibi_slopes != nullptr) {  // (no dropout)
+        launched = launch_forward<Elem, 256, true, false, MaskKind::kNone, kWindow, false, true>(params, stream);
         return;
       }
       dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
