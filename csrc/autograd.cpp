@@ -202,11 +202,76 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
   return {grads[0], grads[1], grads[2], grads[3]};
 }
 
+using VarlenForwardOp = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                    const Tensor&, int64_t, int64_t, bool, bool, double, int64_t,
+                                                    int64_t, double, const std::optional<Tensor>&);
+using VarlenBackwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                            const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                                            int64_t, int64_t, bool, bool, double, int64_t, int64_t,
+                                                            double, const std::optional<Tensor>&);
+
+// The packed batch's forward (varlen_forward): saves q, k, v, out, lse and
+// the sequences' bounds, and calls varlen_backward. (No double backward.)
+class VarlenFunction : public torch::autograd::Function<VarlenFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
+                               const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
+                               int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<Tensor>& alibi_slopes) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flashattn_ext::varlen_forward", "")
+                               .typed<VarlenForwardOp>();
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                              causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes);
+    ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes.value_or(Tensor())});
+    SavedOptions{0.0, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(14);
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("flashattn_ext::varlen_backward", "")
+                               .typed<VarlenBackwardOp>();
+    TORCH_CHECK(!at::GradMode::is_enabled(), "flashattn_ext: varlen_attention has no double backward");
+    const variable_list s = ctx->get_saved_variables();
+    const SavedOptions o = SavedOptions::load(ctx);
+    auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6],
+                                ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
+                                o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
+                                optional_saved(s[7]));
+    variable_list result(14);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_k,
+                                                   int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                                   bool causal_lower_right, double scale, int64_t window_left,
+                                                   int64_t window_right, double softcap,
+                                                   const std::optional<Tensor>& alibi_slopes) {
+  const variable_list outputs =
+      VarlenFunction::apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                            causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
   m.impl("attention_forward", &attention_forward_autograd);
   m.impl("attention_backward", &attention_backward_autograd);
+  m.impl("varlen_forward", &varlen_forward_autograd);
 }
 
 }  // namespace flashattn_ext

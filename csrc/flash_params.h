@@ -80,6 +80,34 @@ struct KeyBlockMap {
   int64_t stride_batch = 0, stride_head = 0;
 };
 
+// Integer indices read in place, int32 or int64, through element strides: a
+// decoding step's cache_seqlens (1-d: element i at(0, i)) and block_table
+// (element (b, j) at(b, j)). data == nullptr: absent.
+struct IndexView {
+  const void* data = nullptr;
+  bool int32 = false;
+  int64_t stride_row = 0;
+  int64_t stride_col = 0;
+
+  FLASHATTN_EXT_HOST_DEVICE int64_t at(int64_t row, int64_t col) const {
+    const int64_t offset = row * stride_row + col * stride_col;
+    return int32 ? static_cast<const int32_t*>(data)[offset] : static_cast<const int64_t*>(data)[offset];
+  }
+};
+
+// A packed batch (varlen): problem.batch sequences of different lengths along
+// the rows of q, k, v and out, each seen as 4-d (1, heads, total rows, dim).
+// Sequence b's queries are rows cu_seqlens_q.at(0, b) to cu_seqlens_q.at(0, b +
+// 1), its keys likewise in k and v; problem.len_q and len_k are at least
+// every sequence's lengths (the longest, as the kernels' grids are sized by
+// them). lse is (heads_q, total_q). cu_seqlens_q.data == nullptr: a dense call.
+struct PackedSequences {
+  IndexView cu_seqlens_q, cu_seqlens_k;
+  int64_t total_q = 0, total_k = 0;
+
+  FLASHATTN_EXT_HOST_DEVICE bool present() const { return cu_seqlens_q.data != nullptr; }
+};
+
 // The forward pass reads q, k, v and writes out and the per-row log-sum-exp.
 // lse is contiguous (batch, heads_q, len_q), in the accumulation type
 // (float, or double for double inputs); fully masked rows get lse = -inf and out = 0.
@@ -98,6 +126,7 @@ struct FwdParams {
   KeyBlockMap key_blocks;  // (CUDA) set by cuda::classify_key_blocks where the mask repeats over queries
   DropoutParams dropout;
   int* tile_counter = nullptr;
+  PackedSequences packed;  // a packed batch (the Hopper forward alone; no mask or dropout)
 };
 
 // The backward pass reads q, k, v, out, lse and dout, and writes dq, dk, dv,
@@ -140,13 +169,13 @@ struct Visibility {
   int64_t offset, left, right;
   int64_t len_q, len_k;
 
-  FLASHATTN_EXT_HOST_DEVICE explicit Visibility(const AttentionProblem& p) : Visibility(p, p.len_k) {}
-  // With len_k keys instead of p.len_k (a decoding step: a sequence's own keys).
-  FLASHATTN_EXT_HOST_DEVICE Visibility(const AttentionProblem& p, int64_t len_k_)
-      : offset(p.causal_lower_right ? len_k_ - p.len_q : 0),
+  FLASHATTN_EXT_HOST_DEVICE explicit Visibility(const AttentionProblem& p) : Visibility(p, p.len_q, p.len_k) {}
+  // With a sequence's own lengths (a decoding step's keys, a packed batch's sequence).
+  FLASHATTN_EXT_HOST_DEVICE Visibility(const AttentionProblem& p, int64_t len_q_, int64_t len_k_)
+      : offset(p.causal_lower_right ? len_k_ - len_q_ : 0),
         left(p.window_left),
         right(p.is_causal ? 0 : p.window_right),
-        len_q(p.len_q),
+        len_q(len_q_),
         len_k(len_k_) {}
 
   FLASHATTN_EXT_HOST_DEVICE bool visible(int64_t i, int64_t j) const {
@@ -182,21 +211,6 @@ struct Visibility {
 FLASHATTN_EXT_HOST_DEVICE float alibi_slope(const AttentionProblem& p, int64_t b, int64_t h) {
   return p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[b * p.alibi_stride_batch + h * p.alibi_stride_head];
 }
-
-// Integer indices read in place, int32 or int64, through element strides: a
-// decoding step's cache_seqlens (1-d: element i at(0, i)) and block_table
-// (element (b, j) at(b, j)). data == nullptr: absent.
-struct IndexView {
-  const void* data = nullptr;
-  bool int32 = false;
-  int64_t stride_row = 0;
-  int64_t stride_col = 0;
-
-  FLASHATTN_EXT_HOST_DEVICE int64_t at(int64_t row, int64_t col) const {
-    const int64_t offset = row * stride_row + col * stride_col;
-    return int32 ? static_cast<const int32_t*>(data)[offset] : static_cast<const int64_t*>(data)[offset];
-  }
-};
 
 // A decoding step: a few query tokens of each sequence against its key/value
 // cache. q and out are as in FwdParams, lse (batch, heads_q, len_q) likewise.

@@ -52,6 +52,21 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
       "bool compute_grad_attn_mask, int window_left=-1, int window_right=-1, float softcap=0.0, "
       "Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+  // A packed batch (varlen): query (total_q, heads, head_dim), key and value
+  // (total_k, heads_kv, ...), sequence b in rows cu_seqlens_q[b] to
+  // cu_seqlens_q[b + 1] (and cu_seqlens_k's) of each; max_seqlen_* at least
+  // every sequence's length; alibi_slopes (sequences, query heads). lse is
+  // (heads, total_q). No attn_mask or dropout (see PackedSequences).
+  m.def(
+      "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool is_causal, bool causal_lower_right, float scale, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "varlen_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
+      "bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");
@@ -299,6 +314,86 @@ IndexView index_view(const at::Tensor& t) {
   view.stride_row = t.dim() == 2 ? t.stride(0) : 0;
   view.stride_col = t.stride(t.dim() - 1);
   return view;
+}
+
+at::Tensor heads_first(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
+
+namespace {
+
+// cu_seqlens read to the host and checked: from 0 to the packed rows, not
+// decreasing, no sequence longer than max_seqlen.
+std::vector<int64_t> sequence_bounds(const at::Tensor& cu_seqlens, const char* name, int64_t total,
+                                     int64_t max_seqlen) {
+  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() > 0, "flashattn_ext: ", name,
+                    " must be a non-empty 1-d tensor, got shape ", cu_seqlens.sizes());
+  TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
+                   "flashattn_ext: ", name, " must be int32 or int64, got ", cu_seqlens.scalar_type());
+  const at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  std::vector<int64_t> bounds(data, data + host.numel());
+  TORCH_CHECK_VALUE(bounds.front() == 0 && bounds.back() == total, "flashattn_ext: ", name,
+                    " must start at 0 and end at the ", total, " packed tokens, got ", bounds.front(), " ... ",
+                    bounds.back());
+  int64_t longest = 0;
+  for (size_t b = 0; b + 1 < bounds.size(); ++b) {
+    TORCH_CHECK_VALUE(bounds[b + 1] >= bounds[b], "flashattn_ext: ", name, " must not decrease, got ",
+                      bounds[b], " then ", bounds[b + 1], " at sequence ", b);
+    longest = std::max(longest, bounds[b + 1] - bounds[b]);
+  }
+  TORCH_CHECK_VALUE(longest <= max_seqlen, "flashattn_ext: the max_seqlen given with ", name, " (", max_seqlen,
+                    ") is below its longest sequence (", longest, ")");
+  return bounds;
+}
+
+}  // namespace
+
+PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, const AttentionOptions& options) {
+  for (const auto& [t, name] : {std::pair{&q, "query"}, std::pair{&k, "key"}, std::pair{&v, "value"}}) {
+    TORCH_CHECK(t->dim() == 3, "flashattn_ext: ", name, " must be 3-d (total_tokens, heads, head_dim), got shape ",
+                t->sizes());
+  }
+  TORCH_CHECK(k.size(0) == v.size(0), "flashattn_ext: key has ", k.size(0), " tokens but value has ", v.size(0));
+  for (const auto& [t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, std::pair{&cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK(t->device() == q.device(), "flashattn_ext: ", name, " is on ", t->device(), " but query is on ",
+                q.device());
+  }
+  TORCH_CHECK(!options.attn_mask.has_value() && options.dropout_p == 0.0,
+              "flashattn_ext: the varlen ops take no attn_mask or dropout");
+  PackedBatch batch{heads_first(q), heads_first(k), heads_first(v), {}, {}, max_seqlen_q, max_seqlen_k, options};
+  batch.starts_q = sequence_bounds(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q);
+  batch.starts_k = sequence_bounds(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k);
+  TORCH_CHECK_VALUE(batch.starts_q.size() == batch.starts_k.size(), "flashattn_ext: cu_seqlens_q holds ",
+                    batch.starts_q.size() - 1, " sequences but cu_seqlens_k ", batch.starts_k.size() - 1);
+  // (The 4-d views checked as a dense call's: dtypes, devices, heads, head dims, options.)
+  check_qkv(batch.q, batch.k, batch.v, {options.attn_mask, 0.0, options.is_causal, options.causal_lower_right,
+                                        options.scale, options.window_left, options.window_right, options.softcap});
+  check_alibi(options.alibi_slopes, batch.sequences(), q.size(1), q);
+  return batch;
+}
+
+FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
+                                 const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse) {
+  const at::Tensor& q = batch.q;
+  FwdParams params;
+  AttentionProblem& p = params.problem;
+  p = attention_problem(q, batch.k, batch.v, batch.options);
+  p.batch = batch.sequences();
+  p.len_q = batch.max_seqlen_q;
+  p.len_k = batch.max_seqlen_k;
+  out = at::empty({q.size(2), p.heads_q, p.head_dim_v}, q.options());
+  lse = at::empty({p.heads_q, q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
+  params.q = view_of(q);
+  params.k = view_of(batch.k);
+  params.v = view_of(batch.v);
+  params.out = view_of(heads_first(out));
+  params.lse = lse.data_ptr();
+  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
+  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
+  params.packed.total_q = q.size(2);
+  params.packed.total_k = batch.k.size(2);
+  return params;
 }
 
 DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse) {

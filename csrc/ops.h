@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "flash_params.h"
 
@@ -72,6 +73,46 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
 // block table names blocks of the cache where it is read, for params whose
 // cache_seqlens and block_table are in host memory.
 void check_decode_values_on_host(const DecodeParams& params);
+
+// A packed batch (the varlen ops): q, k, v, out and grad_out (total rows,
+// heads, dim) seen as (1, heads, total rows, dim), the sequences' bounds read
+// to the host and checked.
+struct PackedBatch {
+  at::Tensor q, k, v;                      // 4-d views (1, heads, total rows, dim)
+  std::vector<int64_t> starts_q, starts_k;  // sequences + 1 bounds each
+  int64_t max_seqlen_q, max_seqlen_k;
+  AttentionOptions options;  // no attn_mask, no dropout; alibi_slopes (sequences, heads_q)
+
+  int64_t sequences() const { return static_cast<int64_t>(starts_q.size()) - 1; }
+};
+
+// The varlen ops' options as an AttentionOptions (no attn_mask, no dropout).
+AttentionOptions packed_options(bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
+                                int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
+
+// Checks the varlen ops' arguments (cu_seqlens read to the host: a wait for
+// the device where they live there).
+PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k, const AttentionOptions& options);
+
+// The packed (total rows, heads, dim) tensor t seen as (1, heads, total rows, dim).
+at::Tensor heads_first(const at::Tensor& t);
+
+// Allocates the packed batch's out (total_q, heads_q, Ev) and lse (heads_q,
+// total_q) and returns the kernel params of its forward (params.packed set).
+FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
+                                 const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse);
+
+// The packed batch's forward and backward as one attention_forward (or
+// attention_backward) call per sequence on views of the packed tensors, their
+// results copied into the packed ones: the path of every device and call that
+// no kernel takes as a whole.
+std::tuple<at::Tensor, at::Tensor> varlen_forward_by_sequence(const PackedBatch& batch);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_by_sequence(const PackedBatch& batch,
+                                                                          const at::Tensor& grad_out,
+                                                                          const at::Tensor& out,
+                                                                          const at::Tensor& lse);
 
 // The bits of dropout's random numbers for the next forward (8 or 16;
 // set_dropout_bits), which it records in its rng_state.

@@ -43,3 +43,19 @@ def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_t
 @torch.library.register_fake("flashattn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
     return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)
+
+
+@torch.library.register_fake("flashattn_ext::varlen_forward")
+def _varlen_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                         causal_lower_right, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    total_q, heads, _ = query.shape
+    out = query.new_empty((total_q, heads, value.shape[-1]))
+    lse = query.new_empty((heads, total_q), dtype=lse_dtype(query.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("flashattn_ext::varlen_backward")
+def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, is_causal, causal_lower_right, scale, window_left=-1, window_right=-1,
+                          softcap=0.0, alibi_slopes=None):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))

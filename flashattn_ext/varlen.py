@@ -1,17 +1,17 @@
 """varlen_attention: attention over a packed batch of sequences of different lengths (flash-attn's
 varlen layout), with no work spent on padding.
 
-First step: each sequence runs as its own attention_with_lse call on views into the packed tensors
-(no copies of q, k, v; the outputs are concatenated). Every option of the dense call is there,
-and autograd works through it; the kernels do not see the batch as one launch yet, so many short
-sequences pay one call each.
+The varlen_forward op takes the packed batch as a whole: on an H100 / H200 the Hopper forward runs
+it as one launch (tiles over every sequence's query blocks); elsewhere, and for the backward for now,
+each sequence runs as its own dense call on views of the packed tensors. Calls with dropout run
+one attention_with_lse call per sequence here (each with its own random numbers).
 """
 from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from .attention import attention_with_lse, lse_dtype
+from .attention import attention_with_lse, default_scale, lse_dtype, softcap_value, window_bounds
 
 
 def varlen_attention(
@@ -53,6 +53,34 @@ def varlen_attention(
     heads_q, heads_kv = query.shape[1], key.shape[1]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"flashattn_ext: the {heads_kv} key/value heads must divide the {heads_q} query heads")
+    sequences = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, Tensor) else 0
+    per_sequence_slopes = isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2
+    if per_sequence_slopes and alibi_slopes.shape[0] != sequences:
+        raise RuntimeError(
+            f"flashattn_ext: alibi_slopes has {alibi_slopes.shape[0]} rows but there are {sequences} sequences"
+        )
+    if dropout_p > 0:
+        return _by_sequence(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                            is_causal, scale, causal_lower_right, window, softcap, alibi_slopes, return_lse)
+    for name, value_ in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value_, int) or isinstance(value_, bool):
+            raise ValueError(f"flashattn_ext: {name} must be an int, got {value_!r}")
+    if alibi_slopes is not None and isinstance(alibi_slopes, Tensor) and not per_sequence_slopes:
+        alibi_slopes = alibi_slopes.expand(sequences, heads_q)  # (a view: read in place)
+    window_left, window_right = window_bounds(window)
+    out, lse = torch.ops.flashattn_ext.varlen_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(is_causal),
+        bool(causal_lower_right), float(default_scale(query.shape[2]) if scale is None else scale), window_left,
+        window_right, softcap_value(softcap), alibi_slopes,
+    )
+    return (out, lse) if return_lse else out
+
+
+def _by_sequence(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+                 scale, causal_lower_right, window, softcap, alibi_slopes, return_lse):
+    """varlen_attention as one attention_with_lse call per sequence, on views of the packed tensors
+    (the outputs concatenated): the path of calls with dropout."""
+    heads_q, heads_kv = query.shape[1], key.shape[1]
     starts_q = _sequence_bounds("cu_seqlens_q", cu_seqlens_q, query.shape[0], max_seqlen_q)
     starts_k = _sequence_bounds("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k)
     if len(starts_q) != len(starts_k):
@@ -66,10 +94,6 @@ def varlen_attention(
 
     sequences = len(starts_q) - 1
     per_sequence_slopes = isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2
-    if per_sequence_slopes and alibi_slopes.shape[0] != sequences:
-        raise RuntimeError(
-            f"flashattn_ext: alibi_slopes has {alibi_slopes.shape[0]} rows but there are {sequences} sequences"
-        )
     outs, lses = [], []
     for b in range(sequences):
         out, lse = attention_with_lse(

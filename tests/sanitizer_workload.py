@@ -1,6 +1,7 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
-dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap and ALiBi.
+dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap, ALiBi
+and packed batches.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -143,6 +144,23 @@ def run_windowed(dtype):
                 raise RuntimeError(f"{name} is not finite for the window {options.get('window')} in {dtype}")
 
 
+def run_varlen(dtype):
+    """A packed batch through the Hopper forward's one launch (rows past a sequence's end, empty
+    sequences), head dims 64, 128 and 256, causal both alignments and a window."""
+    lengths_q, lengths_k = [130, 0, 1, 70, 200], [130, 5, 1, 300, 0]
+    cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0, dtype=torch.int32)
+                  for lengths in (lengths_q, lengths_k))
+    for dim, options in ((64, dict(is_causal=True)), (128, dict()), (128, dict(window=(40, 0), is_causal=True)),
+                         (256, dict(is_causal=True, causal_lower_right=True))):
+        q = torch.randn(sum(lengths_q), 4, dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(sum(lengths_k), 2, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        out = flashattn_ext.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"out is not finite for the packed batch at head dim {dim} in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -168,6 +186,8 @@ def main():
             print(f"ok masks {dtype} deterministic={deterministic}", flush=True)
             run_windowed(dtype)
             print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
+            run_varlen(dtype)
+            print(f"ok packed batch {dtype} deterministic={deterministic}", flush=True)
 
 
 if __name__ == "__main__":

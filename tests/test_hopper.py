@@ -735,3 +735,68 @@ def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs)
     want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
     assert relative_error(out, want) < 2e-2
+
+
+# Query and key lengths of a packed batch: empty sequences, one token, lengths on and off the tiles'
+# multiples, keys fewer and more than queries.
+VARLEN_LENGTHS_Q = [300, 0, 1, 129, 700, 64, 5]
+VARLEN_LENGTHS_K = [300, 7, 1, 400, 690, 0, 260]
+VARLEN_OPTIONS = [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True),
+                  dict(window=(50, 10)), dict(window=(30, 0), is_causal=True, causal_lower_right=True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("options", VARLEN_OPTIONS, ids=[str(o) for o in VARLEN_OPTIONS])
+def test_varlen_forward_in_one_launch(options, head_dim, dtype):
+    """A packed batch runs as one launch of the Hopper forward (tiles over every sequence's query
+    blocks, rows past a sequence's end neither read as keys nor written): each sequence's out and
+    lse within twice its naive attention's error in dtype, every element written (NaN poison);
+    the gradients (one backward call a sequence for now) within the same budget."""
+    gen = torch.Generator().manual_seed(11)
+    heads_q, heads_kv = 4, 2
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, generator=gen).to("cuda", dtype)
+               for lengths, heads in ((VARLEN_LENGTHS_Q, heads_q), (VARLEN_LENGTHS_K, heads_kv),
+                                      (VARLEN_LENGTHS_K, heads_kv)))
+    cu_q, cu_k = (torch.tensor([0] + lengths, device="cuda").cumsum(0, dtype=torch.int32)
+                  for lengths in (VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K))
+    longest_q = max(VARLEN_LENGTHS_Q) + 3  # (max_seqlen may exceed the longest)
+
+    def call(*leaves):
+        poison_cuda_allocator(POISON_BYTES)
+        return flashattn_ext.varlen_attention(*leaves, cu_q, cu_k, longest_q, max(VARLEN_LENGTHS_K),
+                                              return_lse=True, **options)
+
+    names = kernel_names(lambda: call(q, k, v))
+    assert sum("sm90" in n and "attention_forward_kernel" in n for n in names) == 1, names
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = call(*leaves)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison)"
+    dout = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, leaves, dout)
+    bq = bk = 0
+    for lq, lk in zip(VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K):
+        def sequence(t, begin, length):
+            return t[begin:begin + length].transpose(0, 1)[None]
+        seq = [sequence(t, bq, lq) for t in (q,)] + [sequence(t, bk, lk) for t in (k, v)]
+        got_out, got_lse = sequence(out, bq, lq), lse[:, bq:bq + lq][None]
+        if lk == 0 or lq == 0:  # out 0 and lse -inf; no gradient reaches the sequence
+            assert torch.equal(got_out, torch.zeros_like(got_out)) and bool((got_lse == -math.inf).all())
+            for g, begin, length in zip(got_grads, (bq, bk, bk), (lq, lk, lk)):
+                assert not g[begin:begin + length].any()
+        else:
+            def grads(cast):
+                ref = [t.to(cast).requires_grad_() for t in seq]
+                o, l = naive_attention(*ref, enable_gqa=True, **options)
+                return (o, l), torch.autograd.grad(o, ref, sequence(dout, bq, lq).to(cast))
+            (want_out, want_lse), want_grads = grads(torch.float64)
+            (base_out, _), base_grads = grads(dtype)
+            assert relative_error(got_out, want_out) <= 2 * relative_error(base_out, want_out) + ERROR_FLOOR[dtype]
+            visible = torch.isfinite(want_lse)
+            assert torch.equal(torch.isfinite(got_lse), visible)
+            assert (got_lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+            got = [sequence(got_grads[0], bq, lq)] + [sequence(g, bk, lk) for g in got_grads[1:]]
+            for name, g, w, b in zip(("dq", "dk", "dv"), got, want_grads, base_grads):
+                error, budget = relative_error(g, w), 2 * relative_error(b, w) + ERROR_FLOOR[dtype]
+                assert error <= budget, f"{name} of the sequence at {bq}: {error:.3g} > {budget:.3g}"
+        bq, bk = bq + lq, bk + lk

@@ -106,6 +106,20 @@ def test_opcheck_and_gradcheck_with_alibi(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_and_gradcheck_varlen(device):
+    """The packed-batch ops: an empty sequence, GQA, causal bottom-right, int64 bounds."""
+    q = torch.randn(12, 4, 8, dtype=torch.float64, device=device, requires_grad=True)
+    k, v = (torch.randn(15, 2, 8, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 5, 5, 12], device=device), torch.tensor([0, 9, 11, 15], device=device)
+    args = (cu_q, cu_k, 7, 9, True, True, 0.5)
+    torch.library.opcheck(ops.varlen_forward.default, (q, k, v, *args))
+    assert torch.autograd.gradcheck(lambda q, k, v: ops.varlen_forward(q, k, v, *args)[0], (q, k, v))
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse = ops.varlen_forward(q, k, v, *args)
+    torch.library.opcheck(ops.varlen_backward.default, (torch.randn_like(out), q, k, v, out, lse, *args))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_with_dropout(device):
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)

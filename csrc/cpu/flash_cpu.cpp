@@ -1871,7 +1871,7 @@ void decode_attention(const DecodeParams& params) {
       const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
       // The sequence's own keys, with the causal mask and the window aligned
       // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
-      const Visibility vis(p, params.cache_seqlens.at(0, b) + params.len_new);
+      const Visibility vis(p, p.len_q, params.cache_seqlens.at(0, b) + params.len_new);
       const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
       const A slope = static_cast<A>(alibi_slope(p, b, h));
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());

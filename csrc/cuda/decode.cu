@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   // Token t sees keys [vis.key_begin(t), vis.key_end(t)) of the sequence's:
   // bottom-right aligned, bounded by the causal mask and the sliding window.
   const int64_t length = sequence_length(params, b);
-  const Visibility vis(p, length);
+  const Visibility vis(p, p.len_q, length);
   // The chunk's keys that some token sees: chunks outside the window have none.
   const int64_t chunk_begin = int64_t{chunk} * keys_per_chunk;
   const int64_t key_begin = min(max(chunk_begin, vis.key_begin(0)), length);

@@ -230,6 +230,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   return {dq, dk, dv, dmask};
 }
 
+// A packed batch: the Hopper forward takes it as one launch where it covers
+// the call; anything else runs one call per sequence.
+std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                                       int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
+                                                       bool causal_lower_right, double scale, int64_t window_left,
+                                                       int64_t window_right, double softcap,
+                                                       const std::optional<at::Tensor>& alibi_slopes) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  PackedBatch batch = check_packed_batch(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
+  if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q)) {
+    return varlen_forward_by_sequence(batch);
+  }
+  batch.q = with_aligned_rows(batch.q);
+  batch.k = with_aligned_rows(batch.k);
+  batch.v = with_aligned_rows(batch.v);
+  at::Tensor out, lse;
+  FwdParams params = prepare_packed_forward(batch, cu_seqlens_q, cu_seqlens_k, out, lse);
+  if (!cuda::sm90::forward_covers(params)) return varlen_forward_by_sequence(batch);
+  const at::Tensor tile_counter = at::empty({1}, q.options().dtype(at::kInt));
+  params.tile_counter = tile_counter.data_ptr<int>();
+  C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
+  if (!cuda::sm90::attention_forward(params, element_type(q), stream)) return varlen_forward_by_sequence(batch);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+// A packed batch's backward: one call per sequence for now.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  const PackedBatch batch = check_packed_batch(
+      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
+  return varlen_backward_by_sequence(batch, dout, out, lse);
+}
+
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end) {
   const c10::cuda::CUDAGuard device_guard(rng_state.device());
@@ -284,6 +327,8 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_backward", &attention_backward_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
+  m.impl("varlen_forward", &varlen_forward_cuda);
+  m.impl("varlen_backward", &varlen_backward_cuda);
 }
 
 }  // namespace flashattn_ext

@@ -1,7 +1,8 @@
 // The Hopper forward's entry point: which calls it covers, and the kernel's
 // instantiations without an attn_mask at head dims up to 128
 // (flash_fwd_sm90.cuh has the kernel; flash_fwd_sm90_masked.cu the
-// instantiations with a mask, flash_fwd_sm90_hdim256.cu those of head dim 256).
+// instantiations with a mask, flash_fwd_sm90_hdim256.cu those of head dim 256,
+// flash_fwd_sm90_varlen.cu those of a packed batch).
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
@@ -10,9 +11,12 @@ bool forward_covers(const FwdParams& params) {
   const AttentionProblem& p = params.problem;
   const bool masked = params.mask_kind != MaskKind::kNone;
   // Head dims up to 256, up to 128 with a mask (no room for its tiles at 256);
-  // softcap, and ALiBi, without a mask or dropout (and not both).
+  // softcap, and ALiBi, without a mask or dropout (and not both); a packed
+  // batch with none of them (a sliding window is fine).
   const bool plain = !masked && params.dropout.p == 0.0;
-  return !(masked && params.dropout.p > 0.0) && !(p.softcap > 0.0 && !plain) &&
+  const bool varlen_covered =
+      !params.packed.present() || (plain && p.softcap == 0.0 && p.alibi_slopes == nullptr);
+  return varlen_covered && !(masked && params.dropout.p > 0.0) && !(p.softcap > 0.0 && !plain) &&
          !(p.alibi_slopes != nullptr && !(plain && p.softcap == 0.0)) && p.scale > 0.0 &&
          p.head_dim == p.head_dim_v &&
          p.head_dim <= (masked ? 128 : 256) && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;
@@ -21,6 +25,7 @@ bool forward_covers(const FwdParams& params) {
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream) {
   if (params.tile_counter == nullptr || !forward_covers(params)) return false;
   if (params.mask_kind != MaskKind::kNone) return forward_kernel::launch_masked_forward(params, type, stream);
+  if (params.packed.present()) return forward_kernel::launch_varlen_forward(params, type, stream);
   const AttentionProblem& p = params.problem;
   if (p.head_dim > 128) return forward_kernel::launch_hdim256_forward(params, type, stream);
   bool launched = false;

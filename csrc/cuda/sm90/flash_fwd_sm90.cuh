@@ -62,11 +62,19 @@ struct FwdKernelParams {
 // Where a tile of the forward lies, and which key tiles its consumers run:
 // n_blocks of them from key block first_block on (those its rows see, through
 // the causal diagonal and a sliding window, less the blocks a key-padding mask
-// hides); n_blocks < 0: no tile is left. The producer works it out (integer
-// divisions) and hands it to the consumers.
+// hides); n_blocks == kNoTileLeft: no tile is left. The producer works it out
+// (integer divisions) and hands it to the consumers. row0 and the key blocks
+// count from the tile's sequence's first row and key: in a packed batch
+// (varlen) those are rows q_start and k_start of the packed tensors, and the
+// sequence has len_q queries and len_k keys (a dense call: 0 and the call's).
 struct FwdTile {
   int row0, head, kv_head, batch, first_block, n_blocks;
+  int q_start, k_start, len_q, len_k;
 };
+constexpr int kNoTileLeft = -1;
+// A packed batch's grid has tiles past their sequence's last row: the producer
+// skips them.
+constexpr int kTilePastSequence = -2;
 
 // The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
 template <int kStages>
@@ -166,23 +174,62 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const ui
   ptx::wgmma_commit();
 }
 
-template <typename Cfg, bool kWindow>
+// A packed batch's sequence b: its first row and length in cu_seqlens (clamped
+// to the packed rows and the longest length, so that no bound read from memory
+// takes the kernel outside its tensors).
+struct SequenceSpan {
+  int start, length;
+};
+__device__ __forceinline__ SequenceSpan sequence_span(const IndexView& cu_seqlens, int64_t total, int64_t longest,
+                                                      int b) {
+  const int64_t start = clamp_index(cu_seqlens.at(0, b), 0, total);
+  const int64_t end = clamp_index(cu_seqlens.at(0, b + 1), start, total);
+  return {static_cast<int>(start), static_cast<int>(min(end - start, longest))};
+}
+
+template <typename Cfg, bool kWindow, bool kVarlen>
 __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
   const AttentionProblem& p = kp.call.problem;
   const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
-  const int pairs = kp.tiles / m_blocks;
-  const GridPosition position = p.is_causal    ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
-                                : kp.heads_first ? grid_position_heads_first(tile, m_blocks, heads)
-                                                 : grid_position(tile, m_blocks, heads);
   FwdTile t;
-  t.row0 = static_cast<int>((m_blocks - 1 - position.block) * Cfg::kBlockM);  // longest causal rows first
-  t.head = static_cast<int>(position.head);
+  int block_from_last;  // the tile's query block, counted back from its sequence's last (longest causal rows first)
+  if constexpr (kVarlen) {
+    // Blocks outermost (every sequence's last block first, heads fastest): a
+    // sequence's tiles past its last row come at the end of the grid.
+    const int sequences = static_cast<int>(p.batch);
+    t.head = tile % heads;
+    t.batch = tile / heads % sequences;
+    block_from_last = tile / (heads * sequences);
+    const PackedSequences& packed = kp.call.packed;
+    const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, t.batch);
+    const SequenceSpan keys = sequence_span(packed.cu_seqlens_k, packed.total_k, p.len_k, t.batch);
+    t.q_start = queries.start;
+    t.k_start = keys.start;
+    t.len_q = queries.length;
+    t.len_k = keys.length;
+    const int sequence_blocks = static_cast<int>(ceil_div(t.len_q, Cfg::kBlockM));
+    if (block_from_last >= sequence_blocks) {
+      t.n_blocks = kTilePastSequence;
+      return t;
+    }
+    t.row0 = (sequence_blocks - 1 - block_from_last) * Cfg::kBlockM;
+  } else {
+    const int pairs = kp.tiles / m_blocks;
+    const GridPosition position = p.is_causal ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
+                                  : kp.heads_first ? grid_position_heads_first(tile, m_blocks, heads)
+                                                   : grid_position(tile, m_blocks, heads);
+    t.row0 = static_cast<int>((m_blocks - 1 - position.block) * Cfg::kBlockM);  // longest causal rows first
+    t.head = static_cast<int>(position.head);
+    t.batch = static_cast<int>(position.batch);
+    t.q_start = t.k_start = 0;
+    t.len_q = static_cast<int>(p.len_q);
+    t.len_k = static_cast<int>(p.len_k);
+  }
   t.kv_head = t.head / static_cast<int>(p.heads_q / p.heads_kv);
-  t.batch = static_cast<int>(position.batch);
-  if constexpr (kWindow) {
-    const Visibility seen(p);
+  if constexpr (kWindow || kVarlen) {
+    const Visibility seen(p, t.len_q, t.len_k);
     const int64_t key_begin = seen.key_begin(t.row0);
-    const int64_t key_end = seen.key_end(min(p.len_q, t.row0 + int64_t{Cfg::kBlockM}) - 1);
+    const int64_t key_end = seen.key_end(min(int64_t{t.len_q}, t.row0 + int64_t{Cfg::kBlockM}) - 1);
     t.first_block = static_cast<int>(key_begin / Cfg::kBlockN);
     t.n_blocks = key_end > key_begin ? static_cast<int>(ceil_div(key_end, Cfg::kBlockN)) - t.first_block : 0;
   } else {
@@ -195,20 +242,25 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 // kWindow: a sliding window (the problem's window_left / window_right): key
 // tiles from the window's first, its edges masked as the causal diagonal is.
 // kSoftcap: logit softcapping (the problem's softcap; no attn_mask). kAlibi:
-// ALiBi's bias (the problem's alibi_slopes; no attn_mask or softcap). Template
-// flags, so that the calls without them keep the code they had.
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi>
+// ALiBi's bias (the problem's alibi_slopes; no attn_mask or softcap). kVarlen:
+// a packed batch (the call's packed; no attn_mask or dropout), each thread
+// storing its output registers. Template flags, so that the calls without
+// them keep the code they had.
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
+          bool kVarlen>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
                 "a key-block map's blocks are the key tiles (and the tiles' places their blocks: no dropout)");
   static_assert(!(kSoftcap && Cfg::Mask::kPresent), "softcapped scores take no attn_mask here");
   static_assert(!(kAlibi && (kSoftcap || Cfg::Mask::kPresent)), "ALiBi's scores take no cap or attn_mask here");
+  static_assert(!(kVarlen && (kDropout || Cfg::Mask::kPresent)), "a packed batch takes no attn_mask or dropout here");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
   constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
-  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem;
+  // (A packed batch's sequences end within the out map's 64-row boxes.)
+  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem && !kVarlen;
   constexpr int kOutBoxBytes = 64 * kSwizzleRowBytes;  // the out map's box: 64 rows x 64 columns
   const FwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -267,7 +319,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     uint32_t out_held = 0, out_waits = 0;
     for (int round = 0, kv = 0, q_round = 0;; ++round) {
       const int slot = round % 2;
-      FwdTile t = tile < kp.tiles ? fwd_tile<Cfg, kWindow>(kp, tile) : FwdTile{0, 0, 0, 0, 0, -1};
+      FwdTile t;
+      t.n_blocks = kNoTileLeft;
+      for (;;) {
+        if (tile < kp.tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
+        if (!kVarlen || t.n_blocks != kTilePastSequence) break;
+        tile = gridDim.x + atomicAdd(params.tile_counter, 1);
+        t.n_blocks = kNoTileLeft;
+      }
       // The tile's key blocks; the consumers are handed those that the mask
       // does not hide (a key-padding mask's map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
@@ -285,15 +344,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_wait(&shared->tile_empty[slot], ((round / 2) & 1) ^ 1);
       shared->tile[slot] = t;
       ptx::mbarrier_arrive(&shared->tile_full[slot]);
-      if (t.n_blocks < 0) return;
+      if (t.n_blocks == kNoTileLeft) return;
       const int next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
-      const int head = t.head, kv_head = t.kv_head, batch = t.batch;
+      // (A packed batch is batch 0 of its tensors, its sequences at rows q_start and k_start.)
+      const int head = t.head, kv_head = t.kv_head, batch = kVarlen ? 0 : t.batch;
       if (t.n_blocks > 0) {
         ptx::mbarrier_wait(&shared->q_empty, (q_round++ & 1) ^ 1);
         ptx::mbarrier_arrive_expect_tx(&shared->q_full, Cfg::kQBytes);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * kSwizzleCols,
-                           t.row0, head, batch);
+                           t.q_start + t.row0, head, batch);
         }
       }
       for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
@@ -303,7 +363,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         const bool unmasked = seen == KeyBlockVisibility::kVisible;  // (no mask tile to load)
         const int stage = kv % kStages;
         const uint32_t parity = (kv / kStages) & 1;
-        const int key_row = n_block * kBlockN;
+        const int key_row = t.k_start + n_block * kBlockN;
         ptx::mbarrier_wait(&shared->k_empty[stage], parity ^ 1);
         if (out_held >> stage & 1) {
           ptx::mbarrier_wait(&shared->out_free[stage], out_waits >> stage & 1);
@@ -381,7 +441,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     }
   };
   const float softmax_scale = kSoftcap || kAlibi ? 1.f : masked_scores_scale(kMask, scale_log2);
-  const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
 
   // attn_mask: this thread's values in a stage's mask tile are those of its
   // two rows (r and r + 8; in a one-row tile, both row 0) at its columns 8 j
@@ -479,12 +538,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     ptx::mbarrier_wait(&shared->tile_full[slot], (round / 2) & 1);
     const FwdTile t = shared->tile[slot];
     ptx::mbarrier_arrive(&shared->tile_empty[slot]);
-    if (t.n_blocks < 0) {
+    if (t.n_blocks == kNoTileLeft) {
       if (consumer == 0) wait_turn();
       hand_back_out_stage();  // shared memory must outlive the copy engine's reads
       break;
     }
     const int64_t row0 = t.row0;
+    // The tile's sequence's lengths, and the keys each of its queries sees
+    // (the causal diagonal, the window).
+    const int64_t len_q = kVarlen ? t.len_q : p.len_q, len_k = kVarlen ? t.len_k : p.len_k;
+    const Visibility seen = kVarlen ? Visibility(p, len_q, len_k) : Visibility(p);
     // ALiBi: the scores scaled, less slope * |i + offset - j| (log2 units), as
     // they come in; the softmax then takes them as they are.
     const float alibi_log2 = kAlibi ? alibi_slope(p, t.batch, t.head) * float(M_LOG2E) : 0.f;
@@ -514,7 +577,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       const int64_t col0 = int64_t(n_block) * kBlockN;
       const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)
                                         : p.is_causal && col0 + kBlockN - 1 > row0 + seen.offset;
-      return col0 + kBlockN > p.len_k || crosses_edge;
+      return col0 + kBlockN > len_k || crosses_edge;
     };
     // In 32-bit tile coordinates: key c of the tile is past the end when c >=
     // keys_left; right of the edge (col0 + c > row0 + r + offset + right) when
@@ -522,7 +585,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // when c - r < left_edge.
     auto mask_tile = [&](auto& s, int n_block) {
       const int64_t col0 = int64_t(n_block) * kBlockN;
-      const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
+      const int keys_left = static_cast<int>(min(len_k - col0, int64_t(kBlockN)));
       auto in_tile = [](int64_t d) { return static_cast<int>(clamp_index(d, -kBlockM, kBlockN)); };
       const int right_edge = seen.right < 0 ? kBlockN : in_tile(row0 + seen.offset + seen.right - col0);
       const int left_edge = kWindow && seen.left >= 0 ? in_tile(row0 + seen.offset - seen.left - col0) : -kBlockM;
@@ -616,7 +679,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // times dropout's 1 / (1 - p) (rows that saw no key: -inf and 0).
     float inv_sum[2];
     auto finish_rows = [&] {
-      float* lse = static_cast<float*>(params.lse) + (t.batch * p.heads_q + t.head) * p.len_q;
+      // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
+      float* lse = static_cast<float*>(params.lse) +
+                   (kVarlen ? t.head * params.packed.total_q + t.q_start : (t.batch * p.heads_q + t.head) * p.len_q);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float sum = row_sum[half];
@@ -624,7 +689,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
         inv_sum[half] = sum > 0.f ? (kDropout ? shared->dropout.keep_scale : 1.f) / sum : 0.f;
         const int64_t row = row0 + tile_row + half * 8;
-        if (lane % 4 == 0 && row < p.len_q) {
+        if (lane % 4 == 0 && row < len_q) {
           lse[row] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
         }
       }
@@ -637,7 +702,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     if (n_blocks > 0) {
       // The keys of the tile's last key tile: their GEMMs run narrow where
       // they fit (not in a first tile: a call of a few keys).
-      const int last_keys = static_cast<int>(seen.key_end(min(p.len_q, row0 + kBlockM) - 1) -
+      const int last_keys = static_cast<int>(seen.key_end(min(len_q, row0 + kBlockM) - 1) -
                                              int64_t(first_block + n_blocks - 1) * kBlockN);
       const int last_width = !Cfg::kNarrowLastTile || n_blocks == 1 ? kBlockN
                              : last_keys <= Cfg::kNarrowKeys0     ? Cfg::kNarrowKeys0
@@ -773,9 +838,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = row0 + tile_row + half * 8;
-        if (row >= p.len_q) continue;
+        if (row >= len_q) continue;
         const int cols0 = (lane % 4) * 2;  // this thread's columns of the row: 8 j + cols0 and the next
-        Elem* out_row = head_ptr<Elem>(params.out, t.batch, t.head) + row * params.out.stride_row + cols0;
+        Elem* out_row = head_ptr<Elem>(params.out, kVarlen ? 0 : t.batch, t.head) +
+                        (t.q_start + row) * params.out.stride_row + cols0;
 #pragma unroll
         for (int j = 0; j < kOutRegs / 4; ++j) {
           if (!padded || j * 8 + cols0 < dim) {
@@ -795,7 +861,7 @@ constexpr int64_t kMaxTiles = int64_t{1} << 30;
 // kCausal picks the tile shape (fwd_block_n); the kernel reads the call's
 // causal flag and window from params.
 template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false,
-          bool kSoftcap = false, bool kAlibi = false>
+          bool kSoftcap = false, bool kAlibi = false, bool kVarlen = false>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
   constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
@@ -804,13 +870,23 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   FwdKernelParams kp;
   kp.call = params;
   constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  // A packed batch's tensors are one batch element of all the packed rows
+  // (addressed in 32 bits by the tiles).
+  AttentionProblem tensors = p;
+  int64_t rows_q = p.len_q, rows_k = p.len_k;
+  if constexpr (kVarlen) {
+    tensors.batch = 1;
+    rows_q = params.packed.total_q;
+    rows_k = params.packed.total_k;
+    if (std::max(rows_q, rows_k) >= (int64_t{1} << 31) - 2 * kHeadDim) return false;
+  }
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, tensors, rows, heads, kBFloat16, box_rows);
   };
-  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN) ||
-      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.len_q, p.heads_q, 64))) {
+  if (!map(&kp.q_map, params.q, rows_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      (Cfg::kOutThroughSmem && !kVarlen && !map(&kp.out_map, params.out, rows_q, p.heads_q, 64))) {
     return false;
   }
   if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
@@ -819,7 +895,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   // Tiles that run together then read the mask's rows once from memory, not once
   // a head: at N = 16384 an (L, S) bfloat16 mask is 512 MiB, read 16 times at 16 heads.
   kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
-  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi>;
+  auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
   if (tiles > kMaxTiles) return false;
@@ -838,6 +914,9 @@ bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream
 // Head dim 256's dispatch (flash_fwd_sm90_hdim256.cu): a call of head dim
 // 129 to 256 without an attn_mask that forward_covers.
 bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+// A packed batch's dispatch (flash_fwd_sm90_varlen.cu): a call with params.packed
+// that forward_covers.
+bool launch_varlen_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace forward_kernel
 }  // namespace flashattn_ext::cuda::sm90

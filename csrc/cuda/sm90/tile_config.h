@@ -89,7 +89,7 @@ struct FwdTileConfig {
   // where they fit (not with 176-key tiles at head dim 128, nor with a mask
   // at head dim 128, nor at 256).
   static constexpr int kStageBytes = 2 * kKVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
-  static constexpr int kFixedBytes = kQBytes + 160 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 5 ints), dropout's state, the slack
+  static constexpr int kFixedBytes = kQBytes + 192 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 10 ints), dropout's state, the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   // Whether a tile's output fits in one K buffer, through which the copy engine
