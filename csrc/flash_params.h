@@ -101,9 +101,14 @@ struct IndexView {
 // 1), its keys likewise in k and v; problem.len_q and len_k are at least
 // every sequence's lengths (the longest, as the kernels' grids are sized by
 // them). lse is (heads_q, total_q). cu_seqlens_q.data == nullptr: a dense call.
+// tile_order (device memory, from cuda::sm90::varlen_tile_order): the Hopper
+// forward's (sequence, query block) pairs in the order its tiles take them, two
+// int32 each, tile_pairs of them.
 struct PackedSequences {
   IndexView cu_seqlens_q, cu_seqlens_k;
   int64_t total_q = 0, total_k = 0;
+  const int32_t* tile_order = nullptr;
+  int64_t tile_pairs = 0;
 
   FLASHATTN_EXT_HOST_DEVICE bool present() const { return cu_seqlens_q.data != nullptr; }
 };

@@ -4,6 +4,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <vector>
+
 #include "flash_params.h"
 
 namespace flashattn_ext::cuda {
@@ -95,6 +98,15 @@ bool forward_covers(const FwdParams& params);
 // strides non-zero multiples of 16 bytes; an attn_mask's last dim contiguous),
 // params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+
+// A packed batch's (sequence, query block) pairs, two int32 each, in the order
+// the Hopper forward should take them (params.packed.tile_order): sequence by
+// sequence, the most work first, and each sequence's blocks heaviest first
+// (the most keys seen). The tiles that run together then read one or two
+// sequences' keys and values, and the grid ends with light tiles. starts_q
+// and starts_k: the sequences' bounds (cu_seqlens on the host).
+std::vector<int32_t> varlen_tile_order(const AttentionProblem& p, const std::vector<int64_t>& starts_q,
+                                       const std::vector<int64_t>& starts_k);
 
 // Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
 // (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no

@@ -252,6 +252,16 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   at::Tensor out, lse;
   FwdParams params = prepare_packed_forward(batch, cu_seqlens_q, cu_seqlens_k, out, lse);
   if (!cuda::sm90::forward_covers(params)) return varlen_forward_by_sequence(batch);
+  // The tiles' order, from pinned memory (the copy runs in stream order; the
+  // caching host allocator keeps the buffer until it has).
+  const std::vector<int32_t> order =
+      cuda::sm90::varlen_tile_order(params.problem, batch.starts_q, batch.starts_k);
+  at::Tensor order_on_host =
+      at::empty({static_cast<int64_t>(order.size())}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  std::copy(order.begin(), order.end(), order_on_host.data_ptr<int32_t>());
+  const at::Tensor tile_order = order_on_host.to(q.device(), /*non_blocking=*/true);
+  params.packed.tile_order = tile_order.data_ptr<int32_t>();
+  params.packed.tile_pairs = static_cast<int64_t>(order.size()) / 2;
   const at::Tensor tile_counter = at::empty({1}, q.options().dtype(at::kInt));
   params.tile_counter = tile_counter.data_ptr<int>();
   C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));

@@ -72,9 +72,6 @@ struct FwdTile {
   int q_start, k_start, len_q, len_k;
 };
 constexpr int kNoTileLeft = -1;
-// A packed batch's grid has tiles past their sequence's last row: the producer
-// skips them.
-constexpr int kTilePastSequence = -2;
 
 // The mbarriers of one block and the tile the producer hands the consumers, in shared memory.
 template <int kStages>
@@ -192,27 +189,22 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
   const AttentionProblem& p = kp.call.problem;
   const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
   FwdTile t;
-  int block_from_last;  // the tile's query block, counted back from its sequence's last (longest causal rows first)
   if constexpr (kVarlen) {
-    // Blocks outermost (every sequence's last block first, heads fastest): a
-    // sequence's tiles past its last row come at the end of the grid.
-    const int sequences = static_cast<int>(p.batch);
-    t.head = tile % heads;
-    t.batch = tile / heads % sequences;
-    block_from_last = tile / (heads * sequences);
+    // Heads outermost, each head's (sequence, query block) pairs in the order
+    // of tile_order: the tiles that run together read the same head's keys and
+    // values from L2, and the grid ends with light ones.
     const PackedSequences& packed = kp.call.packed;
+    const int pairs = static_cast<int>(packed.tile_pairs);
+    t.head = tile / pairs;
+    const int pair = tile - t.head * pairs;
+    t.batch = packed.tile_order[2 * pair];
     const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, t.batch);
     const SequenceSpan keys = sequence_span(packed.cu_seqlens_k, packed.total_k, p.len_k, t.batch);
     t.q_start = queries.start;
     t.k_start = keys.start;
     t.len_q = queries.length;
     t.len_k = keys.length;
-    const int sequence_blocks = static_cast<int>(ceil_div(t.len_q, Cfg::kBlockM));
-    if (block_from_last >= sequence_blocks) {
-      t.n_blocks = kTilePastSequence;
-      return t;
-    }
-    t.row0 = (sequence_blocks - 1 - block_from_last) * Cfg::kBlockM;
+    t.row0 = packed.tile_order[2 * pair + 1] * Cfg::kBlockM;
   } else {
     const int pairs = kp.tiles / m_blocks;
     const GridPosition position = p.is_causal ? heaviest_first_position(tile, m_blocks, heads, pairs, kp.order_chunks)
@@ -243,9 +235,8 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
 // tiles from the window's first, its edges masked as the causal diagonal is.
 // kSoftcap: logit softcapping (the problem's softcap; no attn_mask). kAlibi:
 // ALiBi's bias (the problem's alibi_slopes; no attn_mask or softcap). kVarlen:
-// a packed batch (the call's packed; no attn_mask or dropout), each thread
-// storing its output registers. Template flags, so that the calls without
-// them keep the code they had.
+// a packed batch (the call's packed; no attn_mask or dropout). Template flags,
+// so that the calls without them keep the code they had.
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
           bool kVarlen>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
@@ -259,8 +250,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kKeyRegs = kBlockN / 2;   // a thread's share of its warpgroup's 64 x kBlockN scores
   constexpr int kOutRegs = kHeadDim / 2;  // and of its 64 x kHeadDim output
-  // (A packed batch's sequences end within the out map's 64-row boxes.)
-  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem && !kVarlen;
+  constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem;
   constexpr int kOutBoxBytes = 64 * kSwizzleRowBytes;  // the out map's box: 64 rows x 64 columns
   const FwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -321,12 +311,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       const int slot = round % 2;
       FwdTile t;
       t.n_blocks = kNoTileLeft;
-      for (;;) {
-        if (tile < kp.tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
-        if (!kVarlen || t.n_blocks != kTilePastSequence) break;
-        tile = gridDim.x + atomicAdd(params.tile_counter, 1);
-        t.n_blocks = kNoTileLeft;
-      }
+      if (tile < kp.tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
       // The tile's key blocks; the consumers are handed those that the mask
       // does not hide (a key-padding mask's map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
@@ -346,6 +331,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_arrive(&shared->tile_full[slot]);
       if (t.n_blocks == kNoTileLeft) return;
       const int next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
+
       // (A packed batch is batch 0 of its tensors, its sequences at rows q_start and k_start.)
       const int head = t.head, kv_head = t.kv_head, batch = kVarlen ? 0 : t.batch;
       if (t.n_blocks > 0) {
@@ -356,6 +342,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                            t.q_start + t.row0, head, batch);
         }
       }
+
       for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
         const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
                                                 : KeyBlockVisibility::kPartial;
@@ -793,7 +780,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       finish_rows();
     }
 
-    if (kOutThroughSmem && n_blocks > 0) {
+    // In a packed batch the copy engine stores a consumer's 64 rows only where
+    // they all lie in the sequence (its box would write the next one's).
+    const bool box_in_sequence = !kVarlen || row0 + consumer * 64 + 64 <= len_q;
+    if (kOutThroughSmem && n_blocks > 0 && box_in_sequence) {
       // Once every consumer's last Q K^T has read the last stage's K buffer
       // (its "empty" phase completed), each rounds its 64 rows into it,
       // 128-byte swizzled as the out map's boxes, and one thread has the copy
@@ -821,15 +811,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::named_barrier_sync(1 + Cfg::kConsumers + consumer, kWarpgroupThreads);
       if (tid == 0) {
         const int out_row = static_cast<int>(row0) + consumer * 64;
-        if (out_row < p.len_q) {
+        if (out_row < len_q) {
           for (int c = 0; c < Cfg::kColBlocks; ++c) {
-            ptx::tma_store_4d(&kp.out_map, s_out + c * kOutBoxBytes, c * kSwizzleCols, out_row, t.head, t.batch);
+            ptx::tma_store_4d(&kp.out_map, s_out + c * kOutBoxBytes, c * kSwizzleCols, t.q_start + out_row, t.head,
+                              kVarlen ? 0 : t.batch);
           }
         }
         ptx::bulk_commit_group();
         out_stage = last % kStages;
       }
     } else {
+      // The producer waits for every consumer's hand-back of the last stage's
+      // K buffer: one that stores its registers hands it back unused.
+      if (kOutThroughSmem && n_blocks > 0 && tid == 0) out_stage = (kv - 1) % kStages;
       // Each thread stores its registers (with no key seen, zeros). Columns past
       // the head dim (padded to the kernel's) are not stored; the check is per
       // thread, so it is made only where there are such columns.
@@ -886,7 +880,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   if (!map(&kp.q_map, params.q, rows_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.k_map, params.k, rows_k, p.heads_kv, Cfg::kBlockN) ||
       !map(&kp.v_map, params.v, rows_k, p.heads_kv, Cfg::kBlockN) ||
-      (Cfg::kOutThroughSmem && !kVarlen && !map(&kp.out_map, params.out, rows_q, p.heads_q, 64))) {
+      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, rows_q, p.heads_q, 64))) {
     return false;
   }
   if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
@@ -897,7 +891,9 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   kp.heads_first = kMasked && kp.mask.rows_full && kp.mask.head_step == 0 && p.heads_q > 1;
   auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM), tiles = m_blocks * p.heads_q * p.batch;
+  const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM);
+  const int64_t tiles = (kVarlen ? params.packed.tile_pairs : m_blocks * p.batch) * p.heads_q;
+  if (kVarlen && tiles == 0) return true;  // (no query in any sequence)
   if (tiles > kMaxTiles) return false;
   const int sms = multiprocessor_count();
   kp.tiles = static_cast<int>(tiles);
