@@ -59,13 +59,18 @@ def varlen_attention(
         raise RuntimeError(
             f"flashattn_ext: alibi_slopes has {alibi_slopes.shape[0]} rows but there are {sequences} sequences"
         )
+    if isinstance(alibi_slopes, Tensor) and tuple(alibi_slopes.shape) not in ((heads_q,), (sequences, heads_q)):
+        raise RuntimeError(
+            f"flashattn_ext: alibi_slopes must have shape ({heads_q},) or ({sequences}, {heads_q}) (one slope a "
+            f"query head, or one a sequence and query head), got {tuple(alibi_slopes.shape)}"
+        )
     if dropout_p > 0:
         return _by_sequence(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                             is_causal, scale, causal_lower_right, window, softcap, alibi_slopes, return_lse)
     for name, value_ in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(value_, int) or isinstance(value_, bool):
             raise ValueError(f"flashattn_ext: {name} must be an int, got {value_!r}")
-    if alibi_slopes is not None and isinstance(alibi_slopes, Tensor) and not per_sequence_slopes:
+    if isinstance(alibi_slopes, Tensor) and not per_sequence_slopes:
         alibi_slopes = alibi_slopes.expand(sequences, heads_q)  # (a view: read in place)
     window_left, window_right = window_bounds(window)
     out, lse = torch.ops.flashattn_ext.varlen_forward(

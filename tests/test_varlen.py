@@ -93,6 +93,8 @@ def call(**changes):
         (call(cu_seqlens_k=torch.tensor([0, 6]), max_seqlen_k=6), ValueError, "holds 2 sequences but cu_seqlens_k 1"),
         (call(max_seqlen_q=3), ValueError, "(3) is below its longest sequence (4)"),
         (call(key=torch.randn(6, 3, 8), value=torch.randn(6, 3, 8)), ValueError, "the 3 key/value heads must divide"),
+        (call(alibi_slopes=torch.ones(3)), RuntimeError, "alibi_slopes must have shape (2,) or (2, 2)"),
+        (call(max_seqlen_k=4.0), ValueError, "max_seqlen_k must be an int"),
     ],
 )
 def test_bad_arguments(fn, exception, message):

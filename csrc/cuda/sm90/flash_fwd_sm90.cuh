@@ -29,7 +29,11 @@
 // memory and the copy engine: the consumers round it into the K buffer of the
 // tile's last stage, which the producer refills only once the copy engine has
 // read it (out_free); at 64 and 256 each thread stores its registers. The
-// log-sum-exp is written from registers.
+// log-sum-exp is written from registers. A packed batch (varlen) is one grid
+// over every sequence's query blocks, in an order built on the host
+// (tile_order); each tile reads its sequence's rows and lengths from
+// cu_seqlens, and the copy engine stores only the 64-row boxes that lie in the
+// sequence (the other consumers store their registers).
 #include <algorithm>
 #include <cmath>
 
@@ -331,7 +335,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       ptx::mbarrier_arrive(&shared->tile_full[slot]);
       if (t.n_blocks == kNoTileLeft) return;
       const int next_tile = gridDim.x + atomicAdd(params.tile_counter, 1);  // used only at the end
-
       // (A packed batch is batch 0 of its tensors, its sequences at rows q_start and k_start.)
       const int head = t.head, kv_head = t.kv_head, batch = kVarlen ? 0 : t.batch;
       if (t.n_blocks > 0) {
@@ -342,7 +345,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
                            t.q_start + t.row0, head, batch);
         }
       }
-
       for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
         const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
                                                 : KeyBlockVisibility::kPartial;
@@ -872,7 +874,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
     tensors.batch = 1;
     rows_q = params.packed.total_q;
     rows_k = params.packed.total_k;
-    if (std::max(rows_q, rows_k) >= (int64_t{1} << 31) - 2 * kHeadDim) return false;
+    if (std::max(rows_q, rows_k) >= (int64_t{1} << 31) - std::max(Cfg::kBlockM, Cfg::kBlockN)) return false;
   }
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
     return encode_tensor_map(m, t, tensors, rows, heads, kBFloat16, box_rows);
