@@ -3,14 +3,15 @@
 # stages named as arguments (default: all), logging each under $OUT; the build
 # time and each test and sanitizer stage's result line also go to
 # $OUT/summary.txt, printed at the end.
-#   bash benchmarks/gpu_check.sh [smoke] [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [bench-window] [model] [model-profile]
+#   bash benchmarks/gpu_check.sh [smoke] [test] [hopper] [sanitize] [sass] [bench] [bench-hopper] [ncu] [bench-full] [bench-window] [bench-varlen] [model] [model-profile]
 #                                [cpu-test] [cpu-test-forced] [cpu-bench]
 # (smoke: a minute's run of the Hopper kernels, the script stops if it fails or hangs; hopper: their own tests; sanitize: compute-sanitizer's memcheck, racecheck and synccheck,
 #  each also a stage of its own, as one call's time limit may not hold all three; sass: counts of the Hopper
 #  instructions in the built library; bench-hopper: ours, our sm80 kernels and cuDNN at the quick shapes;
 #  ncu: Nsight Compute's speed-of-light and warp stall sections for the sm90 kernels; model: the model-level
 #  training-step benchmark; model-profile: the same, and each provider's GPU kernel table; bench-window: the sliding
-#  window against full attention (issue 12's bar); the machine's CPU:
+#  window against full attention, bench-varlen: a packed batch against the dense kernel and padded SDPA (issue 12's
+#  bars); the machine's CPU:
 #  cpu-test: the CPU tests, cpu-test-forced: the same with FLASHATTN_EXT_CPU_REDUCED_GEMM=1 (the 16-bit products
 #  in the inputs' type, which the CPU takes by itself where it has AMX), cpu-bench: bench_cpu.py, 3 rounds, float32,
 #  bfloat16 and float16)
@@ -106,6 +107,8 @@ for stage in $stages; do
       python3 benchmarks/bench_attention.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -n 60 ;;
     bench-window)
       python3 benchmarks/bench_window.py --seqlens 32768 8192 --out "$OUT" 2>&1 | tee "$OUT/bench_window.log" | tail -n 10 ;;
+    bench-varlen)
+      python3 benchmarks/bench_varlen.py --out "$OUT" 2>&1 | tee "$OUT/bench_varlen.log" | tail -n 10 ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
