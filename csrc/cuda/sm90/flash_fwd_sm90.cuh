@@ -175,19 +175,6 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const ui
   ptx::wgmma_commit();
 }
 
-// A packed batch's sequence b: its first row and length in cu_seqlens (clamped
-// to the packed rows and the longest length, so that no bound read from memory
-// takes the kernel outside its tensors).
-struct SequenceSpan {
-  int start, length;
-};
-__device__ __forceinline__ SequenceSpan sequence_span(const IndexView& cu_seqlens, int64_t total, int64_t longest,
-                                                      int b) {
-  const int64_t start = clamp_index(cu_seqlens.at(0, b), 0, total);
-  const int64_t end = clamp_index(cu_seqlens.at(0, b + 1), start, total);
-  return {static_cast<int>(start), static_cast<int>(min(end - start, longest))};
-}
-
 template <typename Cfg, bool kWindow, bool kVarlen>
 __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
   const AttentionProblem& p = kp.call.problem;
@@ -536,7 +523,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     // The tile's sequence's lengths, and the keys each of its queries sees
     // (the causal diagonal, the window).
     const int64_t len_q = kVarlen ? t.len_q : p.len_q, len_k = kVarlen ? t.len_k : p.len_k;
-    const Visibility seen = kVarlen ? Visibility(p, len_q, len_k) : Visibility(p);
+    const Visibility seen(p, len_q, len_k);
     // ALiBi: the scores scaled, less slope * |i + offset - j| (log2 units), as
     // they come in; the softmax then takes them as they are.
     const float alibi_log2 = kAlibi ? alibi_slope(p, t.batch, t.head) * float(M_LOG2E) : 0.f;
