@@ -157,6 +157,11 @@ struct BwdParams {
   TensorView4d mask, dmask;
   KeyBlockMap key_blocks;  // (CUDA) as in FwdParams
   DropoutParams dropout;   // the forward's, with the same rng_state
+  // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
+  // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta
+  // (heads_q, total_q), dq_accum laid out by packed_dq_accum_start
+  // (cuda/flash_common.cuh). tile_order is not used.
+  PackedSequences packed;
 };
 
 // x clamped to [low, high] (std::clamp is not callable from device code).

@@ -396,6 +396,41 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_
   return params;
 }
 
+BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
+                                  const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const at::Tensor& q = batch.q;
+  BwdParams params;
+  AttentionProblem& p = params.problem;
+  p = attention_problem(q, batch.k, batch.v, batch.options);
+  p.batch = batch.sequences();
+  p.len_q = batch.max_seqlen_q;
+  p.len_k = batch.max_seqlen_k;
+  const std::vector<int64_t> out_shape{q.size(2), p.heads_q, p.head_dim_v};
+  check_saved(out, "out", out_shape, q.scalar_type(), q);
+  check_saved(grad_out, "grad_out", out_shape, q.scalar_type(), q);
+  check_saved(lse, "lse", {p.heads_q, q.size(2)}, lse_dtype(q.scalar_type()), q);
+  TORCH_CHECK(lse.is_contiguous(), "flashattn_ext: lse must be contiguous");
+  auto packed_like = [](const at::Tensor& t) { return at::empty({t.size(2), t.size(1), t.size(3)}, t.options()); };
+  dq = packed_like(q);
+  dk = packed_like(batch.k);
+  dv = packed_like(batch.v);
+  params.q = view_of(q);
+  params.k = view_of(batch.k);
+  params.v = view_of(batch.v);
+  params.out = view_of(heads_first(out));
+  params.dout = view_of(heads_first(grad_out));
+  params.dq = view_of(heads_first(dq));
+  params.dk = view_of(heads_first(dk));
+  params.dv = view_of(heads_first(dv));
+  params.lse = lse.data_ptr();
+  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
+  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
+  params.packed.total_q = q.size(2);
+  params.packed.total_k = batch.k.size(2);
+  return params;
+}
+
 DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = args.q;
   check_rank4(q, "query");

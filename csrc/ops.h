@@ -104,6 +104,13 @@ at::Tensor heads_first(const at::Tensor& t);
 FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
                                  const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse);
 
+// Checks the saved out, lse and grad_out of a packed batch's backward;
+// allocates dq, dk, dv (packed, contiguous) and returns the kernel params of
+// its backward (params.packed set; delta and dq_accum unset).
+BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
+                                  const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
+                                  const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
 // The packed batch's forward and backward as one attention_forward (or
 // attention_backward) call per sequence on views of the packed tensors, their
 // results copied into the packed ones: the path of every device and call that

@@ -738,7 +738,8 @@ def test_varlen_forward_in_one_launch(options, head_dim, dtype):
     """A packed batch runs as one launch of the Hopper forward (tiles over every sequence's query
     blocks, rows past a sequence's end neither read as keys nor written): each sequence's out and
     lse within twice its naive attention's error in dtype, every element written (NaN poison);
-    the gradients (one backward call a sequence for now) within the same budget."""
+    the gradients (the Hopper backward's one launch up to head dim 128, one call a sequence at
+    256) within the same budget, every element written."""
     gen = torch.Generator().manual_seed(11)
     heads_q, heads_kv = 4, 2
     q, k, v = (torch.randn(sum(lengths), heads, head_dim, generator=gen).to("cuda", dtype)
@@ -759,7 +760,13 @@ def test_varlen_forward_in_one_launch(options, head_dim, dtype):
     out, lse = call(*leaves)
     assert torch.isfinite(out).all(), "an output element was not written (NaN poison)"
     dout = torch.randn_like(out)
+    if head_dim <= 128:  # the Hopper backward's one launch (head dim 256: one call a sequence)
+        names = kernel_names(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+        assert sum("sm90" in n and "attention_backward_kernel" in n for n in names) == 1, names
+    poison_cuda_allocator(POISON_BYTES)
     got_grads = torch.autograd.grad(out, leaves, dout)
+    for name, g in zip(("dq", "dk", "dv"), got_grads):
+        assert torch.isfinite(g).all(), f"{name}: an element was not written (NaN poison)"
     bq = bk = 0
     for lq, lk in zip(VARLEN_LENGTHS_Q, VARLEN_LENGTHS_K):
         def sequence(t, begin, length):

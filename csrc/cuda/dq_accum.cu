@@ -55,19 +55,44 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
     *reinterpret_cast<float2*>(&s_slice[at.row + 8][at.col]) = make_float2(acc.z, acc.w);
   }
   __syncthreads();
-  const int64_t tiles_per_head = ceil_div(p.len_q, kDqAccumRowMultiple);
-  // head: b * heads_q + h, from the first query head of the pairs dq_accum holds on
-  const int64_t tile = blockIdx.x / kSlicesPerTile;
-  const int64_t head = params.dq_accum_pair0 * (p.heads_q / p.heads_kv) + tile / tiles_per_head;
-  const int64_t row0 = (tile % tiles_per_head) * kSliceRows;
   const int col0 = static_cast<int>(blockIdx.x % kSlicesPerTile) * kSliceCols;
-  Elem* dq = head_ptr<Elem>(params.dq, head / p.heads_q, head % p.heads_q);
+  const int64_t tile = blockIdx.x / kSlicesPerTile;
+  // The tile's dq rows: from row0 of a dense call's (batch, head), rows below len_q.
+  int64_t row0, len_q;
+  Elem* dq;
+  const PackedSequences& packed = params.packed;
+  if (packed.present()) {
+    // A packed batch: the tile's head, and its sequence (the last whose rows
+    // start at or before the tile's: packed_dq_accum_start grows with it).
+    const int64_t head_rows = packed_dq_accum_start(packed.total_q, p.batch);
+    const int64_t head = tile / (head_rows / kSliceRows), accum_row = tile % (head_rows / kSliceRows) * kSliceRows;
+    int64_t low = 0, high = p.batch - 1;
+    while (low < high) {
+      const int64_t mid = (low + high + 1) / 2;
+      if (packed_dq_accum_start(packed.cu_seqlens_q.at(0, mid), mid) <= accum_row) {
+        low = mid;
+      } else {
+        high = mid - 1;
+      }
+    }
+    const int64_t q_start = packed.cu_seqlens_q.at(0, low);
+    row0 = accum_row - packed_dq_accum_start(q_start, low);
+    len_q = packed.cu_seqlens_q.at(0, low + 1) - q_start;
+    dq = head_ptr<Elem>(params.dq, 0, head) + q_start * params.dq.stride_row;
+  } else {
+    const int64_t tiles_per_head = ceil_div(p.len_q, kDqAccumRowMultiple);
+    // head: b * heads_q + h, from the first query head of the pairs dq_accum holds on
+    const int64_t head = params.dq_accum_pair0 * (p.heads_q / p.heads_kv) + tile / tiles_per_head;
+    row0 = (tile % tiles_per_head) * kSliceRows;
+    len_q = p.len_q;
+    dq = head_ptr<Elem>(params.dq, head / p.heads_q, head % p.heads_q);
+  }
   const float scale = static_cast<float>(p.scale);
   constexpr int kRowQuads = kSliceCols / 4;
 #pragma unroll
   for (int k = 0; k < kSliceQuads / kConvertThreads; ++k) {
     const int index = k * kConvertThreads + tid, row = index / kRowQuads, col = col0 + index % kRowQuads * 4;
-    if (row0 + row >= p.len_q || col >= p.head_dim) continue;
+    if (row0 + row >= len_q || col >= p.head_dim) continue;
     const float4 acc = *reinterpret_cast<const float4*>(&s_slice[row][col - col0]);
     *reinterpret_cast<uint2*>(dq + (row0 + row) * params.dq.stride_row + col) =
         make_uint2(ptx::pack2<Elem>(acc.x * scale, acc.y * scale), ptx::pack2<Elem>(acc.z * scale, acc.w * scale));
@@ -75,6 +100,15 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
 }
 
 }  // namespace
+
+int64_t packed_dq_accum_floats(const BwdParams& params) {
+  const AttentionProblem& p = params.problem;
+  int64_t floats = 0;
+  dispatch_head_dim(p.head_dim, [&](auto head_dim) {
+    floats = p.heads_q * packed_dq_accum_start(params.packed.total_q, p.batch) * decltype(head_dim)::value;
+  });
+  return floats;
+}
 
 int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs) {
   int64_t floats = 0;
@@ -97,8 +131,9 @@ void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout l
                       ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
                       params, stream);
       } else if constexpr (kHeadDim % kSliceCols == 0) {  // (the Hopper backward's head dims: 64, 128, 256)
-        launch_kernel(convert_dq_accum_tiles_kernel<Elem, kHeadDim>,
-                      dq_accum_floats(p, params.dq_accum_pairs) / (kSliceRows * kSliceCols),
+        const int64_t floats =
+            params.packed.present() ? packed_dq_accum_floats(params) : dq_accum_floats(p, params.dq_accum_pairs);
+        launch_kernel(convert_dq_accum_tiles_kernel<Elem, kHeadDim>, floats / (kSliceRows * kSliceCols),
                       kConvertThreads, 0, params, stream);
       }
     });

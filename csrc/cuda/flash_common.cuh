@@ -209,13 +209,27 @@ struct RowRange {
   int begin, end;
   __device__ __forceinline__ bool holds(int row) const { return unsigned(row - begin) < unsigned(end - begin); }
 };
-__device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionProblem& p, int64_t offset, int64_t row0,
-                                                                int rows) {
+__device__ __forceinline__ RowRange rows_seeing_first_key_alone(bool is_causal, int64_t len_k, int64_t offset,
+                                                                int64_t row0, int rows) {
   // Causal rows see key 0 from row -offset on; the one row there sees it alone, or all do where it is the only key.
-  const int64_t first = p.is_causal ? -offset - row0 : -row0;
-  const int64_t end = p.len_k == 1 ? rows : p.is_causal ? first + 1 : 0;
+  const int64_t first = is_causal ? -offset - row0 : -row0;
+  const int64_t end = len_k == 1 ? rows : is_causal ? first + 1 : 0;
   auto clamp = [&](int64_t row) { return static_cast<int>(max(min(row, int64_t(rows)), int64_t(0))); };
   return {clamp(first), clamp(end)};
+}
+__device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionProblem& p, int64_t offset, int64_t row0,
+                                                                int rows) {
+  return rows_seeing_first_key_alone(p.is_causal, p.len_k, offset, row0, rows);
+}
+
+// A packed batch's dq_accum (the atomic backwards' float32 dQ): each query
+// head's rows as a dense call's of one batch element and
+// packed_dq_accum_start(total_q, sequences) rows, sequence b's from
+// packed_dq_accum_start(its first row, b) on. Each sequence's rows then start
+// a tile, and its tiles end before the next sequence's start (the 64 rows a
+// sequence adds cover its last tile's padding).
+FLASHATTN_EXT_HOST_DEVICE int64_t packed_dq_accum_start(int64_t q_start, int64_t b) {
+  return (q_start + kDqAccumRowMultiple - 1) / kDqAccumRowMultiple * kDqAccumRowMultiple + b * kDqAccumRowMultiple;
 }
 
 // Rows that an attn_mask leaves one key (any key) are the same case: the

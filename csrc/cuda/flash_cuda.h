@@ -27,6 +27,8 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
 // kDqAccumRowMultiple in flash_common.cuh). Which calls have one:
 // attention_backward_cuda (ops_cuda.cpp).
 int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs);
+// The same for a packed batch's call (params.packed; layout: packed_dq_accum_start).
+int64_t packed_dq_accum_floats(const BwdParams& params);
 
 // How a backward laid out dq_accum (flash_common.cuh): rows with permuted
 // columns (the sm80 atomics) or, within each tile, wgmma's register order (sm90).

@@ -270,17 +270,45 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   return {out, lse};
 }
 
-// A packed batch's backward: one call per sequence for now.
+// A packed batch's backward: the Hopper backward takes it as one launch where
+// it covers the call (not in deterministic mode); anything else runs one call
+// per sequence.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  const PackedBatch batch = check_packed_batch(
+  PackedBatch batch = check_packed_batch(
       q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
-  return varlen_backward_by_sequence(batch, dout, out, lse);
+  if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q) ||
+      at::globalContext().deterministicAlgorithms()) {
+    return varlen_backward_by_sequence(batch, dout, out, lse);
+  }
+  batch.q = with_aligned_rows(batch.q);
+  batch.k = with_aligned_rows(batch.k);
+  batch.v = with_aligned_rows(batch.v);
+  // (out and grad_out as packed (total_q, heads, dim) tensors whose rows the copy engine can read.)
+  const at::Tensor out_rows = with_aligned_rows(heads_first(out)).squeeze(0).transpose(0, 1);
+  const at::Tensor dout_rows = with_aligned_rows(heads_first(dout)).squeeze(0).transpose(0, 1);
+  at::Tensor dq, dk, dv;
+  BwdParams params = prepare_packed_backward(batch, cu_seqlens_q, cu_seqlens_k, dout_rows, out_rows, lse, dq, dk, dv);
+  const AttentionProblem& p = params.problem;
+  params.dq_accum_pairs = p.batch * p.heads_kv;
+  if (!cuda::sm90::backward_covers(params) || params.dq_accum_pairs != cuda::sm90::backward_chunk_pairs(p)) {
+    return varlen_backward_by_sequence(batch, dout, out, lse);
+  }
+  const at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  params.delta = delta.data_ptr();
+  // (Zeroed by the launch.)
+  const at::Tensor dq_accum = at::empty({cuda::packed_dq_accum_floats(params)}, q.options().dtype(at::kFloat));
+  params.dq_accum = dq_accum.data_ptr<float>();
+  if (!cuda::sm90::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream())) {
+    return varlen_backward_by_sequence(batch, dout, out, lse);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {dq, dk, dv};
 }
 
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,

@@ -6,6 +6,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/ptx.cuh"
@@ -76,6 +77,23 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 // limits, or no driver entry point); the caller then runs another kernel.
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
                        int64_t heads, bool bfloat16, int box_rows);
+
+// The shape whose tensor maps encode_tensor_map makes: a dense call's, or a
+// packed batch's one batch element of all its rows (rows_q: total_q, rows_k:
+// total_k). fits: false where a packed batch's rows are past the 32-bit row
+// coordinates of the blocks (box_rows at most).
+struct MappedShape {
+  AttentionProblem tensors;
+  int64_t rows_q, rows_k;
+  bool fits;
+};
+inline MappedShape mapped_shape(const AttentionProblem& p, const PackedSequences& packed, int box_rows) {
+  if (!packed.present()) return {p, p.len_q, p.len_k, true};
+  AttentionProblem tensors = p;
+  tensors.batch = 1;
+  const int64_t rows = std::max(packed.total_q, packed.total_k);
+  return {tensors, packed.total_q, packed.total_k, rows < (int64_t{1} << 31) - box_rows};
+}
 
 // Which tile of an attn_mask goes with a tile of queries (tile_rows of them
 // from row0, of one head and batch): the mask's rows of those queries

@@ -41,14 +41,17 @@ namespace {
 // kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
 // (Softcap), without a mask or dropout, where P^T stays in float (64-query tiles).
 // kAlibi: ALiBi's bias on the recomputed scores (it has no gradient), without a
-// mask, dropout or softcap.
-template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi>
+// mask, dropout or softcap. kVarlen: a packed batch (backward_block), with
+// none of these but a window.
+template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
+          bool kVarlen>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!kSoftcap || (!kDropout && !Cfg::Mask::kPresent && Cfg::kBlockM == 64),
                 "softcap's derivative from the float P^T, without a mask or dropout");
   static_assert(!kAlibi || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap), "ALiBi alone");
+  static_assert(!kVarlen || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap && !kAlibi), "a packed batch alone");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;  // a thread's share of its warpgroup's 64 keys x kBlockM queries
@@ -74,10 +77,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(dq_buffer_of(Cfg::kConsumers, 0));
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
 
-  const BwdBlock block = backward_block<Cfg, kWindow>(kp);
+  const BwdBlock block = backward_block<Cfg, kWindow, kVarlen>(kp);
   const int64_t h_kv = block.h_kv, b = block.b, col0 = block.col0, group = block.group, m_begin = block.m_begin;
   const int m_count = block.m_count, tiles = block.tiles;
-  const Visibility seen(p);  // the keys each query sees: the causal diagonal, the window
+  // The keys each query sees (the causal diagonal, the window), in the block's sequence.
+  const Visibility seen = kVarlen ? Visibility(p, block.len_q, block.len_k) : Visibility(p);
 
   // Named barriers (0 is __syncthreads). kDsReady: both consumers' dS^T of a
   // tile are in shared memory. Consumer c hands its dQ block buffer i to the dQ
@@ -92,11 +96,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // m_count, queries from (m_begin + t % m_count) * kBlockM + 64 * its row
   // block): a whole dq_accum tile's slice, its rows past len_q in the padding;
   // nullptr where all of them are past len_q.
-  const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
   auto dq_accum_block = [&](int t, int consumer) -> float* {
     const int64_t row0 = (m_begin + t % m_count) * kBlockM + 64 * (consumer % Cfg::kDqRowBlocks);
-    if (row0 >= p.len_q) return nullptr;
-    return block.dq_accum + ((t / m_count) * padded_len_q + row0) * kHeadDim +
+    if (row0 >= (kVarlen ? block.len_q : p.len_q)) return nullptr;
+    return block.dq_accum + ((t / m_count) * block.dq_accum_head_rows + row0) * kHeadDim +
            (consumer / Cfg::kDqRowBlocks) * kDqAccumRowMultiple * kDqAccumSliceCols;
   };
 
@@ -151,7 +154,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (lane == 0) ptx::bulk_wait_group();
       return;
     }
-    load_backward_tiles<Cfg>(kp, block, s_k, s_v, s_q, s_dout, s_mask, s_stats, bars, lane);
+    load_backward_tiles<Cfg, kVarlen>(kp, block, s_k, s_v, s_q, s_dout, s_mask, s_stats, bars, lane);
     return;
   }
 
@@ -356,7 +359,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (kWindow) {
       zero_window_rows_seeing_one_key<kBlockM>(dpt, seen, row0, lane);
     } else {
-      zero_first_key_alone<kBlockM>(dpt, p, col0, row0, seen.offset, holds_first_key, lane);
+      zero_first_key_alone<kBlockM>(dpt, p, seen, col0, row0, holds_first_key, lane);
     }
     if constexpr (Cfg::Mask::kPresent) zero_rows_seeing_one_key<kBlockM>(dpt, delta_q, lane);
     to_fragments<Elem>(dpt, ds_frag);
@@ -408,16 +411,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 
   const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
-  store_key_gradients<Elem>(params, block, key_row, 0, lane, dk, dv, dv_scale);
+  store_key_gradients<Elem, kVarlen>(params, block, key_row, 0, lane, dk, dv, dv_scale);
 #endif
 }
 
 template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap = false,
-          bool kAlibi = false>
+          bool kAlibi = false, bool kVarlen = false>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, mask_elem_bytes(kMask)>;
-  return launch_backward_kernel<Elem, Cfg>(
-      params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi>, stream);
+  return launch_backward_kernel<Elem, Cfg, kVarlen>(
+      params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen>, stream);
 }
 
 }  // namespace
@@ -438,7 +441,10 @@ bool backward_covers(const BwdParams& params) {
                                                         params.dropout.p == 0.0);
   // ALiBi: no mask, dropout or softcap.
   const bool alibi_covered = p.alibi_slopes == nullptr || (!masked && params.dropout.p == 0.0 && p.softcap == 0.0);
-  return head_dim_covered && p.head_dim == p.head_dim_v && softcap_covered && alibi_covered &&
+  // A packed batch: head dims up to 128, none of the above but a window.
+  const bool varlen_covered = !params.packed.present() || (p.head_dim <= 128 && !masked && params.dropout.p == 0.0 &&
+                                                           p.softcap == 0.0 && p.alibi_slopes == nullptr);
+  return head_dim_covered && p.head_dim == p.head_dim_v && softcap_covered && alibi_covered && varlen_covered &&
          p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
          p.batch > 0 && !(masked && (p.head_dim <= 64 || p.head_dim > 128 || params.dropout.p > 0.0 ||
                                      params.dmask.data != nullptr)) &&
@@ -475,7 +481,11 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
       using Elem = decltype(elem);
       constexpr bool kWindow = decltype(window)::value;
       constexpr MaskKind kNone = MaskKind::kNone;
-      if (p.softcap > 0.0) {
+      if (params.packed.present()) {
+        launched = p.head_dim <= 64
+                       ? launch_backward<Elem, 64, false, kNone, kWindow, false, false, true>(params, stream)
+                       : launch_backward<Elem, 128, false, kNone, kWindow, false, false, true>(params, stream);
+      } else if (p.softcap > 0.0) {
         launched = launch_backward<Elem, 128, false, kNone, kWindow, true>(params, stream);
       } else if (p.alibi_slopes != nullptr) {
         launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, false, true>(params, stream)

@@ -40,11 +40,15 @@ struct BwdBarriers {
 // dq_accum: where the dQ rows of the group's first query head start in
 // dq_accum (the next heads' follow). keys: what the attn_mask does to the
 // keys (kVisible without a mask); where it hides them all, no tiles.
+// q_start, k_start: the sequence's first query and key row in a packed batch
+// (0 in a dense call), len_q and len_k its lengths (the call's in a dense one);
+// dq_accum_head_rows: dq_accum's rows a query head.
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
   int m_count, tiles;
   float* dq_accum;
   KeyBlockVisibility keys;
+  int64_t q_start, k_start, len_q, len_k, dq_accum_head_rows;
 };
 
 // What an attn_mask with a key-block map (one that repeats over queries) does
@@ -63,8 +67,9 @@ __device__ __forceinline__ KeyBlockVisibility group_key_block_visibility(const K
 }
 
 // kWindow: the call has a sliding window (the kernels' template flag), whose
-// edges bound the query blocks on both sides.
-template <typename Cfg, bool kWindow>
+// edges bound the query blocks on both sides. kVarlen: a packed batch (the
+// grid's batch is the sequence; blocks past its keys have no tiles).
+template <typename Cfg, bool kWindow, bool kVarlen = false>
 __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -82,14 +87,33 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   block.b = pair / p.heads_kv;
   block.col0 = position.block * Cfg::kBlockN;  // causal: the first key blocks have the most queries
   block.group = p.heads_q / p.heads_kv;
-  const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
-  block.dq_accum = params.dq_accum + pair_in_chunk * block.group * padded_len_q * Cfg::kHeadDim;
-  if constexpr (kWindow) {
-    const Visibility seen(p);
+  if constexpr (kVarlen) {
+    const PackedSequences& packed = params.packed;
+    const int b = static_cast<int>(block.b);
+    const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, b);
+    const SequenceSpan keys = sequence_span(packed.cu_seqlens_k, packed.total_k, p.len_k, b);
+    block.q_start = queries.start;
+    block.k_start = keys.start;
+    block.len_q = queries.length;
+    block.len_k = keys.length;
+    block.dq_accum_head_rows = packed_dq_accum_start(packed.total_q, p.batch);
+    block.dq_accum = params.dq_accum + (block.h_kv * block.group * block.dq_accum_head_rows +
+                                        packed_dq_accum_start(queries.start, b)) * Cfg::kHeadDim;
+  } else {
+    block.q_start = block.k_start = 0;
+    block.len_q = p.len_q;
+    block.len_k = p.len_k;
+    block.dq_accum_head_rows = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+    block.dq_accum = params.dq_accum + pair_in_chunk * block.group * block.dq_accum_head_rows * Cfg::kHeadDim;
+  }
+  if constexpr (kWindow || kVarlen) {
+    const Visibility seen(p, block.len_q, block.len_k);
     const int64_t query_begin = seen.query_begin(block.col0);
-    const int64_t query_end = seen.query_end(min(block.col0 + Cfg::kBlockN, p.len_k) - 1);
+    const int64_t query_end = seen.query_end(min(block.col0 + Cfg::kBlockN, block.len_k) - 1);
     block.m_begin = query_begin / Cfg::kBlockM;
-    block.m_count = query_end > query_begin ? static_cast<int>(ceil_div(query_end, Cfg::kBlockM) - block.m_begin) : 0;
+    block.m_count = query_end > query_begin && block.col0 < block.len_k
+                        ? static_cast<int>(ceil_div(query_end, Cfg::kBlockM) - block.m_begin)
+                        : 0;
   } else {
     block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
     block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
@@ -123,7 +147,7 @@ __device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>
 // mask hides none of the block's keys) and dO into the ring of stages; every
 // lane stages lse and delta of the tile's queries (plain loads: their rows are
 // not 16-byte aligned for the copy engine).
-template <typename Cfg>
+template <typename Cfg, bool kVarlen = false>
 __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, const BwdBlock& block,
                                                     unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
                                                     unsigned char* s_dout, unsigned char* s_mask,
@@ -132,8 +156,9 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   constexpr int kBlockM = Cfg::kBlockM, kStages = Cfg::kStages;
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
-  const int batch = static_cast<int>(block.b), kv_head = static_cast<int>(block.h_kv);
-  const int key_row = static_cast<int>(block.col0);
+  // (A packed batch is batch 0 of its tensors, the sequence at rows q_start and k_start.)
+  const int batch = kVarlen ? 0 : static_cast<int>(block.b), kv_head = static_cast<int>(block.h_kv);
+  const int key_row = static_cast<int>(block.k_start + block.col0);
   if (lane == 0) {
     ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
     for (int c = 0; c < Cfg::kColBlocks; ++c) {
@@ -148,10 +173,15 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   const int mask_tile_bytes = load_mask ? kp.mask.tile_bytes(Cfg::Mask::kColBlocks) : 0;
   int tile = 0;
   for (int head = static_cast<int>(block.h_kv * block.group); head < (block.h_kv + 1) * block.group; ++head) {
-    const float* lse = static_cast<const float*>(params.lse) + (block.b * p.heads_q + head) * p.len_q;
-    const float* delta = static_cast<const float*>(params.delta) + (block.b * p.heads_q + head) * p.len_q;
+    // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
+    const int64_t stats_row0 =
+        kVarlen ? head * params.packed.total_q + block.q_start : (block.b * p.heads_q + head) * p.len_q;
+    const float* lse = static_cast<const float*>(params.lse) + stats_row0;
+    const float* delta = static_cast<const float*>(params.delta) + stats_row0;
+    const int64_t len_q = kVarlen ? block.len_q : p.len_q;
     for (int m = 0; m < block.m_count; ++m, ++tile) {
       const int q_row = static_cast<int>((block.m_begin + m) * kBlockM);
+      const int q_coord = static_cast<int>(block.q_start) + q_row;
       const int stage = tile % kStages;
       const uint32_t parity = (tile / kStages) & 1;
       ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
@@ -159,7 +189,7 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
         ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
-                           c * kSwizzleCols, q_row, head, batch);
+                           c * kSwizzleCols, q_coord, head, batch);
         }
         if (Cfg::Mask::kPresent && load_mask) {
           for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
@@ -176,12 +206,12 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
         ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
-                           &bars->dout_full[stage], c * kSwizzleCols, q_row, head, batch);
+                           &bars->dout_full[stage], c * kSwizzleCols, q_coord, head, batch);
         }
       }
       for (int i = lane; i < kBlockM; i += kWarpSize) {
-        s_stats[stage][0][i] = lse_log2(lse, q_row + i, p.len_q);
-        s_stats[stage][1][i] = q_row + i < p.len_q ? delta[q_row + i] : 0.f;
+        s_stats[stage][0][i] = lse_log2(lse, q_row + i, len_q);
+        s_stats[stage][1][i] = q_row + i < len_q ? delta[q_row + i] : 0.f;
       }
       ptx::mbarrier_arrive(&bars->q_full[stage]);
     }
@@ -228,9 +258,9 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], con
   };
   const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)
                                     : p.is_causal && col0 + kBlockN - 1 > row0 + seen.offset;
-  const bool crosses_end = col0 + kBlockN > p.len_k;
+  const bool crosses_end = col0 + kBlockN > seen.len_k;
   if (crosses_edge || crosses_end) {
-    const int key_end = static_cast<int>(min(p.len_k - col0, int64_t{kBlockN}));
+    const int key_end = static_cast<int>(min(seen.len_k - col0, int64_t{kBlockN}));
     auto in_tile = [](int64_t d) { return static_cast<int>(clamp_index(d, -kBlockM, kBlockN)); };
     const int right_edge = crosses_edge && seen.right >= 0 ? in_tile(row0 + seen.offset + seen.right - col0) : kBlockN;
     const int left_edge = kWindow && seen.left >= 0 ? in_tile(row0 + seen.offset - seen.left - col0) : -kBlockM;
@@ -253,10 +283,11 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], con
 // tile's queries that see key 0 alone, exactly 0 there (flash_common.cuh):
 // the holder's key 0 scores are its registers at row offset 0.
 template <int kBlockM, int kRegs>
-__device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const AttentionProblem& p, int64_t col0,
-                                                     int64_t row0, int64_t offset, bool holds_first_key, int lane) {
+__device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const AttentionProblem& p,
+                                                     const Visibility& seen, int64_t col0, int64_t row0,
+                                                     bool holds_first_key, int lane) {
   if (col0 != 0) return;  // a branch uniform across the CTA, and selects within it (no divergence in the loop)
-  const RowRange alone = rows_seeing_first_key_alone(p, offset, row0, kBlockM);
+  const RowRange alone = rows_seeing_first_key_alone(p.is_causal, seen.len_k, seen.offset, row0, kBlockM);
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) {
     if (accumulator_row_offset(i) != 0) continue;
@@ -334,21 +365,23 @@ __device__ __forceinline__ void accumulate_key_gradient(float (&grad)[kRegs], ui
 // p)): its rows key_row and key_row + 8 of the block, its accumulators'
 // columns from col0 of the head dim on. Columns past the head dim (padded to
 // the kernel's) are not stored (as in the forward's output).
-template <typename Elem, int kGradRegs>
+template <typename Elem, bool kVarlen = false, int kGradRegs>
 __device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int key_row,
                                                     int col0, int lane, const float (&dk)[kGradRegs],
                                                     const float (&dv)[kGradRegs], float dv_scale) {
   const AttentionProblem& p = params.problem;
   const float scale = static_cast<float>(p.scale);
-  Elem* dk_head = head_ptr<Elem>(params.dk, block.b, block.h_kv);
-  Elem* dv_head = head_ptr<Elem>(params.dv, block.b, block.h_kv);
+  // (A packed batch: batch 0 of the tensors, the sequence's keys from row k_start.)
+  const int64_t batch = kVarlen ? 0 : block.b, len_k = kVarlen ? block.len_k : p.len_k;
+  Elem* dk_head = head_ptr<Elem>(params.dk, batch, block.h_kv) + block.k_start * params.dk.stride_row;
+  Elem* dv_head = head_ptr<Elem>(params.dv, batch, block.h_kv) + block.k_start * params.dv.stride_row;
   const int dim = static_cast<int>(p.head_dim);
   const bool padded = dim < col0 + 2 * kGradRegs;
   const int cols0 = col0 + (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t key = block.col0 + key_row + half * 8;
-    if (key >= p.len_k) continue;
+    if (key >= len_k) continue;
     Elem* dk_row = dk_head + key * params.dk.stride_row + cols0;
     Elem* dv_row = dv_head + key * params.dv.stride_row + cols0;
 #pragma unroll
@@ -368,20 +401,25 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& params, con
 // most), launches the kernel, one block per (kBlockN keys, key/value head,
 // batch), and scales and rounds dq_accum into dq (zeroing it again before the
 // next chunk). False where a tensor map cannot describe the inputs (the call
-// goes to the sm80 kernels).
-template <typename Elem, typename Cfg, typename Kernel>
+// goes to the sm80 kernels). kVarlen: a packed batch, in one chunk (its
+// delta computed as that of one batch element of all the packed rows, its
+// dq_accum zeroed apart).
+template <typename Elem, typename Cfg, bool kVarlen = false, typename Kernel>
 bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   BwdKernelParams kp;
   kp.call = params;
   constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
+  const MappedShape shape = mapped_shape(p, params.packed, std::max(Cfg::kBlockM, Cfg::kBlockN));
+  if (!shape.fits) return false;
+  const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, p, rows, heads, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, shape.tensors, rows, heads, kBFloat16, box_rows);
   };
-  if (!map(&kp.q_map, params.q, p.len_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.dout_map, params.dout, p.len_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.k_map, params.k, p.len_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, p.len_k, p.heads_kv, Cfg::kBlockN)) {
+  if (!map(&kp.q_map, params.q, rows_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.dout_map, params.dout, rows_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, rows_k, p.heads_kv, Cfg::kBlockN)) {
     return false;
   }
   if (Cfg::Mask::kPresent &&
@@ -391,7 +429,17 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), pairs = p.heads_kv * p.batch;
   if (n_blocks * params.dq_accum_pairs > std::numeric_limits<int>::max()) return false;  // the grid's limit
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
-  compute_delta(params, type, stream);
+  if constexpr (kVarlen) {
+    if (params.dq_accum_pairs != pairs) return false;  // (one chunk)
+    BwdParams all_rows = params;
+    all_rows.problem = shape.tensors;
+    all_rows.problem.len_q = rows_q;
+    all_rows.dq_accum = nullptr;
+    compute_delta(all_rows, type, stream);
+    cudaMemsetAsync(params.dq_accum, 0, packed_dq_accum_floats(params) * sizeof(float), stream);
+  } else {
+    compute_delta(params, type, stream);
+  }
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int sms = multiprocessor_count();
   const int64_t chunks = ceil_div(pairs, params.dq_accum_pairs);

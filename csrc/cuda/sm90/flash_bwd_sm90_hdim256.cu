@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (kWindow) {
         zero_window_rows_seeing_one_key<kBlockM>(s, seen, row0, lane);
       } else {
-        zero_first_key_alone<kBlockM>(s, p, col0, row0, seen.offset, holds_first_key, lane);
+        zero_first_key_alone<kBlockM>(s, p, seen, col0, row0, holds_first_key, lane);
       }
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
       // proxy). Its last readers, tile t - 2's dQ of both consumers and

@@ -853,18 +853,11 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   FwdKernelParams kp;
   kp.call = params;
   constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
-  // A packed batch's tensors are one batch element of all the packed rows
-  // (addressed in 32 bits by the tiles).
-  AttentionProblem tensors = p;
-  int64_t rows_q = p.len_q, rows_k = p.len_k;
-  if constexpr (kVarlen) {
-    tensors.batch = 1;
-    rows_q = params.packed.total_q;
-    rows_k = params.packed.total_k;
-    if (std::max(rows_q, rows_k) >= (int64_t{1} << 31) - std::max(Cfg::kBlockM, Cfg::kBlockN)) return false;
-  }
+  const MappedShape shape = mapped_shape(p, params.packed, std::max(Cfg::kBlockM, Cfg::kBlockN));
+  if (!shape.fits) return false;
+  const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, tensors, rows, heads, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, shape.tensors, rows, heads, kBFloat16, box_rows);
   };
   if (!map(&kp.q_map, params.q, rows_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.k_map, params.k, rows_k, p.heads_kv, Cfg::kBlockN) ||
