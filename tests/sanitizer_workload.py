@@ -1,7 +1,7 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
-dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap, ALiBi
-and packed batches.
+dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap, ALiBi,
+packed batches and decoding steps.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -161,6 +161,30 @@ def run_varlen(dtype):
             raise RuntimeError(f"out is not finite for the packed batch at head dim {dim} in {dtype}")
 
 
+def run_decode(dtype):
+    """Decoding steps: contiguous and paged caches (blocks of 16 and 256 keys, and of 4: the mma.sync
+    kernel's) whose sequences end inside tiles and blocks, one with no key, len_q 1 and 3 (causal),
+    and two new tokens appended; head dims 64 and 128 (the Hopper kernel's) and 32."""
+    lengths = torch.tensor([0, 37, 300], device="cuda")
+    for dim, block_size, len_q in ((128, None, 1), (64, 16, 3), (128, 256, 1), (32, 4, 1)):
+        capacity = 320
+        if block_size is None:
+            k_cache, v_cache = (torch.randn(3, 2, capacity, dim, device="cuda", dtype=dtype) for _ in range(2))
+            table = None
+        else:
+            per_sequence = capacity // block_size + (capacity % block_size > 0)
+            k_cache, v_cache = (torch.randn(3 * per_sequence, block_size, 2, dim, device="cuda", dtype=dtype)
+                                for _ in range(2))
+            table = torch.randperm(3 * per_sequence, device="cuda").view(3, per_sequence).to(torch.int32)
+        q = torch.randn(3, 8, len_q, dim, device="cuda", dtype=dtype)
+        new = [torch.randn(3, 2, 2, dim, device="cuda", dtype=dtype) for _ in range(2)]
+        out = flashattn_ext.decode_attention(q, k_cache, v_cache, lengths, block_table=table, key_new=new[0],
+                                             value_new=new[1], is_causal=len_q > 1)
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"decode out is not finite at head dim {dim}, block size {block_size} in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -188,6 +212,9 @@ def main():
             print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
             run_varlen(dtype)
             print(f"ok packed batch {dtype} deterministic={deterministic}", flush=True)
+    for dtype in DTYPES:
+        run_decode(dtype)
+        print(f"ok decode {dtype}", flush=True)
 
 
 if __name__ == "__main__":

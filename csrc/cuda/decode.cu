@@ -13,25 +13,20 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
 
 namespace flashattn_ext::cuda {
 namespace {
 
-constexpr int kDecodeRows = 16;  // query rows of a block: one mma tile
+using decoding::LaneRows;
+using decoding::QueryRow;
+using decoding::sequence_length;
+constexpr int kDecodeRows = decoding::kRows;
 constexpr int kMergeWarps = 4;   // the merge kernel: one warp a query row
 // Chunks hold at least this many keys of the capacity: fewer would spend more
 // on the pipeline's start and the partial results than on the keys.
 constexpr int kMinKeysPerChunk = 256;
-
-// Keys that sequence b's queries see, clamped to the capacity so that no read
-// leaves the cache (the CPU op raises on such lengths; the CUDA op does not
-// read them back, which would wait for the GPU).
-__device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, int64_t b) {
-  const int64_t length = params.cache_seqlens.at(0, b) + params.len_new;
-  return min(max(length, int64_t{0}), params.problem.len_k);
-}
 
 // Where key j of sequence b lies in the caches (see DecodeParams): the outer
 // index (the sequence, or the block of a paged cache) and the row in it. A
@@ -77,12 +72,6 @@ __global__ void append_kernel(const DecodeParams params) {
   const Elem* from = static_cast<const Elem*>(src.data) + b * src.stride_batch + h * src.stride_head + i * src.stride_row;
   cache_row<Elem>(params, dst, b, h, j)[c * dst.stride_col] = from[c * src.stride_col];
 }
-
-// Query row r of a block: (query head, query token) of the key/value head's
-// group, rows in (head, token) order.
-struct QueryRow {
-  int64_t head, token;
-};
 
 template <int kHeadDim_>
 struct DecodeConfig {
@@ -145,10 +134,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   const int64_t b = unit / row_blocks / p.heads_kv;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int rows = min(kRows, rows_per_head - row0);
-  auto row_of = [&](int r) {
-    const int index = row0 + r;
-    return QueryRow{h_kv * group + index / len_q, index % len_q};
-  };
+  auto row_of = [&](int r) { return decoding::query_row(h_kv, group, len_q, row0 + r); };
 
   // Token t sees keys [vis.key_begin(t), vis.key_end(t)) of the sequence's:
   // bottom-right aligned, bounded by the causal mask and the sliding window.
@@ -247,31 +233,13 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     s_q[r * kStride + c] = x;
   }
 
-  // This lane's two rows (lane / 4 and lane / 4 + 8 of the block) see keys
-  // [row_begin, row_end); rows past the block's see none. kAlibi: each row's
-  // slope in log2 units, times its distance from key j (a template flag: the
-  // 64-bit distances cost the kernels without ALiBi up to 23 registers).
-  int64_t row_begin[2], row_end[2], row_token[2];
-  float alibi_log2[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = lane / 4 + half * 8;
-    const QueryRow row = row_of(r);
-    row_token[half] = row.token;
-    row_begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
-    row_end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
-    alibi_log2[half] = kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
-  }
+  const LaneRows<kAlibi> lane_rows(params, vis, b, h_kv, row0, rows, key_end, lane);
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t warp_keys = warp * Cfg::kKeysPerWarp * kStride * kElemBytes;
   const uint32_t k_frag = ptx::smem_addr(s_k) + warp_keys + b_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t v_frag = ptx::smem_addr(s_v) + warp_keys + a_lane_offset<kStride>(lane) * kElemBytes;
-  // Scores in log2 units: scale * x, or with softcapping softcap * tanh(scale * x / softcap).
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  const bool softcapped = p.softcap > 0.0;
-  const float scale_over_cap = static_cast<float>(p.scale / p.softcap);
-  const float cap_log2 = static_cast<float>(p.softcap * M_LOG2E);
+  const decoding::ScoreScale score_scale(p);
   float acc[1][kDimTiles][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
@@ -294,54 +262,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     float s[1][2][4] = {};
     mma_rows_by_rows<Elem, 1, 2, kHeadDim, kStride>(s, q_frag, k_frag + stage_offset);
     const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
-    if (softcapped) {  // one branch a tile, not one per score
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[0][i / 4][i % 4] = cap_log2 * tanhf(s[0][i / 4][i % 4] * scale_over_cap);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[0][i / 4][i % 4] *= scale_log2;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
-        if (j < row_begin[e / 2] || j >= row_end[e / 2]) {
-          s[0][nt][e] = -INFINITY;
-        } else if constexpr (kAlibi) {
-          s[0][nt][e] -= alibi_log2[e / 2] * static_cast<float>(vis.distance(row_token[e / 2], j));
-        }
-      }
-    }
-    // Online softmax; each row lives in the 4 lanes of a quad.
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float tile_max = fmaxf(fmaxf(s[0][0][2 * half], s[0][0][2 * half + 1]),
-                             fmaxf(s[0][1][2 * half], s[0][1][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
-      const float new_max = fmaxf(row_max[half], tile_max);
-      // A row with nothing visible yet keeps max -inf; subtract 0 instead so
-      // that exp2(-inf - max) stays 0 rather than NaN.
-      const float max_used = new_max == -INFINITY ? 0.f : new_max;
-      const float rescale = ptx::exp2_approx(row_max[half] - max_used);
-      row_max[half] = new_max;
-      float tile_sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          s[0][nt][e] = ptx::exp2_approx(s[0][nt][e] - max_used);
-          tile_sum += s[0][nt][e];
-        }
-      }
-      row_sum[half] = row_sum[half] * rescale + tile_sum;  // this lane's partial sum
-#pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        acc[0][dt][2 * half] *= rescale;
-        acc[0][dt][2 * half + 1] *= rescale;
-      }
-    }
+    decoding::finish_scores(s[0], score_scale, lane_rows, vis, key0, lane);
+    decoding::online_softmax(s[0], row_max, row_sum, acc[0]);
     // O += P V over the warp's 16 keys.
     mma_regs_by_rows<Elem, 1, Cfg::kKeysPerWarp, kHeadDim, kStride>(acc, s, v_frag + stage_offset);
   }
@@ -394,26 +316,26 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   }
 }
 
-// out and lse of each query row from its chunks' partial results: one warp a row.
+// out and lse of each query row from its partial results (the chunk kernels'): one warp a row.
 template <typename Elem>
-__global__ void merge_chunks_kernel(const DecodeParams params, const float* out_partial, const float* lse_partial,
-                                    int chunks) {
+__global__ void merge_partials_kernel(const DecodeParams params, const float* out_partial, const float* lse_partial,
+                                      int partials) {
   const AttentionProblem& p = params.problem;
   const int64_t row = blockIdx.x * int64_t{kMergeWarps} + threadIdx.x / kWarpSize;  // (batch, head, token)
   const int lane = threadIdx.x % kWarpSize;
   if (row >= p.batch * p.heads_q * p.len_q) return;
   const int64_t token = row % p.len_q, h = row / p.len_q % p.heads_q, b = row / (p.len_q * p.heads_q);
-  const float* lse = lse_partial + row * chunks;
+  const float* lse = lse_partial + row * partials;
   float lse_max = -INFINITY;
-  for (int s = 0; s < chunks; ++s) lse_max = fmaxf(lse_max, lse[s]);
+  for (int s = 0; s < partials; ++s) lse_max = fmaxf(lse_max, lse[s]);
   float sum = 0.f;
-  for (int s = 0; s < chunks; ++s) sum += lse[s] == -INFINITY ? 0.f : expf(lse[s] - lse_max);
+  for (int s = 0; s < partials; ++s) sum += lse[s] == -INFINITY ? 0.f : expf(lse[s] - lse_max);
   Elem* out = static_cast<Elem*>(params.out.data) + b * params.out.stride_batch + h * params.out.stride_head +
               token * params.out.stride_row;
   for (int c = lane; c < p.head_dim_v; c += kWarpSize) {
     float value = 0.f;
-    for (int s = 0; s < chunks; ++s) {
-      if (lse[s] != -INFINITY) value += expf(lse[s] - lse_max) * out_partial[(row * chunks + s) * p.head_dim_v + c];
+    for (int s = 0; s < partials; ++s) {
+      if (lse[s] != -INFINITY) value += expf(lse[s] - lse_max) * out_partial[(row * partials + s) * p.head_dim_v + c];
     }
     out[c * params.out.stride_col] = ptx::from_float<Elem>(sum > 0.f ? value / sum : 0.f);
   }
@@ -449,7 +371,7 @@ void dispatch_decode_config(const AttentionProblem& p, Fn&& fn) {
 
 }  // namespace
 
-int decode_chunks(const DecodeParams& params, ElementType type) {
+int decode_partials(const DecodeParams& params, ElementType type) {
   const AttentionProblem& p = params.problem;
   if (p.heads_kv == 0 || p.batch == 0 || p.len_q == 0) return 1;
   int per_sm = 1;
@@ -474,32 +396,46 @@ int decode_chunks(const DecodeParams& params, ElementType type) {
   return 1;
 }
 
-void decode_attention(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial, int chunks,
-                      cudaStream_t stream) {
+void decode_append(const DecodeParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
+  const int64_t new_elements = p.batch * p.heads_kv * params.len_new * (p.head_dim + p.head_dim_v);
+  if (new_elements == 0) return;
+  dispatch_element_type(type, [&](auto elem) {
+    append_kernel<decltype(elem)><<<static_cast<unsigned>(ceil_div(new_elements, 256)), 256, 0, stream>>>(params);
+  });
+}
+
+void decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
+                               int partials, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  if (p.batch * p.heads_q * p.len_q == 0) return;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    const int64_t new_elements = p.batch * p.heads_kv * params.len_new * (p.head_dim + p.head_dim_v);
-    if (new_elements > 0) {
-      append_kernel<Elem><<<static_cast<unsigned>(ceil_div(new_elements, 256)), 256, 0, stream>>>(params);
-    }
-    const int64_t rows = p.batch * p.heads_q * p.len_q;
-    if (rows == 0) return;
     dispatch_decode_config(p, [&](auto cfg) {
       using Cfg = decltype(cfg);
       // Chunks of whole tiles.
-      const int64_t keys_per_chunk = ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN;
+      const int64_t keys_per_chunk = ceil_div(ceil_div(p.len_k, partials), Cfg::kBlockN) * Cfg::kBlockN;
       const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
-      const int64_t blocks = chunks * p.heads_kv * row_blocks(p) * p.batch;
+      const int64_t blocks = partials * p.heads_kv * row_blocks(p) * p.batch;
       dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
         const auto kernel = decode_chunks_kernel<Elem, Cfg, decltype(alibi)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(
-            params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), chunks);
+            params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), partials);
       });
     });
-    merge_chunks_kernel<Elem><<<static_cast<unsigned>(ceil_div(rows, kMergeWarps)), kMergeWarps * kWarpSize, 0,
-                                stream>>>(params, out_partial, lse_partial, chunks);
+  });
+}
+
+void decode_merge(const DecodeParams& params, ElementType type, const float* out_partial, const float* lse_partial,
+                  int partials, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  const int64_t rows = p.batch * p.heads_q * p.len_q;
+  if (rows == 0) return;
+  dispatch_element_type(type, [&](auto elem) {
+    merge_partials_kernel<decltype(elem)><<<static_cast<unsigned>(ceil_div(rows, kMergeWarps)),
+                                          kMergeWarps * kWarpSize, 0, stream>>>(params, out_partial, lse_partial,
+                                                                                partials);
   });
 }
 

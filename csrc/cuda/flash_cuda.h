@@ -52,16 +52,22 @@ KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const A
 // key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
-// decode_chunks is how many chunks of keys a call splits each sequence into;
-// decode_attention writes key_new and value_new into the caches, then out and
-// lse, through each chunk's partial results in out_partial (batch * heads_q *
-// len_q * chunks * head_dim_v floats) and lse_partial (batch * heads_q * len_q
-// * chunks). Lengths past the capacity and block indices outside the cache are
-// clamped (not checked: that would wait for the GPU).
-int decode_chunks(const DecodeParams& params, ElementType type);
-void decode_attention(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
-                      int chunks, cudaStream_t stream);
+// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim,
+// in three steps: decode_append writes key_new and value_new into the caches;
+// a chunk kernel writes each query row's partial results over chunks of its
+// keys into out_partial (batch * heads_q * len_q * partials * head_dim_v
+// floats) and lse_partial (batch * heads_q * len_q * partials); decode_merge
+// merges them into out and lse. The chunk kernel: sm90::decode_attention_partials
+// where sm90::decode_partials takes the call, else decode_attention_partials
+// (mma.sync, any GPU from Ampere on), `partials` of them as decode_partials
+// says (its chunks). Lengths past the capacity and block indices outside the
+// cache are clamped (not checked: that would wait for the GPU).
+int decode_partials(const DecodeParams& params, ElementType type);
+void decode_append(const DecodeParams& params, ElementType type, cudaStream_t stream);
+void decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
+                               int partials, cudaStream_t stream);
+void decode_merge(const DecodeParams& params, ElementType type, const float* out_partial, const float* lse_partial,
+                  int partials, cudaStream_t stream);
 
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.
@@ -128,6 +134,20 @@ int64_t backward_chunk_pairs(const AttentionProblem& p);
 // backward_chunk_pairs pairs, tensors the copy engine can address. Else
 // launches nothing and returns false.
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
+
+// The Hopper decode kernel (decode_sm90.cu): how many partial results it
+// writes a query row (a multiple of kDecodeConsumers: each of its consumer
+// warps' over each chunk), or 0 where it does not take the call. It takes
+// float16 and bfloat16 (the caller's), head dims 64 and 128 (value's equal),
+// up to 16 query rows a key/value head (GQA group times query tokens), caches
+// the copy engine can address, paged ones with blocks of 8 keys or more that
+// divide 64 or are a multiple of it.
+constexpr int kDecodeConsumers = 4;
+// decode_attention_partials returns false (and launches nothing) unless
+// `partials` is what decode_partials said.
+int decode_partials(const DecodeParams& params, ElementType type);
+bool decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
+                               int partials, cudaStream_t stream);
 
 }  // namespace sm90
 

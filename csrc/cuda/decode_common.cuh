@@ -1,0 +1,132 @@
+// Device code of both decode kernels: decode.cu's (mma.sync fed by cp.async,
+// any GPU from Ampere on) and sm90/decode_sm90.cu's (fed by the copy engine).
+// Both compute, per warp, the online softmax of a 16-row block of query rows
+// (the GQA group's heads times the query tokens of one key/value head) over
+// 16 keys at a time, as m16n8k16 accumulators: a lane holds rows lane / 4 and
+// lane / 4 + 8, and of each 8-key n tile keys (lane % 4) * 2 and the next.
+#pragma once
+
+#include "cuda/flash_common.cuh"
+
+namespace flashattn_ext::cuda::decoding {
+
+constexpr int kRows = 16;  // query rows of a block: one mma tile
+
+// Keys that sequence b's queries see, clamped to the capacity so that no read
+// leaves the cache (the CPU op raises on such lengths; the CUDA op does not
+// read them back, which would wait for the GPU).
+__device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, int64_t b) {
+  const int64_t length = params.cache_seqlens.at(0, b) + params.len_new;
+  return min(max(length, int64_t{0}), params.problem.len_k);
+}
+
+// Row `index` of key/value head h_kv's query rows: (query head, query token)
+// of its group, rows in (head, token) order.
+struct QueryRow {
+  int64_t head, token;
+};
+__device__ __forceinline__ QueryRow query_row(int64_t h_kv, int group, int len_q, int index) {
+  return {h_kv * group + index / len_q, index % len_q};
+}
+
+// What a lane's two rows (lane / 4 and lane / 4 + 8 of a block of `rows` rows
+// from row0) see: keys [begin, end), bounded by key_end; rows past the block's
+// see none. kAlibi: each row's slope in log2 units (a template flag: the
+// 64-bit distances cost the kernels without ALiBi up to 23 registers).
+template <bool kAlibi>
+struct LaneRows {
+  int64_t begin[2], end[2], token[2];
+  float alibi_log2[2];
+
+  __device__ __forceinline__ LaneRows(const DecodeParams& params, const Visibility& vis, int64_t b, int64_t h_kv,
+                                      int row0, int rows, int64_t key_end, int lane) {
+    const AttentionProblem& p = params.problem;
+    const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lane / 4 + half * 8;
+      const QueryRow row = query_row(h_kv, group, len_q, row0 + r);
+      token[half] = row.token;
+      begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
+      end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
+      alibi_log2[half] = kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
+    }
+  }
+};
+
+// How raw scores become log2-unit logits: scale * x, or with softcapping
+// softcap * tanh(scale * x / softcap).
+struct ScoreScale {
+  float scale_log2, scale_over_cap, cap_log2;
+  bool softcapped;
+
+  __device__ __forceinline__ explicit ScoreScale(const AttentionProblem& p)
+      : scale_log2(static_cast<float>(p.scale * M_LOG2E)),
+        scale_over_cap(static_cast<float>(p.scale / p.softcap)),
+        cap_log2(static_cast<float>(p.softcap * M_LOG2E)),
+        softcapped(p.softcap > 0.0) {}
+};
+
+// A warp's scores of 16 keys from key0, in log2 units: scaled (or capped),
+// -inf where a row does not see the key, less ALiBi's bias where it does.
+template <bool kAlibi>
+__device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kAlibi>& rows,
+                                              const Visibility& vis, int64_t key0, int lane) {
+  if (scale.softcapped) {  // one branch a tile, not one per score
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.cap_log2 * tanhf(s[i / 4][i % 4] * scale.scale_over_cap);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] *= scale.scale_log2;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
+      if (j < rows.begin[e / 2] || j >= rows.end[e / 2]) {
+        s[nt][e] = -INFINITY;
+      } else if constexpr (kAlibi) {
+        s[nt][e] -= rows.alibi_log2[e / 2] * static_cast<float>(vis.distance(rows.token[e / 2], j));
+      }
+    }
+  }
+}
+
+// The online softmax over a warp's 16 keys: their scores become probabilities
+// (unnormalized), the rows' running max and this lane's share of their sums
+// move on, and the output accumulators (acc, kDimTiles n tiles) are rescaled.
+// Each row lives in the 4 lanes of a quad.
+template <int kDimTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
+                                               float (&acc)[kDimTiles][4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile_max = fmaxf(fmaxf(s[0][2 * half], s[0][2 * half + 1]), fmaxf(s[1][2 * half], s[1][2 * half + 1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, 2));
+    const float new_max = fmaxf(row_max[half], tile_max);
+    // A row with nothing visible yet keeps max -inf; subtract 0 instead so
+    // that exp2(-inf - max) stays 0 rather than NaN.
+    const float max_used = new_max == -INFINITY ? 0.f : new_max;
+    const float rescale = ptx::exp2_approx(row_max[half] - max_used);
+    row_max[half] = new_max;
+    float tile_sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 2 * half; e < 2 * half + 2; ++e) {
+        s[nt][e] = ptx::exp2_approx(s[nt][e] - max_used);
+        tile_sum += s[nt][e];
+      }
+    }
+    row_sum[half] = row_sum[half] * rescale + tile_sum;  // this lane's partial sum
+#pragma unroll
+    for (int dt = 0; dt < kDimTiles; ++dt) {
+      acc[dt][2 * half] *= rescale;
+      acc[dt][2 * half + 1] *= rescale;
+    }
+  }
+}
+
+}  // namespace flashattn_ext::cuda::decoding

@@ -1,0 +1,399 @@
+// Decoding on Hopper: the chunk kernel of decode.cu's three steps, fed by the
+// copy engine. Reading the cache is the whole cost, and the mma.sync kernel
+// spent its time computing where each row of a tile lies (a block-table lookup
+// a row for paged caches) and starting blocks, not waiting for memory: on an
+// H200 it read a contiguous cache at 0.64-0.68 of a device-to-device copy's
+// rate and a paged one at 0.47-0.50, random or sequential block tables alike.
+//
+// Here one producer warp walks the block's work items (a key/value head's
+// chunk of a sequence) and their tiles of kBlockN keys, and has the copy
+// engine load each tile's K and V rows (one copy a 64-column box of rows; a
+// paged cache's blocks looked up 32 boxes at a time) into a ring of stages; four
+// consumer warps each take 16 keys of every tile: Q K^T, the online softmax and
+// P V on the tensor cores (mma.sync m16n8k16 from the 128-byte swizzled
+// stages), for the item's query rows (the GQA group's heads times the query
+// tokens, up to 16: one mma tile). Blocks are persistent, so the ring runs on
+// from one item into the next. Each consumer's softmax over its own keys ends
+// as one partial result a chunk, merged with the others by decode_merge.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/decode_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
+
+namespace flashattn_ext::cuda::sm90 {
+namespace {
+
+using decoding::LaneRows;
+using decoding::QueryRow;
+
+template <int kHeadDim_>
+struct DecodeTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;  // of keys and values
+  static constexpr int kConsumers = kDecodeConsumers;
+  static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
+  static constexpr int kBlockN = kConsumers * 16;                // keys of a stage: 16 a consumer
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
+  static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
+  // About 192 KiB of stages: the bytes in flight that keep an SM's share of
+  // the memory's bandwidth busy, with one block an SM.
+  static constexpr int kStages = (192 << 10) / (2 * kTileBytes);
+  static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kSwizzleAtomBytes;
+};
+
+// What the kernel reads: the call, tensor maps of the caches as (col, row,
+// head, sequence or block), and its split into work items.
+struct DecodeKernelParams {
+  DecodeParams call;
+  CUtensorMap k_map, v_map;
+  int items;           // (chunk, key/value head, sequence), chunk fastest
+  int chunks, keys_per_chunk;
+  int box_rows;        // rows of one copy: kBlockN, or a paged cache's smaller block size
+  float* out_partial;  // (see decode_merge)
+  float* lse_partial;
+};
+
+// One work item: the keys [key_begin, key_end) of sequence b that some query
+// row of key/value head h_kv sees in the chunk, in tiles of kBlockN keys from
+// tile0 (key_begin rounded down: a paged cache's blocks then start a box).
+struct DecodeItem {
+  int64_t b, h_kv, length, key_begin, key_end, tile0;
+  int chunk, tiles;
+};
+
+template <typename Cfg>
+__device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, int index) {
+  const AttentionProblem& p = kp.call.problem;
+  DecodeItem item;
+  item.chunk = index % kp.chunks;
+  const int unit = index / kp.chunks;
+  item.h_kv = unit % static_cast<int>(p.heads_kv);
+  item.b = unit / static_cast<int>(p.heads_kv);
+  item.length = decoding::sequence_length(kp.call, item.b);
+  const Visibility vis(p, p.len_q, item.length);
+  const int64_t chunk_begin = int64_t{item.chunk} * kp.keys_per_chunk;
+  item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
+  item.key_end = max(item.key_begin, min(chunk_begin + kp.keys_per_chunk, vis.key_end(p.len_q - 1)));
+  item.tile0 = item.key_begin / Cfg::kBlockN * Cfg::kBlockN;
+  item.tiles = item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, Cfg::kBlockN)) : 0;
+  return item;
+}
+
+struct DecodeBarriers {
+  uint64_t* full;   // [kStages]: a tile's K and V have landed
+  uint64_t* empty;  // [kStages]: every consumer is done with the stage
+};
+
+// The producer warp: the block's items' tiles into the ring, in order, the
+// copies issued by lane 0. Boxes whose first key is past the item's keys are
+// not loaded (a paged cache's block table may end before them); the consumers
+// zero what those rows hold. A paged cache's blocks are looked up 32 boxes at
+// a time, one a lane (a lookup is a load from memory: one after another, they
+// would leave the copy engine idle).
+template <typename Cfg>
+__device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigned char* stages, DecodeBarriers bars,
+                                           int lane) {
+  const DecodeParams& params = kp.call;
+  const bool paged = params.block_table.data != nullptr;
+  const int block_size = static_cast<int>(params.block_size), box_rows = kp.box_rows;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
+    const DecodeItem item = decode_item<Cfg>(kp, index);
+    // Box `box` of the item holds keys from tile0 + box * box_rows; lane i
+    // holds the cache block of box first_looked_up + i.
+    int box = 0, first_looked_up = 0, lane_block = 0;
+    for (int t = 0; t < item.tiles; ++t) {
+      const int64_t key0 = item.tile0 + int64_t(t) * Cfg::kBlockN;
+      const int boxes = static_cast<int>(min(int64_t{Cfg::kBlockN / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      if (lane == 0) {
+        ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_rows * kSwizzleRowBytes * Cfg::kColBlocks * 2);
+      }
+      unsigned char* k_stage = stages + stage * 2 * Cfg::kTileBytes;
+      unsigned char* v_stage = k_stage + Cfg::kTileBytes;
+      for (int i = 0; i < boxes; ++i, ++box) {
+        const int key = static_cast<int>(item.tile0) + box * box_rows;
+        int outer = static_cast<int>(item.b), row = key;
+        if (paged) {
+          if (box == 0 || box - first_looked_up == kWarpSize) {  // (uniform across the warp)
+            first_looked_up = box;
+            const int64_t lane_key = item.tile0 + int64_t(box + lane) * box_rows;
+            // (The same clamp as decode.cu's cache_position.)
+            const int64_t block = lane_key < item.key_end ? params.block_table.at(item.b, lane_key / block_size) : 0;
+            lane_block = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
+          }
+          outer = __shfl_sync(0xffffffff, lane_block, box - first_looked_up);
+          row = key % block_size;
+        }
+        if (lane != 0) continue;
+        const int offset = i * box_rows * kSwizzleRowBytes;
+        for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          ptx::tma_load_4d(k_stage + c * Cfg::kColBlockBytes + offset, &kp.k_map, &bars.full[stage], c * kSwizzleCols,
+                           row, static_cast<int>(item.h_kv), outer);
+          ptx::tma_load_4d(v_stage + c * Cfg::kColBlockBytes + offset, &kp.v_map, &bars.full[stage], c * kSwizzleCols,
+                           row, static_cast<int>(item.h_kv), outer);
+        }
+      }
+      if (++stage == Cfg::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// Where a lane's ldmatrix row lies in a stage's K or V: row `key` of the tile,
+// 16-byte piece `piece` of the head dim (8 columns), in the copy engine's
+// 128-byte swizzle (a row's pieces permuted by the row's place in its 8).
+template <typename Cfg>
+__device__ __forceinline__ uint32_t swizzled(uint32_t base, int key, int piece) {
+  return base + (piece / 8) * Cfg::kColBlockBytes + key * kSwizzleRowBytes + (((piece % 8) ^ (key % 8)) << 4);
+}
+
+template <typename Elem, typename Cfg, bool kAlibi>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages, kDimTiles = kHeadDim / 8;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* stages = swizzle_aligned(smem_raw);
+  uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
+  const DecodeBarriers bars{barrier_words, barrier_words + kStages};
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&bars.full[s], 1);
+      ptx::mbarrier_init(&bars.empty[s], Cfg::kConsumers);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp == Cfg::kConsumers) {
+    load_tiles<Cfg>(kp, stages, bars, lane);
+    return;
+  }
+
+  const DecodeParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
+  const int rows = group * len_q;  // (at most 16: decode_partials)
+  const int partials = kp.chunks * Cfg::kConsumers;
+  const decoding::ScoreScale score_scale(p);
+  const uint32_t stages_addr = ptx::smem_addr(stages);
+  // This lane's ldmatrix rows among the warp's 16 keys: K's for Q K^T (keys
+  // 0-7 for matrices 0 and 1, 8-15 for 2 and 3; pieces alternate), V's for
+  // P V (transposed: keys alternate, pieces 0 for matrices 0 and 1).
+  const int matrix = lane / 8;
+  const int k_key = warp * 16 + (matrix / 2) * 8 + lane % 8, k_piece = matrix % 2;
+  const int v_key = warp * 16 + (matrix % 2) * 8 + lane % 8, v_piece = matrix / 2;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
+    const DecodeItem item = decode_item<Cfg>(kp, index);
+    const Visibility vis(p, p.len_q, item.length);
+    const LaneRows<kAlibi> lane_rows(params, vis, item.b, item.h_kv, 0, rows, item.key_end, lane);
+
+    // Q as mma A fragments: rows lane / 4 (registers 0, 2) and + 8 (1, 3),
+    // columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past the
+    // item's are zeros.
+    uint32_t q_frag[kHeadDim / 16][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = lane / 4 + i * 8;
+      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
+      const Elem* q_row = static_cast<const Elem*>(params.q.data) + item.b * params.q.stride_batch +
+                          row.head * params.q.stride_head + row.token * params.q.stride_row;
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t col = ks * 16 + half * 8 + (lane % 4) * 2;
+          const float x0 = r < rows ? ptx::to_float(q_row[col * params.q.stride_col]) : 0.f;
+          const float x1 = r < rows ? ptx::to_float(q_row[(col + 1) * params.q.stride_col]) : 0.f;
+          q_frag[ks][i + 2 * half] = ptx::pack2<Elem>(x0, x1);
+        }
+      }
+    }
+
+    float acc[kDimTiles][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    for (int t = 0; t < item.tiles; ++t) {
+      ptx::mbarrier_wait(&bars.full[stage], phase);
+      const int64_t key0 = item.tile0 + int64_t(t) * Cfg::kBlockN + warp * 16;  // this warp's first key
+      if (key0 < item.key_end && key0 + 16 > item.key_begin) {
+        const uint32_t k_base = stages_addr + stage * 2 * Cfg::kTileBytes, v_base = k_base + Cfg::kTileBytes;
+        if (key0 + 16 > item.key_end) {
+          // Rows past the keys hold whatever the cache or an earlier tile left
+          // (0 * NaN would poison P V): zeros, seen by the copy engine's next
+          // write of the stage only after the fence.
+          unsigned char* v_stage = stages + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
+          const int first = static_cast<int>(item.key_end - key0);
+          for (int i = lane; i < (16 - first) * kHeadDim / 8; i += kWarpSize) {
+            const int key = warp * 16 + first + i / (kHeadDim / 8), piece = i % (kHeadDim / 8);
+            *reinterpret_cast<uint4*>(v_stage + (swizzled<Cfg>(0, key, piece))) = make_uint4(0, 0, 0, 0);
+          }
+          ptx::fence_proxy_async();
+          __syncwarp();
+        }
+        // S = Q K^T over the warp's 16 keys.
+        float s[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          uint32_t k_frag[4];
+          ptx::ldmatrix_x4(k_frag, swizzled<Cfg>(k_base, k_key, 2 * ks + k_piece));
+          ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
+          ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
+        }
+        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, lane);
+        decoding::online_softmax(s, row_max, row_sum, acc);
+        // O += P V: P as A fragments straight from the scores' accumulators.
+        const uint32_t p_frag[4] = {ptx::pack2<Elem>(s[0][0], s[0][1]), ptx::pack2<Elem>(s[0][2], s[0][3]),
+                                    ptx::pack2<Elem>(s[1][0], s[1][1]), ptx::pack2<Elem>(s[1][2], s[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          uint32_t v_frag[4];
+          ptx::ldmatrix_x4_trans(v_frag, swizzled<Cfg>(v_base, v_key, 2 * dp + v_piece));
+          ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
+          ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+      }
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) ptx::mbarrier_arrive(&bars.empty[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+
+    // This warp's partial result of the item's rows: out normalized, lse in
+    // natural-log units (-inf and zeros where a row saw no key).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = lane / 4 + half * 8;
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      if (r >= rows) continue;
+      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
+      const int64_t slot =
+          ((item.b * p.heads_q + row.head) * p.len_q + row.token) * partials + item.chunk * Cfg::kConsumers + warp;
+      const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+      float* out = kp.out_partial + slot * kHeadDim;
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
+            make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
+      }
+      if (lane % 4 == 0) {
+        kp.lse_partial[slot] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+      }
+    }
+  }
+#endif
+}
+
+// The cache's tensor map: (col, row, head, sequence) for a contiguous cache,
+// (col, row in the block, head, block) for a paged one.
+bool encode_cache_map(CUtensorMap* map, const DecodeParams& params, const TensorView4d& cache, ElementType type,
+                      int box_rows) {
+  const bool paged = params.block_table.data != nullptr;
+  AttentionProblem shape = params.problem;
+  shape.batch = paged ? params.num_blocks : shape.batch;
+  return encode_tensor_map(map, cache, shape, paged ? params.block_size : shape.len_k, shape.heads_kv,
+                           type == ElementType::kBFloat16, box_rows);
+}
+
+// The kernel's launch, or false where it does not take the call.
+template <int kHeadDim>
+bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelParams& kp) {
+  using Cfg = DecodeTileConfig<kHeadDim>;
+  const AttentionProblem& p = params.problem;
+  const bool paged = params.block_table.data != nullptr;
+  const int64_t block_size = params.block_size;
+  // A paged cache's blocks start whole boxes of 8 rows or more (the swizzle's
+  // period) that tile the stage.
+  if (params.k_cache.stride_col != 1 || params.v_cache.stride_col != 1) return false;
+  if (paged && !(block_size >= 8 && (Cfg::kBlockN % block_size == 0 || block_size % Cfg::kBlockN == 0))) return false;
+  kp.call = params;
+  kp.box_rows = static_cast<int>(paged ? std::min<int64_t>(block_size, Cfg::kBlockN) : Cfg::kBlockN);
+  if (!encode_cache_map(&kp.k_map, params, params.k_cache, type, kp.box_rows) ||
+      !encode_cache_map(&kp.v_map, params, params.v_cache, type, kp.box_rows)) {
+    return false;
+  }
+  // Persistent blocks, one an SM, take the items in turn: the fewest chunks
+  // whose items spread over the SMs within 5% of the best split's evenness
+  // (each chunk at least kMinKeysPerChunk keys; fewer would spend more on the
+  // partial results than on the keys).
+  constexpr int64_t kMinKeysPerChunk = 512;
+  const int64_t sms = multiprocessor_count(), units = p.batch * p.heads_kv;
+  const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, units));
+  auto evenness = [&](int64_t chunks) {
+    const int64_t items = units * chunks;
+    return double(items) / double(ceil_div(items, sms) * sms);
+  };
+  double best = 0.;
+  for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, evenness(chunks));
+  int64_t chunks = 1;
+  while (evenness(chunks) < 0.95 * best) ++chunks;
+  if (units * chunks >= (int64_t{1} << 31) / Cfg::kConsumers) return false;
+  kp.chunks = static_cast<int>(chunks);
+  kp.items = static_cast<int>(units * chunks);
+  kp.keys_per_chunk = static_cast<int>(ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN);
+  return true;
+}
+
+template <typename Fn>
+bool dispatch_decode_head_dim(const AttentionProblem& p, Fn&& fn) {
+  if (p.head_dim != p.head_dim_v) return false;
+  if (p.head_dim == 64) return fn(std::integral_constant<int, 64>{});
+  if (p.head_dim == 128) return fn(std::integral_constant<int, 128>{});
+  return false;
+}
+
+bool takes_call(const AttentionProblem& p) {
+  return p.batch > 0 && p.heads_kv > 0 && p.len_q > 0 && p.heads_q / p.heads_kv * p.len_q <= decoding::kRows;
+}
+
+}  // namespace
+
+int decode_partials(const DecodeParams& params, ElementType type) {
+  const AttentionProblem& p = params.problem;
+  if (!takes_call(p)) return 0;
+  DecodeKernelParams kp;
+  const bool takes = dispatch_decode_head_dim(p, [&](auto head_dim) {
+    return prepare_launch<decltype(head_dim)::value>(params, type, kp);
+  });
+  return takes ? kp.chunks * kDecodeConsumers : 0;
+}
+
+bool decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
+                               int partials, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  bool launched = false;
+  dispatch_element_type(type, [&](auto elem) {
+    using Elem = decltype(elem);
+    launched = dispatch_decode_head_dim(p, [&](auto head_dim) {
+      using Cfg = DecodeTileConfig<decltype(head_dim)::value>;
+      DecodeKernelParams kp;
+      const bool prepared = prepare_launch<Cfg::kHeadDim>(params, type, kp);
+      // (decode_partials made the same launch: the caller's partials are its.)
+      if (!prepared || kp.chunks * kDecodeConsumers != partials) return false;
+      kp.out_partial = out_partial;
+      kp.lse_partial = lse_partial;
+      dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
+        const auto kernel = decode_kernel<Elem, Cfg, decltype(alibi)::value>;
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+        const int blocks = std::min(kp.items, multiprocessor_count());
+        kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+      });
+      return true;
+    });
+  });
+  return launched;
+}
+
+}  // namespace flashattn_ext::cuda::sm90
