@@ -795,20 +795,23 @@ def test_varlen_forward_in_one_launch(options, head_dim, dtype):
         bq, bk = bq + lq, bk + lk
 
 
-# The Hopper decode kernel (sm90/decode_sm90.cu): tiles of 64 keys through the copy engine, a paged
-# cache's blocks looked up once a box of min(block size, 64) rows, persistent blocks taking
-# (chunk, key/value head, sequence) items in turn, four partial results a chunk.
+# The Hopper decode kernel (sm90/decode_sm90.cu): tiles of 64 (key, key/value head) pairs through the
+# copy engine, an item taking as many key/value heads (1, 2, 4, 8, ...) as their query rows fit 16,
+# a paged cache's blocks looked up once a box, persistent blocks taking (chunk, head group,
+# sequence) items in turn, four partial results a chunk.
 # (block_size, head_dim, batch, heads_q, heads_kv, len_q, lengths or None for random ones, capacity)
 DECODE_CASES = [
-    # A sequence with no key, ragged ends inside a tile, a full cache; 4 query rows a key head.
+    # A sequence with no key, ragged ends inside a tile, a full cache; 4 key heads an item (16 keys a tile).
     (None, 128, 4, 32, 8, 1, [0, 21, 1000, 4096], 4096),
-    # Paged 16, the capacity not a multiple of 64: the last tile's boxes past the block table are not loaded.
+    # Paged 16 (one block a tile), the capacity not a multiple of 64: boxes past the block table are not loaded.
     (16, 128, 3, 32, 8, 1, [1000, 7, 4000], 4000),
-    # The smallest blocks (8 rows: the swizzle's period), 16 query rows a key head (MQA).
+    # Two key heads an item (6 of them), 32 keys a tile in two blocks of 16.
+    (16, 64, 2, 12, 6, 1, [500, 77], 512),
+    # The smallest box (8 rows of one head: the swizzle's period), 16 query rows a key head (MQA).
     (8, 64, 2, 16, 1, 1, [300, 513], 520),
-    # Causal with 3 query tokens (12 rows), blocks of 32; a sequence of one key.
+    # Causal with 3 query tokens (12 rows: one key head an item), blocks of 32; a sequence of one key.
     (32, 64, 3, 8, 2, 3, [100, 64, 1], 128),
-    # Blocks a multiple of the tile (128): boxes of 64 rows from inside a block.
+    # Eight key heads an item (8 keys a tile) from inside blocks of 128.
     (128, 128, 2, 8, 8, 2, [129, 1000], 1024),
     # One sequence of 30000 keys on one key head: dozens of chunks, merged by their lse.
     (None, 128, 1, 4, 1, 1, [30000], 30000),
@@ -864,22 +867,23 @@ def test_decode_kernel(case, options):
     assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("block_size, dim, heads_q, len_q, hopper", [
-    (None, 128, 16, 1, True),
-    (16, 64, 16, 1, True),
-    (None, 32, 16, 1, False),  # head dim 32
-    (4, 128, 16, 1, False),  # blocks of 4 keys
-    (24, 128, 16, 1, False),  # blocks that neither divide 64 nor are a multiple of it
-    (None, 128, 16, 5, False),  # 4 query heads x 5 tokens: 20 rows a key head
+@pytest.mark.parametrize("block_size, dim, heads_q, heads_kv, len_q, hopper", [
+    (None, 128, 16, 4, 1, True),
+    (16, 64, 16, 4, 1, True),
+    (4, 128, 16, 4, 1, True),  # blocks of 4 keys of 4 key heads: boxes of 16 rows of 128 bytes
+    (None, 32, 16, 4, 1, False),  # head dim 32
+    (4, 128, 4, 1, 1, False),  # blocks of 4 keys of one key head: boxes below the swizzle's 8 rows
+    (24, 128, 16, 4, 1, False),  # blocks that neither divide the tile's 16 keys nor are a multiple of them
+    (None, 128, 16, 4, 5, False),  # 4 query heads x 5 tokens: 20 rows a key head
 ])
-def test_decode_kernel_choice(block_size, dim, heads_q, len_q, hopper, monkeypatch):
+def test_decode_kernel_choice(block_size, dim, heads_q, heads_kv, len_q, hopper, monkeypatch):
     """The Hopper decode kernel runs where it takes the call, the mma.sync one elsewhere and under
     FLASHATTN_EXT_KERNELS=sm80; both agree with float64."""
     from test_decode import TOLERANCE, make_cache, reference
 
     gen = torch.Generator().manual_seed(3)
     dtype, lengths = torch.bfloat16, [77, 128]
-    key_cache, value_cache, table = make_cache(2, 4, 128, dim, dim, dtype, block_size, gen)
+    key_cache, value_cache, table = make_cache(2, heads_kv, 128, dim, dim, dtype, block_size, gen)
     query = torch.randn(2, heads_q, len_q, dim, generator=gen).to(dtype)
     want_out, _ = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
 

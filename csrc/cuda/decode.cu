@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     float s[1][2][4] = {};
     mma_rows_by_rows<Elem, 1, 2, kHeadDim, kStride>(s, q_frag, k_frag + stage_offset);
     const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
-    decoding::finish_scores(s[0], score_scale, lane_rows, vis, key0, lane);
+    decoding::finish_scores(s[0], score_scale, lane_rows, vis, key0, 0, 0, lane);
     decoding::online_softmax(s[0], row_max, row_sum, acc[0]);
     // O += P V over the warp's 16 keys.
     mma_regs_by_rows<Elem, 1, Cfg::kKeysPerWarp, kHeadDim, kStride>(acc, s, v_frag + stage_offset);

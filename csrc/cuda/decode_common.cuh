@@ -30,12 +30,14 @@ __device__ __forceinline__ QueryRow query_row(int64_t h_kv, int group, int len_q
 }
 
 // What a lane's two rows (lane / 4 and lane / 4 + 8 of a block of `rows` rows
-// from row0) see: keys [begin, end), bounded by key_end; rows past the block's
-// see none. kAlibi: each row's slope in log2 units (a template flag: the
-// 64-bit distances cost the kernels without ALiBi up to 23 registers).
+// from row0 of the query rows of key/value heads h_kv on) see: keys [begin,
+// end), bounded by key_end, of key/value head h_kv + head; rows past the
+// block's see none. kAlibi: each row's slope in log2 units (a template flag:
+// the 64-bit distances cost the kernels without ALiBi up to 23 registers).
 template <bool kAlibi>
 struct LaneRows {
   int64_t begin[2], end[2], token[2];
+  int head[2];
   float alibi_log2[2];
 
   __device__ __forceinline__ LaneRows(const DecodeParams& params, const Visibility& vis, int64_t b, int64_t h_kv,
@@ -47,6 +49,7 @@ struct LaneRows {
       const int r = lane / 4 + half * 8;
       const QueryRow row = query_row(h_kv, group, len_q, row0 + r);
       token[half] = row.token;
+      head[half] = (row0 + r) / (group * len_q);
       begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
       end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
       alibi_log2[half] = kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
@@ -67,11 +70,15 @@ struct ScoreScale {
         softcapped(p.softcap > 0.0) {}
 };
 
-// A warp's scores of 16 keys from key0, in log2 units: scaled (or capped),
-// -inf where a row does not see the key, less ALiBi's bias where it does.
+// A warp's scores of 16 (key, key/value head) pairs from pair0 of a tile
+// whose keys start at key0, in log2 units: scaled (or capped), -inf where a
+// row does not see the pair's key or the pair is another head's, less ALiBi's
+// bias where it counts. Pair i is key key0 + (i >> heads_log2) of head
+// i % 2^heads_log2 (one head: pair i is key key0 + i).
 template <bool kAlibi>
 __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kAlibi>& rows,
-                                              const Visibility& vis, int64_t key0, int lane) {
+                                              const Visibility& vis, int64_t key0, int pair0, int heads_log2,
+                                              int lane) {
   if (scale.softcapped) {  // one branch a tile, not one per score
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.cap_log2 * tanhf(s[i / 4][i % 4] * scale.scale_over_cap);
@@ -83,8 +90,9 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t j = key0 + nt * 8 + (lane % 4) * 2 + e % 2;
-      if (j < rows.begin[e / 2] || j >= rows.end[e / 2]) {
+      const int pair = pair0 + nt * 8 + (lane % 4) * 2 + e % 2;
+      const int64_t j = key0 + (pair >> heads_log2);
+      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || j < rows.begin[e / 2] || j >= rows.end[e / 2]) {
         s[nt][e] = -INFINITY;
       } else if constexpr (kAlibi) {
         s[nt][e] -= rows.alibi_log2[e / 2] * static_cast<float>(vis.distance(rows.token[e / 2], j));

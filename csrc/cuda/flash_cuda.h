@@ -140,8 +140,10 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
 // warps' over each chunk), or 0 where it does not take the call. It takes
 // float16 and bfloat16 (the caller's), head dims 64 and 128 (value's equal),
 // up to 16 query rows a key/value head (GQA group times query tokens), caches
-// the copy engine can address, paged ones with blocks of 8 keys or more that
-// divide 64 or are a multiple of it.
+// the copy engine can address, paged ones whose blocks divide its tiles' keys
+// or are a multiple of them (tiles of 64 keys of one key/value head, 32 of
+// two, 16 of four, ...: as many heads as have up to 16 query rows together)
+// and hold 8 rows of 128 bytes or more a copy.
 constexpr int kDecodeConsumers = 4;
 // decode_attention_partials returns false (and launches nothing) unless
 // `partials` is what decode_partials said.

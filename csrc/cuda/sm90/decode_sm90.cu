@@ -35,7 +35,9 @@ struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // of keys and values
   static constexpr int kConsumers = kDecodeConsumers;
   static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
-  static constexpr int kBlockN = kConsumers * 16;                // keys of a stage: 16 a consumer
+  // (key, key/value head) pairs of a stage: 16 a consumer (keys of the
+  // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
+  static constexpr int kBlockN = kConsumers * 16;
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
   static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
@@ -45,24 +47,29 @@ struct DecodeTileConfig {
   static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kSwizzleAtomBytes;
 };
 
-// What the kernel reads: the call, tensor maps of the caches as (col, row,
-// head, sequence or block), and its split into work items.
+// What the kernel reads: the call, tensor maps of the caches as (col, head,
+// row, sequence or block), and its split into work items. An item takes
+// 2^heads_log2 key/value heads at once (as many as their query rows fit one
+// mma tile): a tile of a paged cache is then a box of rows that each hold
+// those heads side by side (vLLM's layout), not one 256-byte piece a row.
 struct DecodeKernelParams {
   DecodeParams call;
   CUtensorMap k_map, v_map;
-  int items;           // (chunk, key/value head, sequence), chunk fastest
+  int items;           // (chunk, group of key/value heads, sequence), chunk fastest
   int chunks, keys_per_chunk;
-  int box_rows;        // rows of one copy: kBlockN, or a paged cache's smaller block size
+  int heads_log2;      // key/value heads of an item: 2^heads_log2
+  int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
   float* out_partial;  // (see decode_merge)
   float* lse_partial;
 };
 
 // One work item: the keys [key_begin, key_end) of sequence b that some query
-// row of key/value head h_kv sees in the chunk, in tiles of kBlockN keys from
-// tile0 (key_begin rounded down: a paged cache's blocks then start a box).
+// row of key/value heads h_kv, h_kv + 1, ... sees in the chunk, in tiles of
+// tile_keys keys from tile0 (key_begin rounded down: a paged cache's blocks
+// then start a box).
 struct DecodeItem {
   int64_t b, h_kv, length, key_begin, key_end, tile0;
-  int chunk, tiles;
+  int chunk, tiles, tile_keys;
 };
 
 template <typename Cfg>
@@ -71,15 +78,17 @@ __device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, 
   DecodeItem item;
   item.chunk = index % kp.chunks;
   const int unit = index / kp.chunks;
-  item.h_kv = unit % static_cast<int>(p.heads_kv);
-  item.b = unit / static_cast<int>(p.heads_kv);
+  const int groups = static_cast<int>(p.heads_kv) >> kp.heads_log2;
+  item.h_kv = (unit % groups) << kp.heads_log2;
+  item.b = unit / groups;
   item.length = decoding::sequence_length(kp.call, item.b);
   const Visibility vis(p, p.len_q, item.length);
   const int64_t chunk_begin = int64_t{item.chunk} * kp.keys_per_chunk;
   item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
   item.key_end = max(item.key_begin, min(chunk_begin + kp.keys_per_chunk, vis.key_end(p.len_q - 1)));
-  item.tile0 = item.key_begin / Cfg::kBlockN * Cfg::kBlockN;
-  item.tiles = item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, Cfg::kBlockN)) : 0;
+  item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
+  item.tile0 = item.key_begin / item.tile_keys * item.tile_keys;
+  item.tiles = item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, item.tile_keys)) : 0;
   return item;
 }
 
@@ -108,11 +117,12 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
     // holds the cache block of box first_looked_up + i.
     int box = 0, first_looked_up = 0, lane_block = 0;
     for (int t = 0; t < item.tiles; ++t) {
-      const int64_t key0 = item.tile0 + int64_t(t) * Cfg::kBlockN;
-      const int boxes = static_cast<int>(min(int64_t{Cfg::kBlockN / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
+      const int boxes = static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      const int box_bytes = (box_rows << kp.heads_log2) * kSwizzleRowBytes;
       if (lane == 0) {
         ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
-        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_rows * kSwizzleRowBytes * Cfg::kColBlocks * 2);
+        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_bytes * Cfg::kColBlocks * 2);
       }
       unsigned char* k_stage = stages + stage * 2 * Cfg::kTileBytes;
       unsigned char* v_stage = k_stage + Cfg::kTileBytes;
@@ -131,12 +141,12 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
           row = key % block_size;
         }
         if (lane != 0) continue;
-        const int offset = i * box_rows * kSwizzleRowBytes;
+        const int offset = i * box_bytes, head = static_cast<int>(item.h_kv);
         for (int c = 0; c < Cfg::kColBlocks; ++c) {
           ptx::tma_load_4d(k_stage + c * Cfg::kColBlockBytes + offset, &kp.k_map, &bars.full[stage], c * kSwizzleCols,
-                           row, static_cast<int>(item.h_kv), outer);
+                           head, row, outer);
           ptx::tma_load_4d(v_stage + c * Cfg::kColBlockBytes + offset, &kp.v_map, &bars.full[stage], c * kSwizzleCols,
-                           row, static_cast<int>(item.h_kv), outer);
+                           head, row, outer);
         }
       }
       if (++stage == Cfg::kStages) {
@@ -147,12 +157,12 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
   }
 }
 
-// Where a lane's ldmatrix row lies in a stage's K or V: row `key` of the tile,
-// 16-byte piece `piece` of the head dim (8 columns), in the copy engine's
-// 128-byte swizzle (a row's pieces permuted by the row's place in its 8).
+// Where a lane's ldmatrix row lies in a stage's K or V: pair `pair` of the
+// tile, 16-byte piece `piece` of the head dim (8 columns), in the copy
+// engine's 128-byte swizzle (a row's pieces permuted by the row's place in its 8).
 template <typename Cfg>
-__device__ __forceinline__ uint32_t swizzled(uint32_t base, int key, int piece) {
-  return base + (piece / 8) * Cfg::kColBlockBytes + key * kSwizzleRowBytes + (((piece % 8) ^ (key % 8)) << 4);
+__device__ __forceinline__ uint32_t swizzled(uint32_t base, int pair, int piece) {
+  return base + (piece / 8) * Cfg::kColBlockBytes + pair * kSwizzleRowBytes + (((piece % 8) ^ (pair % 8)) << 4);
 }
 
 template <typename Elem, typename Cfg, bool kAlibi>
@@ -180,16 +190,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   const DecodeParams& params = kp.call;
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
-  const int rows = group * len_q;  // (at most 16: decode_partials)
+  const int heads_log2 = kp.heads_log2;
+  const int rows = (group * len_q) << heads_log2;  // (at most 16: decode_partials)
   const int partials = kp.chunks * Cfg::kConsumers;
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
-  // This lane's ldmatrix rows among the warp's 16 keys: K's for Q K^T (keys
+  // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
   // 0-7 for matrices 0 and 1, 8-15 for 2 and 3; pieces alternate), V's for
-  // P V (transposed: keys alternate, pieces 0 for matrices 0 and 1).
-  const int matrix = lane / 8;
-  const int k_key = warp * 16 + (matrix / 2) * 8 + lane % 8, k_piece = matrix % 2;
-  const int v_key = warp * 16 + (matrix % 2) * 8 + lane % 8, v_piece = matrix / 2;
+  // P V (transposed: pairs alternate, pieces 0 for matrices 0 and 1).
+  const int matrix = lane / 8, pair0 = warp * 16;
+  const int k_pair = pair0 + (matrix / 2) * 8 + lane % 8, k_piece = matrix % 2;
+  const int v_pair = pair0 + (matrix % 2) * 8 + lane % 8, v_piece = matrix / 2;
   int stage = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
@@ -223,18 +234,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     for (int t = 0; t < item.tiles; ++t) {
       ptx::mbarrier_wait(&bars.full[stage], phase);
-      const int64_t key0 = item.tile0 + int64_t(t) * Cfg::kBlockN + warp * 16;  // this warp's first key
-      if (key0 < item.key_end && key0 + 16 > item.key_begin) {
+      const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
+      // This warp's keys: [key0 + first_key, key0 + last_key].
+      const int first_key = pair0 >> heads_log2, last_key = (pair0 + 15) >> heads_log2;
+      if (key0 + first_key < item.key_end && key0 + last_key >= item.key_begin) {
         const uint32_t k_base = stages_addr + stage * 2 * Cfg::kTileBytes, v_base = k_base + Cfg::kTileBytes;
-        if (key0 + 16 > item.key_end) {
-          // Rows past the keys hold whatever the cache or an earlier tile left
+        if (key0 + last_key >= item.key_end) {
+          // Pairs past the keys hold whatever the cache or an earlier tile left
           // (0 * NaN would poison P V): zeros, seen by the copy engine's next
           // write of the stage only after the fence.
           unsigned char* v_stage = stages + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
-          const int first = static_cast<int>(item.key_end - key0);
+          const int first = max(static_cast<int>(item.key_end - key0) << heads_log2, pair0) - pair0;
           for (int i = lane; i < (16 - first) * kHeadDim / 8; i += kWarpSize) {
-            const int key = warp * 16 + first + i / (kHeadDim / 8), piece = i % (kHeadDim / 8);
-            *reinterpret_cast<uint4*>(v_stage + (swizzled<Cfg>(0, key, piece))) = make_uint4(0, 0, 0, 0);
+            const int pair = pair0 + first + i / (kHeadDim / 8), piece = i % (kHeadDim / 8);
+            *reinterpret_cast<uint4*>(v_stage + (swizzled<Cfg>(0, pair, piece))) = make_uint4(0, 0, 0, 0);
           }
           ptx::fence_proxy_async();
           __syncwarp();
@@ -244,11 +257,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
           uint32_t k_frag[4];
-          ptx::ldmatrix_x4(k_frag, swizzled<Cfg>(k_base, k_key, 2 * ks + k_piece));
+          ptx::ldmatrix_x4(k_frag, swizzled<Cfg>(k_base, k_pair, 2 * ks + k_piece));
           ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
           ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
         }
-        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, lane);
+        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, pair0, heads_log2, lane);
         decoding::online_softmax(s, row_max, row_sum, acc);
         // O += P V: P as A fragments straight from the scores' accumulators.
         const uint32_t p_frag[4] = {ptx::pack2<Elem>(s[0][0], s[0][1]), ptx::pack2<Elem>(s[0][2], s[0][3]),
@@ -256,7 +269,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 #pragma unroll
         for (int dp = 0; dp < kHeadDim / 16; ++dp) {
           uint32_t v_frag[4];
-          ptx::ldmatrix_x4_trans(v_frag, swizzled<Cfg>(v_base, v_key, 2 * dp + v_piece));
+          ptx::ldmatrix_x4_trans(v_frag, swizzled<Cfg>(v_base, v_pair, 2 * dp + v_piece));
           ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
           ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
         }
@@ -296,40 +309,39 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 #endif
 }
 
-// The cache's tensor map: (col, row, head, sequence) for a contiguous cache,
-// (col, row in the block, head, block) for a paged one.
-bool encode_cache_map(CUtensorMap* map, const DecodeParams& params, const TensorView4d& cache, ElementType type,
-                      int box_rows) {
-  const bool paged = params.block_table.data != nullptr;
-  AttentionProblem shape = params.problem;
-  shape.batch = paged ? params.num_blocks : shape.batch;
-  return encode_tensor_map(map, cache, shape, paged ? params.block_size : shape.len_k, shape.heads_kv,
-                           type == ElementType::kBFloat16, box_rows);
-}
-
 // The kernel's launch, or false where it does not take the call.
 template <int kHeadDim>
 bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelParams& kp) {
   using Cfg = DecodeTileConfig<kHeadDim>;
   const AttentionProblem& p = params.problem;
   const bool paged = params.block_table.data != nullptr;
-  const int64_t block_size = params.block_size;
-  // A paged cache's blocks start whole boxes of 8 rows or more (the swizzle's
-  // period) that tile the stage.
   if (params.k_cache.stride_col != 1 || params.v_cache.stride_col != 1) return false;
-  if (paged && !(block_size >= 8 && (Cfg::kBlockN % block_size == 0 || block_size % Cfg::kBlockN == 0))) return false;
+  // The most key/value heads (a power of two dividing them) whose query rows fit one mma tile.
+  const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
+  kp.heads_log2 = 0;
+  while (p.heads_kv % (int64_t{2} << kp.heads_log2) == 0 && rows_per_head << (kp.heads_log2 + 1) <= decoding::kRows) {
+    ++kp.heads_log2;
+  }
+  const int64_t tile_keys = Cfg::kBlockN >> kp.heads_log2, block_size = paged ? params.block_size : tile_keys;
+  // A paged cache's blocks tile the tile or the other way round, and each copy
+  // starts a 1024-byte period of the swizzle.
+  kp.box_rows = static_cast<int>(std::min(block_size, tile_keys));
+  if ((tile_keys % block_size != 0 && block_size % tile_keys != 0) || kp.box_rows << kp.heads_log2 < 8) return false;
   kp.call = params;
-  kp.box_rows = static_cast<int>(paged ? std::min<int64_t>(block_size, Cfg::kBlockN) : Cfg::kBlockN);
-  if (!encode_cache_map(&kp.k_map, params, params.k_cache, type, kp.box_rows) ||
-      !encode_cache_map(&kp.v_map, params, params.v_cache, type, kp.box_rows)) {
-    return false;
+  const bool bfloat16 = type == ElementType::kBFloat16;
+  const int64_t rows = paged ? params.block_size : p.len_k, outer = paged ? params.num_blocks : p.batch;
+  for (auto [map, cache] : {std::pair{&kp.k_map, &params.k_cache}, std::pair{&kp.v_map, &params.v_cache}}) {
+    if (!encode_cache_tensor_map(map, *cache, kHeadDim, rows, p.heads_kv, outer, bfloat16, 1 << kp.heads_log2,
+                                 kp.box_rows)) {
+      return false;
+    }
   }
   // Persistent blocks, one an SM, take the items in turn: the fewest chunks
   // whose items spread over the SMs within 5% of the best split's evenness
   // (each chunk at least kMinKeysPerChunk keys; fewer would spend more on the
   // partial results than on the keys).
   constexpr int64_t kMinKeysPerChunk = 512;
-  const int64_t sms = multiprocessor_count(), units = p.batch * p.heads_kv;
+  const int64_t sms = multiprocessor_count(), units = p.batch * (p.heads_kv >> kp.heads_log2);
   const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, units));
   auto evenness = [&](int64_t chunks) {
     const int64_t items = units * chunks;

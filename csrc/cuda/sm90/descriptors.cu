@@ -23,10 +23,10 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // Encodes a 4-d tiled tensor map (dims[0] contiguous; strides of dims 1 to 3
-// in elements), boxes of box_cols x box_rows elements of one (head, batch),
-// 128-byte swizzled, out-of-range elements read as zero.
+// in elements), boxes of box elements, 128-byte swizzled, out-of-range
+// elements read as zero.
 bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_t elem_bytes,
-                  const cuuint64_t (&dims)[4], const int64_t (&strides)[3], int box_cols, int box_rows) {
+                  const cuuint64_t (&dims)[4], const int64_t (&strides)[3], const cuuint32_t (&box)[4]) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   cuuint64_t stride_bytes[3];
@@ -40,7 +40,6 @@ bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_
   for (const cuuint64_t dim : dims) {
     if (dim == 0 || dim > (uint64_t(1) << 32)) return false;
   }
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult result = encode(map, type, 4, data, dims, stride_bytes, box, element_strides,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -55,7 +54,8 @@ bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionP
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(p.batch)};
   return encode_tiled(map, t.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                      dims, {t.stride_row, t.stride_head, t.stride_batch}, kSwizzleCols, box_rows);
+                      dims, {t.stride_row, t.stride_head, t.stride_batch},
+                      {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1});
 }
 
 bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,
@@ -77,7 +77,18 @@ bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4
                               own.heads ? mask.stride_head : unused_stride,
                               own.batch ? mask.stride_batch : unused_stride};
   return encode_tiled(map, mask.data, elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                      elem_bytes, dims, strides, kSwizzleRowBytes / elem_bytes, shape->box_rows);
+                      elem_bytes, dims, strides,
+                      {static_cast<cuuint32_t>(kSwizzleRowBytes / elem_bytes),
+                       static_cast<cuuint32_t>(shape->box_rows), 1, 1});
+}
+
+bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, int64_t head_dim, int64_t rows,
+                             int64_t heads, int64_t outer, bool bfloat16, int box_heads, int box_rows) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(outer)};
+  return encode_tiled(map, cache.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+                      dims, {cache.stride_head, cache.stride_row, cache.stride_batch},
+                      {kSwizzleCols, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows), 1});
 }
 
 }  // namespace flashattn_ext::cuda::sm90

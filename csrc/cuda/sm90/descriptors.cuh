@@ -78,6 +78,14 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
                        int64_t heads, bool bfloat16, int box_rows);
 
+// Encodes a tensor map of a decoding step's key or value cache (a
+// TensorView4d of (sequence or block, head, row, col)) seen as 4-d (col, head,
+// row, sequence or block): boxes of 64 columns x box_heads heads x box_rows
+// rows, stored row by row and within a row head by head, 128-byte swizzled.
+// False as encode_tensor_map.
+bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, int64_t head_dim, int64_t rows,
+                             int64_t heads, int64_t outer, bool bfloat16, int box_heads, int box_rows);
+
 // The shape whose tensor maps encode_tensor_map makes: a dense call's, or a
 // packed batch's one batch element of all its rows (rows_q: total_q, rows_k:
 // total_k). fits: false where a packed batch's rows are past the 32-bit row
