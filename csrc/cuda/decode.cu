@@ -1,12 +1,12 @@
-// Decoding on CUDA (flash-decoding): each sequence's keys are split into
-// chunks; one block per (chunk, key/value head and block of query rows, batch)
-// computes the softmax-weighted values of its query rows (the GQA group's heads
+// Decoding on CUDA (flash-decoding), in three steps: the new keys and values
+// appended to the caches; each sequence's keys split into chunks, each
+// chunk's softmax-weighted values of the query rows (the GQA group's heads
 // times the query tokens, packed, so that a key is read once for all of them)
-// over its chunk, as a partial output and log-sum-exp in float; a second kernel
-// merges the chunks. Reading the cache is the whole cost: the key and value
-// tiles stream through a cp.async ring deep enough to keep the memory busy,
-// and the little arithmetic runs on the tensor cores (mma.sync, any GPU from
-// Ampere on).
+// written as a partial output and log-sum-exp in float; those merged. The
+// chunk kernel here: one block per (chunk, key/value head and block of query
+// rows, batch), the key and value tiles streamed through a cp.async ring, the
+// little arithmetic on the tensor cores (mma.sync, any GPU from Ampere on).
+// Hopper runs sm90/decode_sm90.cu's instead where it takes the call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 

@@ -5,16 +5,20 @@
 // H200 it read a contiguous cache at 0.64-0.68 of a device-to-device copy's
 // rate and a paged one at 0.47-0.50, random or sequential block tables alike.
 //
-// Here one producer warp walks the block's work items (a key/value head's
-// chunk of a sequence) and their tiles of kBlockN keys, and has the copy
-// engine load each tile's K and V rows (one copy a 64-column box of rows; a
-// paged cache's blocks looked up 32 boxes at a time) into a ring of stages; four
-// consumer warps each take 16 keys of every tile: Q K^T, the online softmax and
-// P V on the tensor cores (mma.sync m16n8k16 from the 128-byte swizzled
-// stages), for the item's query rows (the GQA group's heads times the query
-// tokens, up to 16: one mma tile). Blocks are persistent, so the ring runs on
-// from one item into the next. Each consumer's softmax over its own keys ends
-// as one partial result a chunk, merged with the others by decode_merge.
+// Here one producer warp walks the block's work items (a chunk of a
+// sequence's keys, for as many key/value heads as have up to 16 query rows
+// together) and their tiles of 64 (key, head) pairs, and has the copy engine
+// load each tile's K and V into a ring of stages: one copy a 64-column box of
+// rows of all the item's heads (in vLLM's paged layout a block's rows hold the
+// heads side by side, so a block of 16 keys is one copy, not 16 pieces of 256
+// bytes a head), the block table read 32 boxes at a time. Four consumer warps
+// each take 16 pairs of every tile: Q K^T, the online softmax and P V on the
+// tensor cores (mma.sync m16n8k16 from the 128-byte swizzled stages), for the
+// item's query rows (the heads' GQA groups times the query tokens: one mma
+// tile), the scores of pairs of another head than a row's masked. Blocks are
+// persistent, so the ring runs on from one item into the next. Each
+// consumer's softmax over its own pairs ends as one partial result a chunk,
+// merged with the others by decode_merge.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
