@@ -125,7 +125,7 @@ def run_windowed(dtype):
         ((1, 2, 2, 200, 300, 256), dict(window=(100, 0), is_causal=True)),
         ((1, 2, 2, 200, 304, 128), dict(window=(90, 10), attn_mask=torch.randn(200, 304, device="cuda", dtype=dtype))),
         ((1, 2, 2, 200, 300, 128), dict(window=(90, 10), dropout_p=0.3)),
-        ((1, 2, 1, 200, 300, 64), dict(softcap=5.0)),  # the Hopper forward's softcap (the backward: ATen)
+        ((1, 2, 1, 200, 300, 64), dict(softcap=5.0)),  # softcap at head dim 64 (the backward's rounded P^T)
         ((1, 2, 2, 130, 250, 256), dict(softcap=5.0, window=(60, 0), is_causal=True)),
         ((1, 2, 1, 200, 300, 128), dict(softcap=5.0, window=(50, 20))),  # softcap in the Hopper backward too
         ((1, 2, 1, 200, 300, 128), dict(alibi_slopes=torch.tensor([0.5, 0.25], device="cuda"))),

@@ -601,7 +601,9 @@ def check_hopper_forward(q, k, v, **kwargs):
 SOFTCAP_CASES = [
     ((2, 4, 2, 700, 900, 128), dict(softcap=1.0)),  # scores of about 1: the cap bends them all
     ((1, 4, 4, 600, 600, 128), dict(softcap=30.0, scale=1.0, is_causal=True)),  # Gemma 2's cap, scores of about 11
-    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),  # (backward: the ATen fallback)
+    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),
+    # Head dim 64's 128-query tiles: the cap's derivative from the rounded P^T, where the cap bends hardest.
+    ((2, 4, 2, 700, 900, 64), dict(softcap=1.0)),
     ((1, 2, 1, 500, 500, 256), dict(softcap=20.0, scale=0.25, window=(100, 0), is_causal=True)),  # with a window
 ]
 
@@ -610,13 +612,12 @@ SOFTCAP_CASES = [
 @pytest.mark.parametrize("shape, options", SOFTCAP_CASES, ids=[f"{s[-1]}-{o}" for s, o in SOFTCAP_CASES])
 def test_softcap(shape, options, dtype):
     """The Hopper kernels cap the scores themselves (softcap * tanh(s / softcap) of the scaled
-    scores); the backward at head dims 97 to 128 (P^T kept in float for the cap's derivative),
-    elsewhere the ATen fallback: gradients within twice the naive attention's error either way."""
+    scores), forward and backward (the cap's derivative from P^T: in float at head dims 97 to 128,
+    rounded at 64 and 256): gradients within twice the naive attention's error."""
     q, k, v = random_inputs(shape, dtype, seed=9)
     kwargs = dict(options, enable_gqa=shape[1] != shape[2])
     out = check_hopper_forward(q, k, v, **kwargs)
-    # (The Hopper backward takes softcap at head dims 97 to 128 only.)
-    check_hopper_gradients(q, k, v, out, sm90=96 < shape[-1] <= 128, **kwargs)
+    check_hopper_gradients(q, k, v, out, sm90=True, **kwargs)
 
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's options; ALiBi's slopes

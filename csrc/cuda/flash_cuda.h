@@ -118,8 +118,8 @@ std::vector<int32_t> varlen_tile_order(const AttentionProblem& p, const std::vec
 
 // Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
 // (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no
-// mask gradient; above 128, no dropout; a sliding window; softcap at head dims
-// 97 to 128 without a mask or dropout; ALiBi without a mask, dropout or softcap.
+// mask gradient; above 128, no dropout; a sliding window; softcap without a
+// mask or dropout; ALiBi without a mask, dropout or softcap.
 bool backward_covers(const BwdParams& params);
 
 // How many (batch, key/value head) pairs the Hopper backward takes at most at

@@ -48,7 +48,7 @@ std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
   }
   if (p.softcap > 0.0) {
     return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
-                       "or dropout; the backward at head dims 97 to 128, not in deterministic mode)");
+                       "or dropout; the backward at head dims up to 64 and 97 to 256, not in deterministic mode)");
   }
   if (p.has_window()) {
     return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "

@@ -92,7 +92,8 @@ __device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, 
   item.key_end = max(item.key_begin, min(chunk_begin + kp.keys_per_chunk, vis.key_end(p.len_q - 1)));
   item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
   item.tile0 = item.key_begin / item.tile_keys * item.tile_keys;
-  item.tiles = item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, item.tile_keys)) : 0;
+  item.tiles =
+      item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, item.tile_keys)) : 0;
   return item;
 }
 
@@ -122,7 +123,8 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
     int box = 0, first_looked_up = 0, lane_block = 0;
     for (int t = 0; t < item.tiles; ++t) {
       const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
-      const int boxes = static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      const int boxes =
+          static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
       const int box_bytes = (box_rows << kp.heads_log2) * kSwizzleRowBytes;
       if (lane == 0) {
         ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
@@ -256,7 +258,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
           ptx::fence_proxy_async();
           __syncwarp();
         }
-        // S = Q K^T over the warp's 16 keys.
+        // S = Q K^T over the warp's 16 pairs.
         float s[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {

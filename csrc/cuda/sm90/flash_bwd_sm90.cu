@@ -39,7 +39,9 @@ namespace backward_kernel {
 namespace {
 
 // kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
-// (Softcap), without a mask or dropout, where P^T stays in float (64-query tiles).
+// (Softcap), without a mask or dropout; the cap's derivative from P^T in float
+// (64-query tiles) or from its rounded fragments (128-query tiles, head dim 64:
+// log2 P off by up to 2^-8 moves tanh by that over softcap * log2(e)).
 // kAlibi: ALiBi's bias on the recomputed scores (it has no gradient), without a
 // mask, dropout or softcap. kVarlen: a packed batch (backward_block), with
 // none of these but a window.
@@ -48,8 +50,7 @@ template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWind
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
-  static_assert(!kSoftcap || (!kDropout && !Cfg::Mask::kPresent && Cfg::kBlockM == 64),
-                "softcap's derivative from the float P^T, without a mask or dropout");
+  static_assert(!kSoftcap || (!kDropout && !Cfg::Mask::kPresent), "softcap without a mask or dropout");
   static_assert(!kAlibi || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap), "ALiBi alone");
   static_assert(!kVarlen || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap && !kAlibi), "a packed batch alone");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -189,11 +190,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool apply_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
   const float scale = static_cast<float>(p.scale), scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const float score_scale = apply_mask ? masked_scores_scale(kMask, scale_log2) : scale_log2;
-  Softcap softcap;
-  if constexpr (kSoftcap) {
-    softcap.scale_over_cap = static_cast<float>(p.scale / p.softcap);
-    softcap.cap_log2 = static_cast<float>(p.softcap * M_LOG2E);
-  }
+  const Softcap softcap = kSoftcap ? Softcap(p) : Softcap();
 
   // attn_mask: S^T register 4 j + 2 h + e (key key_row + 8 h, query 8 j + 2
   // (lane % 4) + e of the tile) reads the mask tile's row of that query (row 0
@@ -435,10 +432,8 @@ bool backward_covers(const BwdParams& params) {
   // head dim 256 without dropout.
   const bool head_dim_covered = p.head_dim <= 64 || p.head_dim > 96;
   const bool masked = params.mask_kind != MaskKind::kNone;
-  // Softcap: head dims 97 to 128 (64-query tiles, whose P^T stays in float for
-  // the cap's derivative), no mask, no dropout.
-  const bool softcap_covered = !(p.softcap > 0.0) || (p.head_dim > 96 && p.head_dim <= 128 && !masked &&
-                                                        params.dropout.p == 0.0);
+  // Softcap: no mask, no dropout.
+  const bool softcap_covered = !(p.softcap > 0.0) || (!masked && params.dropout.p == 0.0);
   // ALiBi: no mask, dropout or softcap.
   const bool alibi_covered = p.alibi_slopes == nullptr || (!masked && params.dropout.p == 0.0 && p.softcap == 0.0);
   // A packed batch: head dims up to 128, none of the above but a window.
@@ -486,7 +481,8 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
                        ? launch_backward<Elem, 64, false, kNone, kWindow, false, false, true>(params, stream)
                        : launch_backward<Elem, 128, false, kNone, kWindow, false, false, true>(params, stream);
       } else if (p.softcap > 0.0) {
-        launched = launch_backward<Elem, 128, false, kNone, kWindow, true>(params, stream);
+        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, true>(params, stream)
+                                    : launch_backward<Elem, 128, false, kNone, kWindow, true>(params, stream);
       } else if (p.alibi_slopes != nullptr) {
         launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, false, true>(params, stream)
                                     : launch_backward<Elem, 128, false, kNone, kWindow, false, true>(params, stream);

@@ -225,6 +225,10 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
 struct Softcap {
   float scale_over_cap = 0.f, cap_log2 = 0.f;
 
+  Softcap() = default;
+  __device__ __forceinline__ explicit Softcap(const AttentionProblem& p)
+      : scale_over_cap(static_cast<float>(p.scale / p.softcap)), cap_log2(static_cast<float>(p.softcap * M_LOG2E)) {}
+
   __device__ __forceinline__ float cap(float s) const { return cap_log2 * ptx::tanh_approx(s * scale_over_cap); }
   // (0 where P is: the pair is hidden or its weight underflowed, and its dS is 0.)
   __device__ __forceinline__ float derivative(float p, float lse_log2) const {

@@ -20,11 +20,14 @@
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 namespace {
 
-// kWindow: a sliding window (backward_block). kAlibi: ALiBi's bias on the
-// recomputed scores (no dropout here).
-template <typename Elem, typename Cfg, bool kWindow, bool kAlibi>
+// kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
+// (Softcap; consumer 1 takes the cap's derivative from the rounded P^T it
+// reads back). kAlibi: ALiBi's bias on the recomputed scores (not with
+// softcap; no dropout here).
+template <typename Elem, typename Cfg, bool kWindow, bool kSoftcap, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
+  static_assert(!(kSoftcap && kAlibi), "softcap or ALiBi");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;         // a thread's share of 64 keys x kBlockM queries
@@ -98,6 +101,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint64_t ds_dq_desc = n_major_desc(ptx::smem_addr(s_ds), Cfg::kDsColBlockBytes);
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const Softcap softcap = kSoftcap ? Softcap(p) : Softcap();
 
   // P^T and dS^T lie in shared memory as store_transposed_tile writes them:
   // rows of kBlockM queries (128 bytes) a key, 128-byte swizzled, so that
@@ -159,8 +163,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
     if (consumer == 0) {
       // P^T = exp2(S^T * scale * log2(e) - lse * log2(e)).
-      transposed_probabilities<kBlockN, kWindow, false, kAlibi>(s, p, col0, row0, seen, key_row, lane, lse_q, scale_log2,
-                                                                {}, alibi_log2);
+      transposed_probabilities<kBlockN, kWindow, kSoftcap, kAlibi>(s, p, col0, row0, seen, key_row, lane, lse_q,
+                                                                   scale_log2, softcap, alibi_log2);
       // P^T to consumer 1. Its last reader, consumer 1's load of tile t - 1's,
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
@@ -171,10 +175,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // same instruction.)
     ptx::named_barrier_sync(kPtReady, kConsumerThreads);
     if (consumer == 1) {
-      // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
+      // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs (and
+      // times the cap's derivative).
       load_tile(s_pt, p_frag);
 #pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) s[i] = from_fragments<Elem>(p_frag, i) * (s[i] - delta_q[query_of(i)]);
+      for (int i = 0; i < kScoreRegs; ++i) {
+        const float pt = from_fragments<Elem>(p_frag, i);
+        s[i] = pt * (s[i] - delta_q[query_of(i)]);
+        if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
+      }
       if constexpr (kWindow) {
         zero_window_rows_seeing_one_key<kBlockM>(s, seen, row0, lane);
       } else {
@@ -240,12 +249,17 @@ bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStre
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(params.problem.has_window(), [&](auto window) {
-      dispatch_flag(params.problem.alibi_slopes != nullptr, [&](auto alibi) {
-        using Elem = decltype(elem);
-        constexpr bool kWindow = decltype(window)::value, kAlibi = decltype(alibi)::value;
+      using Elem = decltype(elem);
+      constexpr bool kWindow = decltype(window)::value;
+      if (params.problem.softcap > 0.0) {
         launched = launch_backward_kernel<Elem, Cfg>(
-            params, attention_backward_split_kernel<Elem, Cfg, kWindow, kAlibi>, stream);
-      });
+            params, attention_backward_split_kernel<Elem, Cfg, kWindow, true, false>, stream);
+      } else {
+        dispatch_flag(params.problem.alibi_slopes != nullptr, [&](auto alibi) {
+          launched = launch_backward_kernel<Elem, Cfg>(
+              params, attention_backward_split_kernel<Elem, Cfg, kWindow, false, decltype(alibi)::value>, stream);
+        });
+      }
     });
   });
   return launched;
