@@ -373,15 +373,24 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
   return batch;
 }
 
+namespace {
+
+// A packed batch's problem: its sequences as the batch, the longest lengths as len_q and len_k.
+AttentionProblem packed_problem(const PackedBatch& batch) {
+  AttentionProblem p = attention_problem(batch.q, batch.k, batch.v, batch.options);
+  p.batch = batch.sequences();
+  p.len_q = batch.max_seqlen_q;
+  p.len_k = batch.max_seqlen_k;
+  return p;
+}
+
+}  // namespace
+
 FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
                                  const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = batch.q;
   FwdParams params;
-  AttentionProblem& p = params.problem;
-  p = attention_problem(q, batch.k, batch.v, batch.options);
-  p.batch = batch.sequences();
-  p.len_q = batch.max_seqlen_q;
-  p.len_k = batch.max_seqlen_k;
+  const AttentionProblem& p = params.problem = packed_problem(batch);
   out = at::empty({q.size(2), p.heads_q, p.head_dim_v}, q.options());
   lse = at::empty({p.heads_q, q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
   params.q = view_of(q);
@@ -401,11 +410,7 @@ BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const at::Tensor& q = batch.q;
   BwdParams params;
-  AttentionProblem& p = params.problem;
-  p = attention_problem(q, batch.k, batch.v, batch.options);
-  p.batch = batch.sequences();
-  p.len_q = batch.max_seqlen_q;
-  p.len_k = batch.max_seqlen_k;
+  const AttentionProblem& p = params.problem = packed_problem(batch);
   const std::vector<int64_t> out_shape{q.size(2), p.heads_q, p.head_dim_v};
   check_saved(out, "out", out_shape, q.scalar_type(), q);
   check_saved(grad_out, "grad_out", out_shape, q.scalar_type(), q);
