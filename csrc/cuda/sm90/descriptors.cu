@@ -24,9 +24,10 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // Encodes a 4-d tiled tensor map (dims[0] contiguous; strides of dims 1 to 3
 // in elements), boxes of box elements, 128-byte swizzled, out-of-range
-// elements read as zero.
+// elements read as zero, L2 fetches promoted to 256 bytes unless said otherwise.
 bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_t elem_bytes,
-                  const cuuint64_t (&dims)[4], const int64_t (&strides)[3], const cuuint32_t (&box)[4]) {
+                  const cuuint64_t (&dims)[4], const int64_t (&strides)[3], const cuuint32_t (&box)[4],
+                  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   cuuint64_t stride_bytes[3];
@@ -43,7 +44,7 @@ bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult result = encode(map, type, 4, data, dims, stride_bytes, box, element_strides,
                                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                 promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }
 
@@ -88,7 +89,10 @@ bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, int64_
                               static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(outer)};
   return encode_tiled(map, cache.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                       dims, {cache.stride_head, cache.stride_row, cache.stride_batch},
-                      {kSwizzleCols, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows), 1});
+                      {kSwizzleCols, static_cast<cuuint32_t>(box_heads), static_cast<cuuint32_t>(box_rows), 1},
+                      // Without promotion: the decode kernel read the cache 7% faster on an
+                      // H200 (4.40 against 4.09 TB/s at 8k keys, 4.58 against 4.29 at 32k).
+                      CU_TENSOR_MAP_L2_PROMOTION_NONE);
 }
 
 }  // namespace flashattn_ext::cuda::sm90

@@ -81,8 +81,8 @@ bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionP
 // Encodes a tensor map of a decoding step's key or value cache (a
 // TensorView4d of (sequence or block, head, row, col)) seen as 4-d (col, head,
 // row, sequence or block): boxes of 64 columns x box_heads heads x box_rows
-// rows, stored row by row and within a row head by head, 128-byte swizzled.
-// False as encode_tensor_map.
+// rows, stored row by row and within a row head by head, 128-byte swizzled,
+// without L2 promotion (the cache is read once). False as encode_tensor_map.
 bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, int64_t head_dim, int64_t rows,
                              int64_t heads, int64_t outer, bool bfloat16, int box_heads, int box_rows);
 
