@@ -345,7 +345,9 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // Persistent blocks, one an SM, take the items in turn: the fewest chunks
   // whose items spread over the SMs within 5% of the best split's evenness
   // (each chunk at least kMinKeysPerChunk keys; fewer would spend more on the
-  // partial results than on the keys).
+  // partial results than on the keys). (Splitting all units' keys evenly over
+  // every SM instead, a unit's pieces in different blocks, was slower: 0.519
+  // against 0.500 ms at B = 64, 8k keys, 2 x 4 key heads on an H200's 132 SMs.)
   constexpr int64_t kMinKeysPerChunk = 512;
   const int64_t sms = multiprocessor_count(), units = p.batch * (p.heads_kv >> kp.heads_log2);
   const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, units));
