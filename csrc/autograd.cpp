@@ -17,15 +17,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
 
-using ForwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                     const std::optional<Tensor>&, double, bool, bool, double, int64_t,
-                                                     int64_t, double, const std::optional<Tensor>&);
-using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&, const Tensor&,
-                                                              const Tensor&, const std::optional<Tensor>&, double,
-                                                              bool, bool, double, bool, int64_t, int64_t, double,
-                                                              const std::optional<Tensor>&);
-
 // The options after the tensors, kept in an autograd context's saved_data.
 struct SavedOptions {
   double dropout_p;
@@ -54,20 +45,6 @@ struct SavedOptions {
 // A saved optional tensor (undefined: absent).
 std::optional<Tensor> optional_saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 
-c10::TypedOperatorHandle<ForwardOp> forward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("flashattn_ext::attention_forward", "")
-                             .typed<ForwardOp>();
-  return op;
-}
-
-c10::TypedOperatorHandle<BackwardOp> backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("flashattn_ext::attention_backward", "")
-                             .typed<BackwardOp>();
-  return op;
-}
-
 class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -75,8 +52,9 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
                                bool causal_lower_right, double scale, int64_t window_left, int64_t window_right,
                                double softcap, const std::optional<Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, rng_state] = forward_op().call(q, k, v, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                                                   window_left, window_right, softcap, alibi_slopes);
+    auto [out, lse, rng_state] = attention_forward_op().call(q, k, v, attn_mask, dropout_p, is_causal,
+                                                             causal_lower_right, scale, window_left, window_right,
+                                                             softcap, alibi_slopes);
     ctx->save_for_backward(
         {q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
@@ -101,9 +79,9 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
 
     const SavedOptions o = SavedOptions::load(ctx);
     auto [dq, dk, dv, dmask] =
-        backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
-                           o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left, o.window_right,
-                           o.softcap, alibi_slopes);
+        attention_backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
+                                     o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left,
+                                     o.window_right, o.softcap, alibi_slopes);
     // One gradient per forward argument; undefined for the non-tensor ones and
     // for alibi_slopes (not differentiable).
     return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(),
@@ -138,8 +116,9 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
                                const std::optional<Tensor>& alibi_slopes) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [dq, dk, dv, dmask] =
-        backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right,
-                           scale, compute_grad_attn_mask, window_left, window_right, softcap, alibi_slopes);
+        attention_backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
+                                     causal_lower_right, scale, compute_grad_attn_mask, window_left, window_right,
+                                     softcap, alibi_slopes);
     ctx->save_for_backward(
         {dout, q, k, v, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);

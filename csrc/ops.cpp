@@ -318,19 +318,38 @@ IndexView index_view(const at::Tensor& t) {
 
 at::Tensor heads_first(const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); }
 
+at::Tensor empty_packed_like(const at::Tensor& t) { return at::empty({t.size(2), t.size(1), t.size(3)}, t.options()); }
+
+c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashattn_ext::attention_forward", "")
+                             .typed<AttentionForwardOp>();
+  return op;
+}
+
+c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashattn_ext::attention_backward", "")
+                             .typed<AttentionBackwardOp>();
+  return op;
+}
+
 namespace {
 
-// cu_seqlens read to the host and checked: from 0 to the packed rows, not
-// decreasing, no sequence longer than max_seqlen.
-std::vector<int64_t> sequence_bounds(const at::Tensor& cu_seqlens, const char* name, int64_t total,
-                                     int64_t max_seqlen) {
+// cu_seqlens read to the host.
+std::vector<int64_t> offsets_on_host(const at::Tensor& cu_seqlens, const char* name) {
   TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() > 0, "flashattn_ext: ", name,
                     " must be a non-empty 1-d tensor, got shape ", cu_seqlens.sizes());
   TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
                    "flashattn_ext: ", name, " must be int32 or int64, got ", cu_seqlens.scalar_type());
   const at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
   const int64_t* data = host.data_ptr<int64_t>();
-  std::vector<int64_t> bounds(data, data + host.numel());
+  return {data, data + host.numel()};
+}
+
+// Checks cu_seqlens (as bounds, on the host): from 0 to the packed rows, not
+// decreasing, no sequence longer than max_seqlen.
+void check_sequence_bounds(const std::vector<int64_t>& bounds, const char* name, int64_t total, int64_t max_seqlen) {
   TORCH_CHECK_VALUE(bounds.front() == 0 && bounds.back() == total, "flashattn_ext: ", name,
                     " must start at 0 and end at the ", total, " packed tokens, got ", bounds.front(), " ... ",
                     bounds.back());
@@ -342,14 +361,15 @@ std::vector<int64_t> sequence_bounds(const at::Tensor& cu_seqlens, const char* n
   }
   TORCH_CHECK_VALUE(longest <= max_seqlen, "flashattn_ext: the max_seqlen given with ", name, " (", max_seqlen,
                     ") is below its longest sequence (", longest, ")");
-  return bounds;
 }
 
 }  // namespace
 
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, const AttentionOptions& options) {
+                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
+                               int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes) {
   for (const auto& [t, name] : {std::pair{&q, "query"}, std::pair{&k, "key"}, std::pair{&v, "value"}}) {
     TORCH_CHECK(t->dim() == 3, "flashattn_ext: ", name, " must be 3-d (total_tokens, heads, head_dim), got shape ",
                 t->sizes());
@@ -359,11 +379,15 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
     TORCH_CHECK(t->device() == q.device(), "flashattn_ext: ", name, " is on ", t->device(), " but query is on ",
                 q.device());
   }
-  TORCH_CHECK(!options.attn_mask.has_value() && options.dropout_p == 0.0,
-              "flashattn_ext: the varlen ops take no attn_mask or dropout");
+  static const std::optional<at::Tensor> no_attn_mask;  // (AttentionOptions holds a reference to it)
+  const AttentionOptions options{no_attn_mask, 0.0,     is_causal, causal_lower_right, scale, window_left,
+                                 window_right, softcap, alibi_slopes};
   PackedBatch batch{heads_first(q), heads_first(k), heads_first(v), {}, {}, max_seqlen_q, max_seqlen_k, options};
-  batch.starts_q = sequence_bounds(cu_seqlens_q, "cu_seqlens_q", q.size(0), max_seqlen_q);
-  batch.starts_k = sequence_bounds(cu_seqlens_k, "cu_seqlens_k", k.size(0), max_seqlen_k);
+  batch.starts_q = offsets_on_host(cu_seqlens_q, "cu_seqlens_q");
+  check_sequence_bounds(batch.starts_q, "cu_seqlens_q", q.size(0), max_seqlen_q);
+  // (Self-attention passes one tensor for both: one read, one wait.)
+  batch.starts_k = cu_seqlens_k.is_same(cu_seqlens_q) ? batch.starts_q : offsets_on_host(cu_seqlens_k, "cu_seqlens_k");
+  check_sequence_bounds(batch.starts_k, "cu_seqlens_k", k.size(0), max_seqlen_k);
   TORCH_CHECK_VALUE(batch.starts_q.size() == batch.starts_k.size(), "flashattn_ext: cu_seqlens_q holds ",
                     batch.starts_q.size() - 1, " sequences but cu_seqlens_k ", batch.starts_k.size() - 1);
   // (The 4-d views checked as a dense call's: dtypes, devices, heads, head dims, options.)
@@ -375,13 +399,25 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
 
 namespace {
 
-// A packed batch's problem: its sequences as the batch, the longest lengths as len_q and len_k.
-AttentionProblem packed_problem(const PackedBatch& batch) {
-  AttentionProblem p = attention_problem(batch.q, batch.k, batch.v, batch.options);
+// What a packed batch's forward and backward params share: the problem (its
+// sequences as the batch, the longest lengths as len_q and len_k), q, k, v
+// and the sequences' bounds, read in place.
+template <typename Params>
+Params packed_params(const PackedBatch& batch, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k) {
+  Params params;
+  AttentionProblem& p = params.problem;
+  p = attention_problem(batch.q, batch.k, batch.v, batch.options);
   p.batch = batch.sequences();
   p.len_q = batch.max_seqlen_q;
   p.len_k = batch.max_seqlen_k;
-  return p;
+  params.q = view_of(batch.q);
+  params.k = view_of(batch.k);
+  params.v = view_of(batch.v);
+  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
+  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
+  params.packed.total_q = batch.q.size(2);
+  params.packed.total_k = batch.k.size(2);
+  return params;
 }
 
 }  // namespace
@@ -389,19 +425,12 @@ AttentionProblem packed_problem(const PackedBatch& batch) {
 FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
                                  const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = batch.q;
-  FwdParams params;
-  const AttentionProblem& p = params.problem = packed_problem(batch);
+  FwdParams params = packed_params<FwdParams>(batch, cu_seqlens_q, cu_seqlens_k);
+  const AttentionProblem& p = params.problem;
   out = at::empty({q.size(2), p.heads_q, p.head_dim_v}, q.options());
   lse = at::empty({p.heads_q, q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
-  params.q = view_of(q);
-  params.k = view_of(batch.k);
-  params.v = view_of(batch.v);
   params.out = view_of(heads_first(out));
   params.lse = lse.data_ptr();
-  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
-  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
-  params.packed.total_q = q.size(2);
-  params.packed.total_k = batch.k.size(2);
   return params;
 }
 
@@ -409,30 +438,22 @@ BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu
                                   const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const at::Tensor& q = batch.q;
-  BwdParams params;
-  const AttentionProblem& p = params.problem = packed_problem(batch);
+  BwdParams params = packed_params<BwdParams>(batch, cu_seqlens_q, cu_seqlens_k);
+  const AttentionProblem& p = params.problem;
   const std::vector<int64_t> out_shape{q.size(2), p.heads_q, p.head_dim_v};
   check_saved(out, "out", out_shape, q.scalar_type(), q);
   check_saved(grad_out, "grad_out", out_shape, q.scalar_type(), q);
   check_saved(lse, "lse", {p.heads_q, q.size(2)}, lse_dtype(q.scalar_type()), q);
   TORCH_CHECK(lse.is_contiguous(), "flashattn_ext: lse must be contiguous");
-  auto packed_like = [](const at::Tensor& t) { return at::empty({t.size(2), t.size(1), t.size(3)}, t.options()); };
-  dq = packed_like(q);
-  dk = packed_like(batch.k);
-  dv = packed_like(batch.v);
-  params.q = view_of(q);
-  params.k = view_of(batch.k);
-  params.v = view_of(batch.v);
+  dq = empty_packed_like(q);
+  dk = empty_packed_like(batch.k);
+  dv = empty_packed_like(batch.v);
   params.out = view_of(heads_first(out));
   params.dout = view_of(heads_first(grad_out));
   params.dq = view_of(heads_first(dq));
   params.dk = view_of(heads_first(dk));
   params.dv = view_of(heads_first(dv));
   params.lse = lse.data_ptr();
-  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
-  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
-  params.packed.total_q = q.size(2);
-  params.packed.total_k = batch.k.size(2);
   return params;
 }
 

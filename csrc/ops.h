@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <optional>
 #include <tuple>
@@ -86,18 +87,19 @@ struct PackedBatch {
   int64_t sequences() const { return static_cast<int64_t>(starts_q.size()) - 1; }
 };
 
-// The varlen ops' options as an AttentionOptions (no attn_mask, no dropout).
-AttentionOptions packed_options(bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
-                                int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes);
-
-// Checks the varlen ops' arguments (cu_seqlens read to the host: a wait for
-// the device where they live there).
+// Checks the varlen ops' arguments (cu_seqlens read to the host, once where
+// both are the same tensor: a wait for the device where they live there); the
+// options are the ops' own (no attn_mask, no dropout).
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, const AttentionOptions& options);
+                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
+                               int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<at::Tensor>& alibi_slopes);
 
 // The packed (total rows, heads, dim) tensor t seen as (1, heads, total rows, dim).
 at::Tensor heads_first(const at::Tensor& t);
+// A new packed (total rows, heads, dim) tensor for the (1, heads, total rows, dim) view t.
+at::Tensor empty_packed_like(const at::Tensor& t);
 
 // Allocates the packed batch's out (total_q, heads_q, Ev) and lse (heads_q,
 // total_q) and returns the kernel params of its forward (params.packed set).
@@ -110,6 +112,19 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_
 BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
                                   const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
+
+// The attention_forward and attention_backward ops' signatures (schemas in
+// ops.cpp) and their typed handles, looked up once: for the C++ code that
+// calls them through the dispatcher (autograd.cpp, varlen.cpp).
+using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,
+    double, int64_t, int64_t, double, const std::optional<at::Tensor>&);
+using AttentionBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool, double, bool, int64_t, int64_t, double,
+    const std::optional<at::Tensor>&);
+c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op();
+c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op();
 
 // The packed batch's forward and backward as one attention_forward (or
 // attention_backward) call per sequence on views of the packed tensors, their

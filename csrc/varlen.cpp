@@ -2,7 +2,6 @@
 // calls that no kernel takes as a whole): views of the packed tensors in, the
 // results copied into the packed outputs.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include "ops.h"
@@ -11,15 +10,6 @@ namespace flashattn_ext {
 namespace {
 
 using at::Tensor;
-
-using ForwardOp = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                     const std::optional<Tensor>&, double, bool, bool, double, int64_t,
-                                                     int64_t, double, const std::optional<Tensor>&);
-using BackwardOp = std::tuple<Tensor, Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
-                                                              const Tensor&, const Tensor&, const Tensor&,
-                                                              const Tensor&, const std::optional<Tensor>&, double,
-                                                              bool, bool, double, bool, int64_t, int64_t, double,
-                                                              const std::optional<Tensor>&);
 
 // Sequence b's rows [starts[b], starts[b + 1]) of a 4-d (1, heads, rows, dim) view.
 Tensor rows_of(const Tensor& t, const std::vector<int64_t>& starts, int64_t b) {
@@ -37,10 +27,9 @@ std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor& q, const Tensor& k, 
                                               bool causal_lower_right, double scale, int64_t window_left,
                                               int64_t window_right, double softcap,
                                               const std::optional<Tensor>& alibi_slopes) {
-  const PackedBatch batch = check_packed_batch(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
-  return varlen_forward_by_sequence(batch);
+  return varlen_forward_by_sequence(check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, is_causal, causal_lower_right, scale,
+                                                      window_left, window_right, softcap, alibi_slopes));
 }
 
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& grad_out, const Tensor& q, const Tensor& k,
@@ -50,30 +39,21 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& grad_out, c
                                                        bool causal_lower_right, double scale, int64_t window_left,
                                                        int64_t window_right, double softcap,
                                                        const std::optional<Tensor>& alibi_slopes) {
-  const PackedBatch batch = check_packed_batch(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
+  const PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               is_causal, causal_lower_right, scale, window_left, window_right,
+                                               softcap, alibi_slopes);
   return varlen_backward_by_sequence(batch, grad_out, out, lse);
 }
 
 }  // namespace
 
-AttentionOptions packed_options(bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
-                                int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
-  static const std::optional<Tensor> no_attn_mask;
-  return {no_attn_mask, 0.0, is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes};
-}
-
 std::tuple<Tensor, Tensor> varlen_forward_by_sequence(const PackedBatch& batch) {
-  static const auto forward_op = c10::Dispatcher::singleton()
-                                     .findSchemaOrThrow("flashattn_ext::attention_forward", "")
-                                     .typed<ForwardOp>();
   const AttentionOptions& o = batch.options;
   const Tensor& q = batch.q;
   Tensor out = at::empty({q.size(2), q.size(1), batch.v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(1), q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
   for (int64_t b = 0; b < batch.sequences(); ++b) {
-    const auto [seq_out, seq_lse, rng_state] = forward_op.call(
+    const auto [seq_out, seq_lse, rng_state] = attention_forward_op().call(
         rows_of(q, batch.starts_q, b), rows_of(batch.k, batch.starts_k, b), rows_of(batch.v, batch.starts_k, b),
         std::nullopt, 0.0, o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
         slopes_of(o.alibi_slopes, b));
@@ -85,9 +65,6 @@ std::tuple<Tensor, Tensor> varlen_forward_by_sequence(const PackedBatch& batch) 
 
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_by_sequence(const PackedBatch& batch, const Tensor& grad_out,
                                                                const Tensor& out, const Tensor& lse) {
-  static const auto backward_op = c10::Dispatcher::singleton()
-                                      .findSchemaOrThrow("flashattn_ext::attention_backward", "")
-                                      .typed<BackwardOp>();
   const AttentionOptions& o = batch.options;
   const Tensor& q = batch.q;
   const std::vector<int64_t> out_shape{q.size(2), q.size(1), batch.v.size(3)};
@@ -97,12 +74,10 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_by_sequence(const PackedBatch
   TORCH_CHECK(lse.dim() == 2 && lse.size(0) == q.size(1) && lse.size(1) == q.size(2),
               "flashattn_ext: lse must have shape (heads, total_q) = (", q.size(1), ", ", q.size(2), "), got ",
               lse.sizes());
-  // (Packed (total rows, heads, dim), as the inputs.)
-  auto packed_like = [](const Tensor& t) { return at::empty({t.size(2), t.size(1), t.size(3)}, t.options()); };
-  Tensor dq = packed_like(q), dk = packed_like(batch.k), dv = packed_like(batch.v);
+  Tensor dq = empty_packed_like(q), dk = empty_packed_like(batch.k), dv = empty_packed_like(batch.v);
   const Tensor no_rng_state = at::empty({0}, q.options().dtype(at::kLong));
   for (int64_t b = 0; b < batch.sequences(); ++b) {
-    const auto [seq_dq, seq_dk, seq_dv, unused] = backward_op.call(
+    const auto [seq_dq, seq_dk, seq_dv, unused] = attention_backward_op().call(
         rows_of(heads_first(grad_out), batch.starts_q, b), rows_of(q, batch.starts_q, b),
         rows_of(batch.k, batch.starts_k, b), rows_of(batch.v, batch.starts_k, b),
         rows_of(heads_first(out), batch.starts_q, b),

@@ -240,9 +240,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  PackedBatch batch = check_packed_batch(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                         causal_lower_right, scale, window_left, window_right, softcap,
+                                         alibi_slopes);
   if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q)) {
     return varlen_forward_by_sequence(batch);
   }
@@ -279,9 +279,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
     int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
-  PackedBatch batch = check_packed_batch(
-      q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-      packed_options(is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes));
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
+                                         causal_lower_right, scale, window_left, window_right, softcap,
+                                         alibi_slopes);
   if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q) ||
       at::globalContext().deterministicAlgorithms()) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
