@@ -197,6 +197,25 @@ def median_cuda_events(fn: Callable, reps: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
 
 
+def interleaved_median_cuda_events(fns: List[Callable], reps: int, warmup: int = 3) -> List[float]:
+    """Each fn's median time in seconds (CUDA events, one a call) after warm-up calls, the fns' calls
+    taken in turn: a GPU's clocks drift by several percent within seconds, and interleaved calls see
+    the same drift."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for rep in range(reps):
+        for fn, fn_events in zip(fns, events):
+            start, end = fn_events[rep]
+            start.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(start.elapsed_time(end) for start, end in fn_events) / 1e3 for fn_events in events]
+
+
 def _median_wall_clock(fn: Callable, reps: int) -> float:
     times = []
     for _ in range(reps):

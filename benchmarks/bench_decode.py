@@ -3,8 +3,9 @@ rate it reads the cache at against a device-to-device copy's.
 
 One query token per sequence, bf16, GQA 32:8, head dim 128, B=64 (fewer where the cache would not fit),
 every sequence's cache full, contiguous and paged (blocks of 16 and 256 keys, shuffled). Times are the
-median of 20 calls (CUDA events) after 3 warm-up calls. SDPA gets the same keys as one contiguous
-(B, 8, L, 128) tensor and enable_gqa=True; its default dispatch picks the backend.
+median of 20 calls (CUDA events) after 3 warm-up calls, ours and SDPA's calls interleaved (so that
+the GPU's clock drift hits both alike). SDPA gets the same keys as one contiguous (B, 8, L, 128)
+tensor and enable_gqa=True; its default dispatch picks the backend.
 
     python3 benchmarks/bench_decode.py [--lengths 8192 32768 131072] [--out DIR]
 """
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 # bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
-from bench_attention import median_cuda_events
+from bench_attention import interleaved_median_cuda_events, median_cuda_events
 import flashattn_ext
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
@@ -54,7 +55,10 @@ def main():
         keys = torch.randn(batch, HEADS_KV, length, DIM, device="cuda", dtype=torch.bfloat16)
         values = torch.randn_like(keys)
         lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
-        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+
+        def sdpa():
+            return F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
+
         for block in (None, 16, 256):
             if block is None:
                 caches, table = (keys, values), None
@@ -68,9 +72,9 @@ def main():
                     0, order, t.view(batch, HEADS_KV, per_sequence, block, DIM).permute(0, 2, 3, 1, 4)
                     .reshape(batch * per_sequence, block, HEADS_KV, DIM)) for t in (keys, values))
             ours = flashattn_ext.decode_attention(query, *caches, lengths, block_table=table)
-            want = F.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
-            assert (ours.float() - want.float()).abs().max().item() < 3e-2, "decode_attention disagrees with SDPA"
-            ms = median_ms(lambda: flashattn_ext.decode_attention(query, *caches, lengths, block_table=table))
+            assert (ours.float() - sdpa().float()).abs().max().item() < 3e-2, "decode_attention disagrees with SDPA"
+            fns = [lambda: flashattn_ext.decode_attention(query, *caches, lengths, block_table=table), sdpa]
+            ms, sdpa_ms = (seconds * 1e3 for seconds in interleaved_median_cuda_events(fns, 20))
             gbps = batch * cache_bytes / ms / 1e6
             line = (f"| {length} | {batch} | {'contiguous' if block is None else f'paged {block}'} | {ms:.3f} | "
                     f"{gbps:.0f} | {gbps / copy:.2f} | {sdpa_ms:.3f} | {sdpa_ms / ms:.2f} |")

@@ -6,8 +6,9 @@ bf16, head dim 128, 16 query and key/value heads; FLOPs count real pairs only (c
 and below the diagonal). The dense reference holds the same tokens as sequences of the packed
 batch's mean length (rounded to 128). SDPA runs the padded batch (every sequence padded to the
 longest, no mask: the least work SDPA can do there). Forward, and forward + backward, timed apart:
-the median of 10 calls (CUDA events) after 2 warm-up calls, the providers alternating over
---rounds rounds (the best round kept).
+each provider's median over 20 calls (CUDA events, one a call) after 3 warm-up calls, the providers'
+calls interleaved (an H100's clocks drift by several percent within seconds: interleaved, the
+providers see the same drift), the best of --rounds rounds kept.
 
     python3 benchmarks/bench_varlen.py [--sequences 16] [--seeds 0 1] [--out DIR]
 """
@@ -18,16 +19,10 @@ import torch
 import torch.nn.functional as F
 
 # bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
-from bench_attention import median_cuda_events
+from bench_attention import interleaved_median_cuda_events
 import flashattn_ext
 
 HEADS, DIM, DTYPE = 16, 128, torch.bfloat16
-
-
-def median_ms(fn, calls=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    return median_cuda_events(fn, calls) * 1e3
 
 
 def pair_flops(lengths, causal):
@@ -36,19 +31,19 @@ def pair_flops(lengths, causal):
     return 4 * DIM * HEADS * pairs
 
 
-def timed(forward, inputs):
-    """ms of the forward, and of forward + backward."""
+def forward_and_step(forward, inputs):
+    """The forward, and forward + backward."""
     def step():
         out = forward()
         torch.autograd.grad(out, inputs, torch.ones_like(out))
-    return median_ms(forward), median_ms(step)
+    return forward, step
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     lines = [f"# Packed batch (varlen): flashattn_ext ({torch.cuda.get_device_name()}, torch {torch.__version__})", "",
@@ -78,10 +73,12 @@ def main():
                 "sdpa": (lambda: F.scaled_dot_product_attention(*padded, is_causal=causal), padded,
                          pair_flops(lengths, causal)),
             }
-            best = {}
+            best = {name: [1e9, 1e9] for name in providers}
             for _ in range(args.rounds):
-                for name, (fn, inputs, _) in providers.items():
-                    best[name] = tuple(min(a, b) for a, b in zip(best.get(name, (1e9, 1e9)), timed(fn, inputs)))
+                for part in (0, 1):  # forward, forward + backward
+                    fns = [forward_and_step(fn, inputs)[part] for fn, inputs, _ in providers.values()]
+                    for name, seconds in zip(providers, interleaved_median_cuda_events(fns, 20)):
+                        best[name][part] = min(best[name][part], seconds * 1e3)
             tflops = {name: (flops / best[name][0] / 1e9, 3.5 * flops / best[name][1] / 1e9)
                       for name, (_, _, flops) in providers.items()}
             cell = {name: f"{f:.0f} / {fb:.0f}" for name, (f, fb) in tflops.items()}

@@ -101,14 +101,15 @@ struct IndexView {
 // 1), its keys likewise in k and v; problem.len_q and len_k are at least
 // every sequence's lengths (the longest, as the kernels' grids are sized by
 // them). lse is (heads_q, total_q). cu_seqlens_q.data == nullptr: a dense call.
-// tile_order (device memory, from cuda::sm90::varlen_tile_order): the Hopper
-// forward's (sequence, query block) pairs in the order its tiles take them, two
-// int32 each, tile_pairs of them.
+// tile_order and tile_pairs (device memory, written by cuda::plan_packed_forward):
+// the Hopper forward's (sequence, query block) pairs in the order its tiles
+// take them, two int32 each, *tile_pairs of them (at most max_tile_pairs).
 struct PackedSequences {
   IndexView cu_seqlens_q, cu_seqlens_k;
   int64_t total_q = 0, total_k = 0;
   const int32_t* tile_order = nullptr;
-  int64_t tile_pairs = 0;
+  const int32_t* tile_pairs = nullptr;
+  int64_t max_tile_pairs = 0;
 
   FLASHATTN_EXT_HOST_DEVICE bool present() const { return cu_seqlens_q.data != nullptr; }
 };
@@ -160,7 +161,7 @@ struct BwdParams {
   // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
   // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta
   // (heads_q, total_q), dq_accum laid out by packed_dq_accum_start
-  // (cuda/flash_common.cuh). tile_order is not used.
+  // (cuda/flash_common.cuh). The tile order is not used.
   PackedSequences packed;
 };
 

@@ -337,11 +337,7 @@ c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op() {
 namespace {
 
 // cu_seqlens read to the host.
-std::vector<int64_t> offsets_on_host(const at::Tensor& cu_seqlens, const char* name) {
-  TORCH_CHECK_VALUE(cu_seqlens.dim() == 1 && cu_seqlens.numel() > 0, "flashattn_ext: ", name,
-                    " must be a non-empty 1-d tensor, got shape ", cu_seqlens.sizes());
-  TORCH_CHECK_TYPE(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong,
-                   "flashattn_ext: ", name, " must be int32 or int64, got ", cu_seqlens.scalar_type());
+std::vector<int64_t> offsets_on_host(const at::Tensor& cu_seqlens) {
   const at::Tensor host = cu_seqlens.to(at::kCPU, at::kLong).contiguous();
   const int64_t* data = host.data_ptr<int64_t>();
   return {data, data + host.numel()};
@@ -376,25 +372,36 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
   }
   TORCH_CHECK(k.size(0) == v.size(0), "flashattn_ext: key has ", k.size(0), " tokens but value has ", v.size(0));
   for (const auto& [t, name] : {std::pair{&cu_seqlens_q, "cu_seqlens_q"}, std::pair{&cu_seqlens_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->numel() > 0, "flashattn_ext: ", name,
+                      " must be a non-empty 1-d tensor, got shape ", t->sizes());
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "flashattn_ext: ", name,
+                     " must be int32 or int64, got ", t->scalar_type());
     TORCH_CHECK(t->device() == q.device(), "flashattn_ext: ", name, " is on ", t->device(), " but query is on ",
                 q.device());
   }
+  TORCH_CHECK_VALUE(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "flashattn_ext: cu_seqlens_q holds ",
+                    cu_seqlens_q.numel() - 1, " sequences but cu_seqlens_k ", cu_seqlens_k.numel() - 1);
   static const std::optional<at::Tensor> no_attn_mask;  // (AttentionOptions holds a reference to it)
   const AttentionOptions options{no_attn_mask, 0.0,     is_causal, causal_lower_right, scale, window_left,
                                  window_right, softcap, alibi_slopes};
-  PackedBatch batch{heads_first(q), heads_first(k), heads_first(v), {}, {}, max_seqlen_q, max_seqlen_k, options};
-  batch.starts_q = offsets_on_host(cu_seqlens_q, "cu_seqlens_q");
-  check_sequence_bounds(batch.starts_q, "cu_seqlens_q", q.size(0), max_seqlen_q);
-  // (Self-attention passes one tensor for both: one read, one wait.)
-  batch.starts_k = cu_seqlens_k.is_same(cu_seqlens_q) ? batch.starts_q : offsets_on_host(cu_seqlens_k, "cu_seqlens_k");
-  check_sequence_bounds(batch.starts_k, "cu_seqlens_k", k.size(0), max_seqlen_k);
-  TORCH_CHECK_VALUE(batch.starts_q.size() == batch.starts_k.size(), "flashattn_ext: cu_seqlens_q holds ",
-                    batch.starts_q.size() - 1, " sequences but cu_seqlens_k ", batch.starts_k.size() - 1);
+  PackedBatch batch{heads_first(q), heads_first(k), heads_first(v), cu_seqlens_q, cu_seqlens_k,
+                    max_seqlen_q,   max_seqlen_k,   options};
   // (The 4-d views checked as a dense call's: dtypes, devices, heads, head dims, options.)
   check_qkv(batch.q, batch.k, batch.v, {options.attn_mask, 0.0, options.is_causal, options.causal_lower_right,
                                         options.scale, options.window_left, options.window_right, options.softcap});
   check_alibi(options.alibi_slopes, batch.sequences(), q.size(1), q);
   return batch;
+}
+
+SequenceBounds read_sequence_bounds(const PackedBatch& batch) {
+  SequenceBounds bounds;
+  bounds.q = offsets_on_host(batch.cu_seqlens_q);
+  check_sequence_bounds(bounds.q, "cu_seqlens_q", batch.q.size(2), batch.max_seqlen_q);
+  // (Self-attention passes one tensor for both: one read, one wait.)
+  const bool same = batch.cu_seqlens_k.is_same(batch.cu_seqlens_q);
+  bounds.k = same ? bounds.q : offsets_on_host(batch.cu_seqlens_k);
+  check_sequence_bounds(bounds.k, "cu_seqlens_k", batch.k.size(2), batch.max_seqlen_k);
+  return bounds;
 }
 
 namespace {
@@ -403,7 +410,7 @@ namespace {
 // sequences as the batch, the longest lengths as len_q and len_k), q, k, v
 // and the sequences' bounds, read in place.
 template <typename Params>
-Params packed_params(const PackedBatch& batch, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k) {
+Params packed_params(const PackedBatch& batch) {
   Params params;
   AttentionProblem& p = params.problem;
   p = attention_problem(batch.q, batch.k, batch.v, batch.options);
@@ -413,8 +420,8 @@ Params packed_params(const PackedBatch& batch, const at::Tensor& cu_seqlens_q, c
   params.q = view_of(batch.q);
   params.k = view_of(batch.k);
   params.v = view_of(batch.v);
-  params.packed.cu_seqlens_q = index_view(cu_seqlens_q);
-  params.packed.cu_seqlens_k = index_view(cu_seqlens_k);
+  params.packed.cu_seqlens_q = index_view(batch.cu_seqlens_q);
+  params.packed.cu_seqlens_k = index_view(batch.cu_seqlens_k);
   params.packed.total_q = batch.q.size(2);
   params.packed.total_k = batch.k.size(2);
   return params;
@@ -422,10 +429,9 @@ Params packed_params(const PackedBatch& batch, const at::Tensor& cu_seqlens_q, c
 
 }  // namespace
 
-FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
-                                 const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse) {
+FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = batch.q;
-  FwdParams params = packed_params<FwdParams>(batch, cu_seqlens_q, cu_seqlens_k);
+  FwdParams params = packed_params<FwdParams>(batch);
   const AttentionProblem& p = params.problem;
   out = at::empty({q.size(2), p.heads_q, p.head_dim_v}, q.options());
   lse = at::empty({p.heads_q, q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
@@ -434,11 +440,10 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_
   return params;
 }
 
-BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
+BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const at::Tensor& q = batch.q;
-  BwdParams params = packed_params<BwdParams>(batch, cu_seqlens_q, cu_seqlens_k);
+  BwdParams params = packed_params<BwdParams>(batch);
   const AttentionProblem& p = params.problem;
   const std::vector<int64_t> out_shape{q.size(2), p.heads_q, p.head_dim_v};
   check_saved(out, "out", out_shape, q.scalar_type(), q);

@@ -75,26 +75,35 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
 // cache_seqlens and block_table are in host memory.
 void check_decode_values_on_host(const DecodeParams& params);
 
-// A packed batch (the varlen ops): q, k, v, out and grad_out (total rows,
-// heads, dim) seen as (1, heads, total rows, dim), the sequences' bounds read
-// to the host and checked.
+// A packed batch (the varlen ops): q, k, v (total rows, heads, dim) seen as
+// (1, heads, total rows, dim), and the sequences' bounds cu_seqlens as given
+// (on the inputs' device: not read here).
 struct PackedBatch {
-  at::Tensor q, k, v;                      // 4-d views (1, heads, total rows, dim)
-  std::vector<int64_t> starts_q, starts_k;  // sequences + 1 bounds each
+  at::Tensor q, k, v;  // 4-d views (1, heads, total rows, dim)
+  at::Tensor cu_seqlens_q, cu_seqlens_k;
   int64_t max_seqlen_q, max_seqlen_k;
   AttentionOptions options;  // no attn_mask, no dropout; alibi_slopes (sequences, heads_q)
 
-  int64_t sequences() const { return static_cast<int64_t>(starts_q.size()) - 1; }
+  int64_t sequences() const { return cu_seqlens_q.numel() - 1; }
 };
 
-// Checks the varlen ops' arguments (cu_seqlens read to the host, once where
-// both are the same tensor: a wait for the device where they live there); the
-// options are the ops' own (no attn_mask, no dropout).
+// Checks the varlen ops' arguments but the values in cu_seqlens (see
+// read_sequence_bounds); the options are the ops' own (no attn_mask, no dropout).
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
                                int64_t window_left, int64_t window_right, double softcap,
                                const std::optional<at::Tensor>& alibi_slopes);
+
+// A packed batch's sequence bounds (sequences + 1 each), read to the host and
+// checked: from 0 to the packed rows, not decreasing, no sequence longer than
+// its max_seqlen. Where cu_seqlens live on a GPU this waits for it (once where
+// both are the same tensor); the CUDA kernels that take a batch whole check
+// them on the device instead (cuda::plan_packed_forward).
+struct SequenceBounds {
+  std::vector<int64_t> q, k;
+};
+SequenceBounds read_sequence_bounds(const PackedBatch& batch);
 
 // The packed (total rows, heads, dim) tensor t seen as (1, heads, total rows, dim).
 at::Tensor heads_first(const at::Tensor& t);
@@ -103,14 +112,12 @@ at::Tensor empty_packed_like(const at::Tensor& t);
 
 // Allocates the packed batch's out (total_q, heads_q, Ev) and lse (heads_q,
 // total_q) and returns the kernel params of its forward (params.packed set).
-FwdParams prepare_packed_forward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
-                                 const at::Tensor& cu_seqlens_k, at::Tensor& out, at::Tensor& lse);
+FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::Tensor& lse);
 
 // Checks the saved out, lse and grad_out of a packed batch's backward;
 // allocates dq, dk, dv (packed, contiguous) and returns the kernel params of
 // its backward (params.packed set; delta and dq_accum unset).
-BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& cu_seqlens_q,
-                                  const at::Tensor& cu_seqlens_k, const at::Tensor& grad_out, const at::Tensor& out,
+BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
 // The attention_forward and attention_backward ops' signatures (schemas in
@@ -128,8 +135,8 @@ c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op();
 
 // The packed batch's forward and backward as one attention_forward (or
 // attention_backward) call per sequence on views of the packed tensors, their
-// results copied into the packed ones: the path of every device and call that
-// no kernel takes as a whole.
+// results copied into the packed ones (read_sequence_bounds first): the path
+// of every device and call that no kernel takes as a whole.
 std::tuple<at::Tensor, at::Tensor> varlen_forward_by_sequence(const PackedBatch& batch);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_by_sequence(const PackedBatch& batch,
                                                                           const at::Tensor& grad_out,

@@ -48,23 +48,25 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& grad_out, c
 }  // namespace
 
 std::tuple<Tensor, Tensor> varlen_forward_by_sequence(const PackedBatch& batch) {
+  const SequenceBounds bounds = read_sequence_bounds(batch);
   const AttentionOptions& o = batch.options;
   const Tensor& q = batch.q;
   Tensor out = at::empty({q.size(2), q.size(1), batch.v.size(3)}, q.options());
   Tensor lse = at::empty({q.size(1), q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
   for (int64_t b = 0; b < batch.sequences(); ++b) {
     const auto [seq_out, seq_lse, rng_state] = attention_forward_op().call(
-        rows_of(q, batch.starts_q, b), rows_of(batch.k, batch.starts_k, b), rows_of(batch.v, batch.starts_k, b),
+        rows_of(q, bounds.q, b), rows_of(batch.k, bounds.k, b), rows_of(batch.v, bounds.k, b),
         std::nullopt, 0.0, o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
         slopes_of(o.alibi_slopes, b));
-    rows_of(heads_first(out), batch.starts_q, b).copy_(seq_out);
-    rows_of(lse.unsqueeze(0).unsqueeze(3), batch.starts_q, b).copy_(seq_lse.unsqueeze(3));
+    rows_of(heads_first(out), bounds.q, b).copy_(seq_out);
+    rows_of(lse.unsqueeze(0).unsqueeze(3), bounds.q, b).copy_(seq_lse.unsqueeze(3));
   }
   return {out, lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_by_sequence(const PackedBatch& batch, const Tensor& grad_out,
                                                                const Tensor& out, const Tensor& lse) {
+  const SequenceBounds bounds = read_sequence_bounds(batch);
   const AttentionOptions& o = batch.options;
   const Tensor& q = batch.q;
   const std::vector<int64_t> out_shape{q.size(2), q.size(1), batch.v.size(3)};
@@ -78,15 +80,15 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_by_sequence(const PackedBatch
   const Tensor no_rng_state = at::empty({0}, q.options().dtype(at::kLong));
   for (int64_t b = 0; b < batch.sequences(); ++b) {
     const auto [seq_dq, seq_dk, seq_dv, unused] = attention_backward_op().call(
-        rows_of(heads_first(grad_out), batch.starts_q, b), rows_of(q, batch.starts_q, b),
-        rows_of(batch.k, batch.starts_k, b), rows_of(batch.v, batch.starts_k, b),
-        rows_of(heads_first(out), batch.starts_q, b),
-        rows_of(lse.unsqueeze(0).unsqueeze(3), batch.starts_q, b).squeeze(3).contiguous(), no_rng_state,
+        rows_of(heads_first(grad_out), bounds.q, b), rows_of(q, bounds.q, b),
+        rows_of(batch.k, bounds.k, b), rows_of(batch.v, bounds.k, b),
+        rows_of(heads_first(out), bounds.q, b),
+        rows_of(lse.unsqueeze(0).unsqueeze(3), bounds.q, b).squeeze(3).contiguous(), no_rng_state,
         std::nullopt, 0.0, o.is_causal, o.causal_lower_right, o.scale, false, o.window_left, o.window_right,
         o.softcap, slopes_of(o.alibi_slopes, b));
-    rows_of(heads_first(dq), batch.starts_q, b).copy_(seq_dq);
-    rows_of(heads_first(dk), batch.starts_k, b).copy_(seq_dk);
-    rows_of(heads_first(dv), batch.starts_k, b).copy_(seq_dv);
+    rows_of(heads_first(dq), bounds.q, b).copy_(seq_dq);
+    rows_of(heads_first(dk), bounds.k, b).copy_(seq_dk);
+    rows_of(heads_first(dv), bounds.k, b).copy_(seq_dv);
   }
   return {dq, dk, dv};
 }

@@ -40,7 +40,9 @@ def varlen_attention(
     The options mean what they mean for attention_with_lse (is_causal top-left unless
     causal_lower_right; window; softcap; dropout; alibi_slopes, here (Hq,) or (sequences, Hq)).
     Returns out (total_q, Hq, Ev) and, with return_lse, the log-sum-exp (Hq, total_q) in float32
-    (float64 for float64 inputs), as flash-attn's varlen call does.
+    (float64 for float64 inputs), as flash-attn's varlen call does. Where the Hopper kernels take
+    the call whole, cu_seqlens are read on the GPU only (no wait for it): bad ones give NaN
+    results there instead of an error (see the README).
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor) or tensor.dim() != 3:

@@ -161,6 +161,19 @@ def run_varlen(dtype):
             raise RuntimeError(f"out is not finite for the packed batch at head dim {dim} in {dtype}")
 
 
+def run_varlen_bad_bounds(dtype):
+    """Packed batches whose cu_seqlens are not a packed batch's bounds (decreasing, past the end,
+    not from 0), forward and backward in one launch each: the kernels must stay in their tensors."""
+    q, k, v = (torch.randn(300, 2, 128, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    for bounds in ([0, 250, 100, 300], [0, 100, 1000], [20, 100, 300], [0, 300, 300]):
+        cu = torch.tensor(bounds, device="cuda", dtype=torch.int32)
+        out = flashattn_ext.varlen_attention(q, k, v, cu, cu, 200, 200, is_causal=True)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        if not torch.isnan(out).all():
+            raise RuntimeError(f"out is not NaN for the bounds {bounds} in {dtype}")
+
+
 def run_decode(dtype):
     """Decoding steps: contiguous and paged caches (blocks of 16 and 256 keys, and of 4: the mma.sync
     kernel's) whose sequences end inside tiles and blocks, one with no key, len_q 1 and 3 (causal),
@@ -212,7 +225,10 @@ def main():
             print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
             run_varlen(dtype)
             print(f"ok packed batch {dtype} deterministic={deterministic}", flush=True)
+    torch.use_deterministic_algorithms(False)  # (bad bounds: the one-launch paths, which do not raise)
     for dtype in DTYPES:
+        run_varlen_bad_bounds(dtype)
+        print(f"ok packed batch, bad bounds {dtype}", flush=True)
         run_decode(dtype)
         print(f"ok decode {dtype}", flush=True)
 

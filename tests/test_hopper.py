@@ -796,6 +796,59 @@ def test_varlen_forward_in_one_launch(options, head_dim, dtype):
         bq, bk = bq + lq, bk + lk
 
 
+def packed_pair(lengths, heads=(4, 2), dim=128, dtype=torch.bfloat16):
+    """Leaves q, k, v of a packed self-attention batch, its cu_seqlens, and an incoming gradient."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(lengths), h, dim, generator=gen).to("cuda", dtype).requires_grad_()
+               for h in (heads[0], heads[1], heads[1]))
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0, dtype=torch.int32)
+    return [q, k, v], cu, torch.randn(sum(lengths), heads[0], dim, generator=gen).to("cuda", dtype)
+
+
+def test_varlen_in_one_launch_does_not_wait_for_the_device():
+    """The one-launch forward and backward read cu_seqlens on the device only: no call waits for
+    it (torch's sync debug mode raises on one that does, as the path of one call a sequence shows)."""
+    leaves, cu, dout = packed_pair([300, 5, 129])
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = flashattn_ext.varlen_attention(*leaves, cu, cu, 300, 300, is_causal=True)
+        torch.autograd.grad(out, leaves, dout)
+        with pytest.raises(RuntimeError, match="synchroniz"):  # (dropout: one call a sequence)
+            flashattn_ext.varlen_attention(*leaves, cu, cu, 300, 300, dropout_p=0.1)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.parametrize("case", ["decreasing", "past_the_end", "longer_than_max_seqlen", "not_from_zero"])
+def test_varlen_bad_bounds_in_one_launch_give_nan(case):
+    """Bounds that are not a packed batch's, which the one-launch paths cannot refuse (they do not
+    read cu_seqlens back), make every output, log-sum-exp and gradient NaN; no kernel leaves its
+    tensors (sanitizer_workload.run_varlen_bad_bounds). One call a sequence still raises."""
+    leaves, cu, dout = packed_pair([100, 200])
+    longest = 200
+    if case == "decreasing":
+        cu = torch.tensor([0, 250, 100, 300], device="cuda", dtype=torch.int32)
+    elif case == "past_the_end":
+        cu = torch.tensor([0, 100, 1000], device="cuda", dtype=torch.int32)
+    elif case == "longer_than_max_seqlen":
+        longest = 150
+    else:
+        cu = torch.tensor([20, 100, 300], device="cuda", dtype=torch.int32)
+    names = kernel_names(lambda: flashattn_ext.varlen_attention(*leaves, cu, cu, longest, longest))
+    assert sum("sm90" in n and "attention_forward_kernel" in n for n in names) == 1, names
+    out, lse = flashattn_ext.varlen_attention(*leaves, cu, cu, longest, longest, return_lse=True)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+    # (The backward op itself, with an incoming gradient that is not NaN.)
+    grads = torch.ops.flashattn_ext.varlen_backward(dout, *leaves, out.nan_to_num(), lse.nan_to_num(), cu, cu,
+                                                    longest, longest, False, False, 128 ** -0.5, -1, -1, 0.0, None)
+    for name, g in zip(("dq", "dk", "dv"), grads):
+        assert torch.isnan(g).all(), name
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        flashattn_ext.varlen_attention(*leaves, cu, cu, longest, longest, dropout_p=0.1)
+
+
 # The Hopper decode kernel (sm90/decode_sm90.cu): tiles of 64 (key, key/value head) pairs through the
 # copy engine, an item taking as many key/value heads (1, 2, 4, 8, ...) as their query rows fit 16,
 # a paged cache's blocks looked up once a box, persistent blocks taking (chunk, head group,

@@ -88,7 +88,8 @@ def call(**changes):
     [
         (call(query=torch.randn(1, 6, 2, 8)), ValueError, "query must be a 3-d (total_tokens, heads, head_dim)"),
         (call(cu_seqlens_q=torch.tensor([0, 2, 5])), ValueError, "must start at 0 and end at the 6 packed tokens"),
-        (call(cu_seqlens_q=torch.tensor([0, 4, 2, 6])), ValueError, "cu_seqlens_q must not decrease"),
+        (call(cu_seqlens_q=torch.tensor([0, 4, 2, 6]), cu_seqlens_k=torch.tensor([0, 2, 4, 6])), ValueError,
+         "cu_seqlens_q must not decrease"),
         (call(cu_seqlens_k=torch.tensor([0.0, 6.0])), TypeError, "cu_seqlens_k must be int32 or int64"),
         (call(cu_seqlens_k=torch.tensor([0, 6]), max_seqlen_k=6), ValueError, "holds 2 sequences but cu_seqlens_k 1"),
         (call(max_seqlen_q=3), ValueError, "(3) is below its longest sequence (4)"),

@@ -75,10 +75,11 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
         high = mid - 1;
       }
     }
-    const int64_t q_start = packed.cu_seqlens_q.at(0, low);
-    row0 = accum_row - packed_dq_accum_start(q_start, low);
-    len_q = packed.cu_seqlens_q.at(0, low + 1) - q_start;
-    dq = head_ptr<Elem>(params.dq, 0, head) + q_start * params.dq.stride_row;
+    // (Clamped as sequence_span's: bounds that are not a packed batch's keep the rows in dq.)
+    const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, static_cast<int>(low));
+    row0 = accum_row - packed_dq_accum_start(queries.start, low);
+    len_q = queries.length;
+    dq = head_ptr<Elem>(params.dq, 0, head) + int64_t{queries.start} * params.dq.stride_row;
   } else {
     const int64_t tiles_per_head = ceil_div(p.len_q, kDqAccumRowMultiple);
     // head: b * heads_q + h, from the first query head of the pairs dq_accum holds on
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_tiles_kernel
 #pragma unroll
   for (int k = 0; k < kSliceQuads / kConvertThreads; ++k) {
     const int index = k * kConvertThreads + tid, row = index / kRowQuads, col = col0 + index % kRowQuads * 4;
-    if (row0 + row >= len_q || col >= p.head_dim) continue;
+    if (row0 + row < 0 || row0 + row >= len_q || col >= p.head_dim) continue;
     const float4 acc = *reinterpret_cast<const float4*>(&s_slice[row][col - col0]);
     *reinterpret_cast<uint2*>(dq + (row0 + row) * params.dq.stride_row + col) =
         make_uint2(ptx::pack2<Elem>(acc.x * scale, acc.y * scale), ptx::pack2<Elem>(acc.z * scale, acc.w * scale));

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "flash_params.h"
 
@@ -29,6 +28,26 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
 int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs);
 // The same for a packed batch's call (params.packed; layout: packed_dq_accum_start).
 int64_t packed_dq_accum_floats(const BwdParams& params);
+
+// A packed batch's (varlen's) work on the device (packed_batch.cu): nothing
+// is read back to the host, so its calls do not wait for the device.
+// Bounds are a packed batch's when cu_seqlens run from 0 to the packed rows,
+// do not decrease and give no sequence more rows than the problem's len_q or
+// len_k (max_seqlen); with other bounds the kernels stay in their tensors,
+// and these fill the results with NaN (a call cannot raise without the read).
+//
+// The Hopper forward's tile order for params' batch, in `workspace`
+// (packed_forward_plan_ints of them), params.packed.tile_order, tile_pairs,
+// max_tile_pairs and params.tile_counter set to it: sequence by sequence, the
+// most work first, each sequence's blocks of block_rows queries from the last
+// (the causal diagonal's heaviest). The tiles that run together then read one
+// or two sequences' keys and values, and the grid ends with light tiles. Bad
+// bounds: no tile, out and lse NaN.
+int64_t packed_forward_plan_ints(const FwdParams& params, int64_t block_rows);
+void plan_packed_forward(FwdParams& params, int64_t block_rows, int32_t* workspace, ElementType type,
+                         cudaStream_t stream);
+// After a packed batch's backward: dq, dk and dv NaN where its bounds are bad.
+void poison_gradients_of_bad_bounds(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // How a backward laid out dq_accum (flash_common.cuh): rows with permuted
 // columns (the sm80 atomics) or, within each tile, wgmma's register order (sm90).
@@ -107,14 +126,9 @@ bool forward_covers(const FwdParams& params);
 // params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
-// A packed batch's (sequence, query block) pairs, two int32 each, in the order
-// the Hopper forward should take them (params.packed.tile_order): sequence by
-// sequence, the most work first, and each sequence's blocks heaviest first
-// (the most keys seen). The tiles that run together then read one or two
-// sequences' keys and values, and the grid ends with light tiles. starts_q
-// and starts_k: the sequences' bounds (cu_seqlens on the host).
-std::vector<int32_t> varlen_tile_order(const AttentionProblem& p, const std::vector<int64_t>& starts_q,
-                                       const std::vector<int64_t>& starts_k);
+// The query rows of the Hopper forward's tiles for a packed batch (their
+// blocks are what plan_packed_forward orders).
+int64_t varlen_forward_block_rows(const AttentionProblem& p);
 
 // Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
 // (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no

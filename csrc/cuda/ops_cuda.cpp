@@ -231,7 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
 }
 
 // A packed batch: the Hopper forward takes it as one launch where it covers
-// the call; anything else runs one call per sequence.
+// the call, its cu_seqlens read on the device only (no wait for it); anything
+// else runs one call per sequence.
 std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                                        int64_t max_seqlen_q, int64_t max_seqlen_k, bool is_causal,
@@ -250,35 +251,27 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
   at::Tensor out, lse;
-  FwdParams params = prepare_packed_forward(batch, cu_seqlens_q, cu_seqlens_k, out, lse);
+  FwdParams params = prepare_packed_forward(batch, out, lse);
   if (!cuda::sm90::forward_covers(params)) return varlen_forward_by_sequence(batch);
-  // The tiles' order, from pinned memory (the copy runs in stream order; the
-  // caching host allocator keeps the buffer until it has).
-  const std::vector<int32_t> order =
-      cuda::sm90::varlen_tile_order(params.problem, batch.starts_q, batch.starts_k);
-  at::Tensor order_on_host =
-      at::empty({static_cast<int64_t>(order.size())}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  std::copy(order.begin(), order.end(), order_on_host.data_ptr<int32_t>());
-  const at::Tensor tile_order = order_on_host.to(q.device(), /*non_blocking=*/true);
-  params.packed.tile_order = tile_order.data_ptr<int32_t>();
-  params.packed.tile_pairs = static_cast<int64_t>(order.size()) / 2;
-  const at::Tensor tile_counter = at::empty({1}, q.options().dtype(at::kInt));
-  params.tile_counter = tile_counter.data_ptr<int>();
-  C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
+  const int64_t block_rows = cuda::sm90::varlen_forward_block_rows(params.problem);
+  const at::Tensor plan =
+      at::empty({cuda::packed_forward_plan_ints(params, block_rows)}, q.options().dtype(at::kInt));
+  cuda::plan_packed_forward(params, block_rows, plan.data_ptr<int32_t>(), element_type(q), stream);
   if (!cuda::sm90::attention_forward(params, element_type(q), stream)) return varlen_forward_by_sequence(batch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
 
 // A packed batch's backward: the Hopper backward takes it as one launch where
-// it covers the call (not in deterministic mode); anything else runs one call
-// per sequence.
+// it covers the call (not in deterministic mode), its cu_seqlens read on the
+// device only; anything else runs one call per sequence.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                          causal_lower_right, scale, window_left, window_right, softcap,
                                          alibi_slopes);
@@ -293,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   const at::Tensor out_rows = with_aligned_rows(heads_first(out)).squeeze(0).transpose(0, 1);
   const at::Tensor dout_rows = with_aligned_rows(heads_first(dout)).squeeze(0).transpose(0, 1);
   at::Tensor dq, dk, dv;
-  BwdParams params = prepare_packed_backward(batch, cu_seqlens_q, cu_seqlens_k, dout_rows, out_rows, lse, dq, dk, dv);
+  BwdParams params = prepare_packed_backward(batch, dout_rows, out_rows, lse, dq, dk, dv);
   const AttentionProblem& p = params.problem;
   params.dq_accum_pairs = p.batch * p.heads_kv;
   if (!cuda::sm90::backward_covers(params) || params.dq_accum_pairs != cuda::sm90::backward_chunk_pairs(p)) {
@@ -304,9 +297,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   // (Zeroed by the launch.)
   const at::Tensor dq_accum = at::empty({cuda::packed_dq_accum_floats(params)}, q.options().dtype(at::kFloat));
   params.dq_accum = dq_accum.data_ptr<float>();
-  if (!cuda::sm90::attention_backward(params, element_type(q), at::cuda::getCurrentCUDAStream())) {
+  if (!cuda::sm90::attention_backward(params, element_type(q), stream)) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
+  cuda::poison_gradients_of_bad_bounds(params, element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
 }

@@ -30,8 +30,8 @@
 // tile's last stage, which the producer refills only once the copy engine has
 // read it (out_free); at 64 and 256 each thread stores its registers. The
 // log-sum-exp is written from registers. A packed batch (varlen) is one grid
-// over every sequence's query blocks, in an order built on the host
-// (tile_order); each tile reads its sequence's rows and lengths from
+// over every sequence's query blocks, in an order built on the device
+// (tile_order: cuda::plan_packed_forward); each tile reads its sequence's rows and lengths from
 // cu_seqlens, and the copy engine stores only the 64-row boxes that lie in the
 // sequence (the other consumers store their registers).
 #include <algorithm>
@@ -54,7 +54,7 @@ namespace forward_kernel {
 struct FwdKernelParams {
   FwdParams call;
   CUtensorMap q_map, k_map, v_map, out_map, mask_map;
-  int tiles;         // (block of query rows, head, batch) tiles
+  int tiles;         // (block of query rows, head, batch) tiles (a packed batch: at most)
   int order_chunks;  // causal: heaviest_first_position's chunks
   MaskTileShape mask;
   // Not causal: the tiles in grid_position_heads_first's order (an attn_mask
@@ -185,7 +185,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
     // of tile_order: the tiles that run together read the same head's keys and
     // values from L2, and the grid ends with light ones.
     const PackedSequences& packed = kp.call.packed;
-    const int pairs = static_cast<int>(packed.tile_pairs);
+    const int pairs = *packed.tile_pairs;
     t.head = tile / pairs;
     const int pair = tile - t.head * pairs;
     t.batch = packed.tile_order[2 * pair];
@@ -295,6 +295,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     if constexpr (Cfg::Mask::kPresent) ptx::prefetch_tensor_map(&kp.mask_map);
     const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
     int tile = blockIdx.x;
+    // (A packed batch's were counted on the device.)
+    const int tiles = kVarlen ? *params.packed.tile_pairs * static_cast<int>(p.heads_q) : kp.tiles;
     // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
     // parity of its next out_free phase).
     uint32_t out_held = 0, out_waits = 0;
@@ -302,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       const int slot = round % 2;
       FwdTile t;
       t.n_blocks = kNoTileLeft;
-      if (tile < kp.tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
+      if (tile < tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
       // The tile's key blocks; the consumers are handed those that the mask
       // does not hide (a key-padding mask's map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
@@ -874,7 +876,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   auto kernel = attention_forward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM);
-  const int64_t tiles = (kVarlen ? params.packed.tile_pairs : m_blocks * p.batch) * p.heads_q;
+  const int64_t tiles = (kVarlen ? params.packed.max_tile_pairs : m_blocks * p.batch) * p.heads_q;
   if (kVarlen && tiles == 0) return true;  // (no query in any sequence)
   if (tiles > kMaxTiles) return false;
   const int sms = multiprocessor_count();
