@@ -921,12 +921,39 @@ def test_decode_kernel(case, options):
     assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_decode_kernel_cache_layouts(block_size):
+    """The Hopper decode kernel's copies walk the nearer of heads and rows in memory first: each cache
+    also in the other order (a contiguous cache's heads side by side in each row; a paged cache's
+    heads apart in each block, 4 blocks a tile): the same results against float64."""
+    from test_decode import TOLERANCE, make_cache, reference
+
+    gen = torch.Generator().manual_seed(7)
+    dtype, lengths = torch.bfloat16, [77, 256]
+    key_cache, value_cache, table = make_cache(2, 4, 256, 128, 128, dtype, block_size, gen)
+    query = torch.randn(2, 8, 1, 128, generator=gen).to(dtype)
+    want, _ = reference(query, key_cache, value_cache, lengths, table, False, 1 / math.sqrt(128))
+    for reorder in (False, True):
+        caches = [c.cuda() for c in (key_cache, value_cache)]
+        if reorder:  # the same values with heads and rows swapped in memory
+            caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
+
+        def call():
+            return flashattn_ext.decode_attention(query.cuda(), *caches, torch.tensor(lengths).cuda(),
+                                                  block_table=None if table is None else table.cuda())
+
+        names = kernel_names(call)
+        assert any("sm90" in n and "decode_kernel" in n for n in names), names
+        assert relative_error(call().cpu(), want) <= TOLERANCE[dtype], f"heads and rows swapped: {reorder}"
+
+
 @pytest.mark.parametrize("block_size, dim, heads_q, heads_kv, len_q, hopper", [
     (None, 128, 16, 4, 1, True),
     (16, 64, 16, 4, 1, True),
-    (4, 128, 16, 4, 1, True),  # blocks of 4 keys of 4 key heads: boxes of 16 rows of 128 bytes
+    (4, 128, 16, 4, 1, True),  # blocks of 4 keys of 4 key heads: boxes of 4 x 4 rows of 256 bytes
+    (4, 128, 4, 1, 1, True),  # blocks of 4 keys of one key head: boxes of 4 rows, the swizzle's 1024 bytes
     (None, 32, 16, 4, 1, False),  # head dim 32
-    (4, 128, 4, 1, 1, False),  # blocks of 4 keys of one key head: boxes below the swizzle's 8 rows
+    (4, 64, 4, 1, 1, False),  # blocks of 4 keys of one key head at head dim 64: boxes of 512 bytes
     (24, 128, 16, 4, 1, False),  # blocks that neither divide the tile's 16 keys nor are a multiple of them
     (None, 128, 16, 4, 5, False),  # 4 query heads x 5 tokens: 20 rows a key head
 ])

@@ -240,6 +240,17 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
       : "memory");
 }
 
+// cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes:
+// tma_load_4d's five-dimensional form.
+__device__ __forceinline__ void tma_load_5d(void* smem_dst, const void* tensor_map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5, %6}], [%7];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // cp.async.bulk.tensor.4d.global.shared::cta.bulk_group: the copy engine
 // stores a box from shared memory at coordinates (c0, c1, c2, c3) of the tensor
 // map; elements outside the tensor are not written. Completion is tracked by

@@ -8,10 +8,11 @@
 // Here one producer warp walks the block's work items (a chunk of a
 // sequence's keys, for as many key/value heads as have up to 16 query rows
 // together) and their tiles of 64 (key, head) pairs, and has the copy engine
-// load each tile's K and V into a ring of stages: one copy a 64-column box of
-// rows of all the item's heads (in vLLM's paged layout a block's rows hold the
+// load each tile's K and V into a ring of stages: one copy a box of whole rows
+// of all the item's heads (in vLLM's paged layout a block's rows hold the
 // heads side by side, so a block of 16 keys is one copy, not 16 pieces of 256
-// bytes a head), the block table read 32 boxes at a time. Four consumer warps
+// bytes a head), the block table read 32 boxes at a time. A copy of whole rows
+// streams faster than one of each row's 64-column halves (StageLayout). Four consumer warps
 // each take 16 pairs of every tile: Q K^T, the online softmax and P V on the
 // tensor cores (mma.sync m16n8k16 from the 128-byte swizzled stages), for the
 // item's query rows (the heads' GQA groups times the query tokens: one mma
@@ -63,8 +64,31 @@ struct DecodeKernelParams {
   int chunks, keys_per_chunk;
   int heads_log2;      // key/value heads of an item: 2^heads_log2
   int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
+  bool heads_inner;    // a copy's box holds each row's heads together (else each head's rows)
   float* out_partial;  // (see decode_merge)
   float* lse_partial;
+};
+
+// Where a (key, head) pair's row lies in a stage: the copies' boxes follow
+// one another, and each holds box_rows keys of the item's heads, row by row
+// and within a row head by head (heads_inner: the order in memory of a paged
+// cache's blocks, whose rows hold the heads side by side) or head by head and
+// within a head row by row (a cache whose heads lie apart), each row as its
+// kColBlocks 64-column lines. A copy reads its box in that order, so it reads
+// whole rows of the cache.
+template <typename Cfg>
+struct StageLayout {
+  int heads_log2, box_rows;
+  bool heads_inner;
+
+  // The stage's first 128-byte line of pair `pair` (key pair >> heads_log2,
+  // head pair % 2^heads_log2).
+  __device__ __forceinline__ int line(int pair) const {
+    if (heads_inner) return pair * Cfg::kColBlocks;
+    const int key = pair >> heads_log2, head = pair & ((1 << heads_log2) - 1);
+    const int box = key / box_rows, row = key % box_rows;
+    return (((box << heads_log2) + head) * box_rows + row) * Cfg::kColBlocks;
+  }
 };
 
 // One work item: the keys [key_begin, key_end) of sequence b that some query
@@ -125,10 +149,10 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
       const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
       const int boxes =
           static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
-      const int box_bytes = (box_rows << kp.heads_log2) * kSwizzleRowBytes;
+      const int box_bytes = (box_rows << kp.heads_log2) * Cfg::kColBlocks * kSwizzleRowBytes;
       if (lane == 0) {
         ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
-        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_bytes * Cfg::kColBlocks * 2);
+        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_bytes * 2);
       }
       unsigned char* k_stage = stages + stage * 2 * Cfg::kTileBytes;
       unsigned char* v_stage = k_stage + Cfg::kTileBytes;
@@ -148,12 +172,9 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
         }
         if (lane != 0) continue;
         const int offset = i * box_bytes, head = static_cast<int>(item.h_kv);
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          ptx::tma_load_4d(k_stage + c * Cfg::kColBlockBytes + offset, &kp.k_map, &bars.full[stage], c * kSwizzleCols,
-                           head, row, outer);
-          ptx::tma_load_4d(v_stage + c * Cfg::kColBlockBytes + offset, &kp.v_map, &bars.full[stage], c * kSwizzleCols,
-                           head, row, outer);
-        }
+        const int c2 = kp.heads_inner ? head : row, c3 = kp.heads_inner ? row : head;
+        ptx::tma_load_5d(k_stage + offset, &kp.k_map, &bars.full[stage], 0, 0, c2, c3, outer);
+        ptx::tma_load_5d(v_stage + offset, &kp.v_map, &bars.full[stage], 0, 0, c2, c3, outer);
       }
       if (++stage == Cfg::kStages) {
         stage = 0;
@@ -163,12 +184,13 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
   }
 }
 
-// Where a lane's ldmatrix row lies in a stage's K or V: pair `pair` of the
-// tile, 16-byte piece `piece` of the head dim (8 columns), in the copy
-// engine's 128-byte swizzle (a row's pieces permuted by the row's place in its 8).
-template <typename Cfg>
-__device__ __forceinline__ uint32_t swizzled(uint32_t base, int pair, int piece) {
-  return base + (piece / 8) * Cfg::kColBlockBytes + pair * kSwizzleRowBytes + (((piece % 8) ^ (pair % 8)) << 4);
+// Where a lane's ldmatrix row lies in a stage's K or V: 16-byte piece `piece`
+// of the head dim (8 columns) of the pair whose first line is `line`
+// (StageLayout), in the copy engine's 128-byte swizzle (a line's pieces
+// permuted by the line's place in its 8).
+__device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece) {
+  line += piece / 8;
+  return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
 }
 
 template <typename Elem, typename Cfg, bool kAlibi>
@@ -205,8 +227,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   // 0-7 for matrices 0 and 1, 8-15 for 2 and 3; pieces alternate), V's for
   // P V (transposed: pairs alternate, pieces 0 for matrices 0 and 1).
   const int matrix = lane / 8, pair0 = warp * 16;
-  const int k_pair = pair0 + (matrix / 2) * 8 + lane % 8, k_piece = matrix % 2;
-  const int v_pair = pair0 + (matrix % 2) * 8 + lane % 8, v_piece = matrix / 2;
+  const StageLayout<Cfg> layout{heads_log2, kp.box_rows, kp.heads_inner};
+  const int k_line = layout.line(pair0 + (matrix / 2) * 8 + lane % 8), k_piece = matrix % 2;
+  const int v_line = layout.line(pair0 + (matrix % 2) * 8 + lane % 8), v_piece = matrix / 2;
   int stage = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
@@ -253,7 +276,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
           const int first = max(static_cast<int>(item.key_end - key0) << heads_log2, pair0) - pair0;
           for (int i = lane; i < (16 - first) * kHeadDim / 8; i += kWarpSize) {
             const int pair = pair0 + first + i / (kHeadDim / 8), piece = i % (kHeadDim / 8);
-            *reinterpret_cast<uint4*>(v_stage + (swizzled<Cfg>(0, pair, piece))) = make_uint4(0, 0, 0, 0);
+            *reinterpret_cast<uint4*>(v_stage + swizzled(0, layout.line(pair), piece)) = make_uint4(0, 0, 0, 0);
           }
           ptx::fence_proxy_async();
           __syncwarp();
@@ -263,7 +286,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 #pragma unroll
         for (int ks = 0; ks < kHeadDim / 16; ++ks) {
           uint32_t k_frag[4];
-          ptx::ldmatrix_x4(k_frag, swizzled<Cfg>(k_base, k_pair, 2 * ks + k_piece));
+          ptx::ldmatrix_x4(k_frag, swizzled(k_base, k_line, 2 * ks + k_piece));
           ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
           ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
         }
@@ -275,7 +298,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 #pragma unroll
         for (int dp = 0; dp < kHeadDim / 16; ++dp) {
           uint32_t v_frag[4];
-          ptx::ldmatrix_x4_trans(v_frag, swizzled<Cfg>(v_base, v_pair, 2 * dp + v_piece));
+          ptx::ldmatrix_x4_trans(v_frag, swizzled(v_base, v_line, 2 * dp + v_piece));
           ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
           ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
         }
@@ -332,13 +355,20 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // A paged cache's blocks tile the tile or the other way round, and each copy
   // starts a 1024-byte period of the swizzle.
   kp.box_rows = static_cast<int>(std::min(block_size, tile_keys));
-  if ((tile_keys % block_size != 0 && block_size % tile_keys != 0) || kp.box_rows << kp.heads_log2 < 8) return false;
+  if ((tile_keys % block_size != 0 && block_size % tile_keys != 0) ||
+      (kp.box_rows << kp.heads_log2) * Cfg::kColBlocks < 8) {
+    return false;
+  }
   kp.call = params;
   const bool bfloat16 = type == ElementType::kBFloat16;
   const int64_t rows = paged ? params.block_size : p.len_k, outer = paged ? params.num_blocks : p.batch;
+  // A copy walks the nearer of heads and rows in memory first (a paged
+  // cache's heads, a contiguous (batch, heads, keys, dim) cache's rows).
+  kp.heads_inner = params.k_cache.stride_head < params.k_cache.stride_row;
+  if (kp.heads_inner != (params.v_cache.stride_head < params.v_cache.stride_row)) return false;
   for (auto [map, cache] : {std::pair{&kp.k_map, &params.k_cache}, std::pair{&kp.v_map, &params.v_cache}}) {
     if (!encode_cache_tensor_map(map, *cache, kHeadDim, rows, p.heads_kv, outer, bfloat16, 1 << kp.heads_log2,
-                                 kp.box_rows)) {
+                                 kp.box_rows, kp.heads_inner)) {
       return false;
     }
   }
