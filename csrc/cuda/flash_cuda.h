@@ -150,14 +150,16 @@ int64_t backward_chunk_pairs(const AttentionProblem& p);
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // The Hopper decode kernel (decode_sm90.cu): how many partial results it
-// writes a query row (a multiple of kDecodeConsumers: each of its consumer
-// warps' over each chunk), or 0 where it does not take the call. It takes
-// float16 and bfloat16 (the caller's), head dims 64 and 128 (value's equal),
-// up to 16 query rows a key/value head (GQA group times query tokens), caches
-// the copy engine can address, paged ones whose blocks divide its tiles' keys
-// or are a multiple of them (tiles of 64 keys of one key/value head, 32 of
-// two, 16 of four, ...: as many heads as have up to 16 query rows together)
-// and hold 8 rows of 128 bytes or more a copy.
+// writes a query row (one a chunk of its keys; 0 where its keys are one
+// chunk: then it writes out and lse itself, and decode_merge has nothing to
+// do), or -1 where it does not take the call. Its consumer warps' results of
+// a chunk merge in shared memory. It takes float16 and bfloat16 (the
+// caller's), head dims 64 and 128 (value's equal), up to 16 query rows a
+// key/value head (GQA group times query tokens), caches the copy engine can
+// address, paged ones whose blocks divide its tiles' keys or are a multiple of
+// them (tiles of 64 keys of one key/value head, 32 of two, 16 of four, ...: as
+// many heads as have up to 16 query rows together) and hold 1024 bytes or
+// more a copy.
 constexpr int kDecodeConsumers = 4;
 // decode_attention_partials returns false (and launches nothing) unless
 // `partials` is what decode_partials said.

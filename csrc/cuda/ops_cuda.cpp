@@ -343,14 +343,15 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cuda::ElementType type = element_type(q);
-  const int sm90_partials = use_sm90_kernels(q) ? cuda::sm90::decode_partials(params, type) : 0;
-  const int partials = sm90_partials > 0 ? sm90_partials : cuda::decode_partials(params, type);
+  const int sm90_partials = use_sm90_kernels(q) ? cuda::sm90::decode_partials(params, type) : -1;
+  const bool sm90 = sm90_partials >= 0;
+  const int partials = sm90 ? sm90_partials : cuda::decode_partials(params, type);
   const int64_t rows = p.batch * p.heads_q * p.len_q;
   const at::Tensor out_partial = at::empty({rows * partials * p.head_dim_v}, q.options().dtype(at::kFloat));
   const at::Tensor lse_partial = at::empty({rows * partials}, q.options().dtype(at::kFloat));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, type, stream);
-  if (sm90_partials > 0) {
+  if (sm90) {
     const bool launched = cuda::sm90::decode_attention_partials(
         params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);
     TORCH_INTERNAL_ASSERT(launched, "flashattn_ext: the Hopper decode kernel refused the call it took");
@@ -358,7 +359,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
     cuda::decode_attention_partials(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(),
                                     partials, stream);
   }
-  cuda::decode_merge(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);
+  if (partials > 0) {  // (none: the Hopper kernel wrote out and lse)
+    cuda::decode_merge(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }

@@ -17,9 +17,11 @@
 // tensor cores (mma.sync m16n8k16 from the 128-byte swizzled stages), for the
 // item's query rows (the heads' GQA groups times the query tokens: one mma
 // tile), the scores of pairs of another head than a row's masked. Blocks are
-// persistent, so the ring runs on from one item into the next. Each
-// consumer's softmax over its own pairs ends as one partial result a chunk,
-// merged with the others by decode_merge.
+// persistent, so the ring runs on from one item into the next. The
+// consumers' results of an item (each one's softmax over its own pairs) merge
+// in shared memory: into the rows' out and lse where a sequence's keys are one
+// chunk (no merge kernel then: 10 us of 0.72 ms at 8k keys, B = 64, H100),
+// else into the chunk's partial result, which decode_merge merges.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,7 +51,10 @@ struct DecodeTileConfig {
   // About 192 KiB of stages: the bytes in flight that keep an SM's share of
   // the memory's bandwidth busy, with one block an SM.
   static constexpr int kStages = (192 << 10) / (2 * kTileBytes);
-  static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kSwizzleAtomBytes;
+  // The consumers' results of an item, merged in the block: each one's rows'
+  // normalized outputs and log-sum-exps, in float.
+  static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kHeadDim + 1) * 4;
+  static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
 };
 
 // What the kernel reads: the call, tensor maps of the caches as (col, head,
@@ -65,7 +70,9 @@ struct DecodeKernelParams {
   int heads_log2;      // key/value heads of an item: 2^heads_log2
   int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
   bool heads_inner;    // a copy's box holds each row's heads together (else each head's rows)
-  float* out_partial;  // (see decode_merge)
+  // With more than one chunk, each chunk's result of a query row goes to
+  // out_partial and lse_partial (see decode_merge); with one, to out and lse.
+  float* out_partial;
   float* lse_partial;
 };
 
@@ -201,6 +208,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   unsigned char* stages = swizzle_aligned(smem_raw);
   uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
   const DecodeBarriers bars{barrier_words, barrier_words + kStages};
+  // [consumer][row][col] and [consumer][row]
+  float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
+  float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * kHeadDim;
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -220,7 +230,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
   const int heads_log2 = kp.heads_log2;
   const int rows = (group * len_q) << heads_log2;  // (at most 16: decode_partials)
-  const int partials = kp.chunks * Cfg::kConsumers;
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
@@ -311,29 +320,67 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       }
     }
 
-    // This warp's partial result of the item's rows: out normalized, lse in
-    // natural-log units (-inf and zeros where a row saw no key).
+    // This warp's result of the item's rows to shared memory: out normalized,
+    // the log-sum-exp in log2 units (-inf and zeros where a row saw no key).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = lane / 4 + half * 8;
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      if (r >= rows) continue;
-      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
-      const int64_t slot =
-          ((item.b * p.heads_q + row.head) * p.len_q + row.token) * partials + item.chunk * Cfg::kConsumers + warp;
       const float inverse = sum > 0.f ? 1.f / sum : 0.f;
-      float* out = kp.out_partial + slot * kHeadDim;
+      float* out = merge_out + (warp * decoding::kRows + r) * kHeadDim;
 #pragma unroll
       for (int dt = 0; dt < kDimTiles; ++dt) {
         *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
             make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
       }
-      if (lane % 4 == 0) {
-        kp.lse_partial[slot] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+      if (lane % 4 == 0) merge_lse[warp * decoding::kRows + r] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
+    }
+    constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+    ptx::named_barrier_sync(1, kConsumerThreads);
+    // The consumers' results merged: each thread a row's kHeadDim / 8 columns.
+    // With one chunk they are the row's out and lse; else the chunk's partial.
+    constexpr int kColsPerThread = kHeadDim / (kConsumerThreads / decoding::kRows);
+    const int r = threadIdx.x / (kHeadDim / kColsPerThread), col0 = threadIdx.x % (kHeadDim / kColsPerThread) * kColsPerThread;
+    if (r < rows) {
+      float weight[Cfg::kConsumers], lse_max = -INFINITY, total = 0.f;
+#pragma unroll
+      for (int w = 0; w < Cfg::kConsumers; ++w) lse_max = fmaxf(lse_max, merge_lse[w * decoding::kRows + r]);
+#pragma unroll
+      for (int w = 0; w < Cfg::kConsumers; ++w) {
+        const float lse = merge_lse[w * decoding::kRows + r];
+        weight[w] = lse == -INFINITY ? 0.f : ptx::exp2_approx(lse - lse_max);
+        total += weight[w];
+      }
+      const float inverse = total > 0.f ? 1.f / total : 0.f;
+      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
+      const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
+      Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
+                      row.head * params.out.stride_head + row.token * params.out.stride_row;
+      float* partial_row = kp.out_partial + (row_index * kp.chunks + item.chunk) * kHeadDim;
+#pragma unroll
+      for (int c = col0; c < col0 + kColsPerThread; ++c) {
+        float value = 0.f;
+#pragma unroll
+        for (int w = 0; w < Cfg::kConsumers; ++w) value += weight[w] * merge_out[(w * decoding::kRows + r) * kHeadDim + c];
+        value *= inverse;
+        if (kp.chunks == 1) {
+          out_row[c * params.out.stride_col] = ptx::from_float<Elem>(value);
+        } else {
+          partial_row[c] = value;
+        }
+      }
+      if (col0 == 0) {
+        const float lse = total > 0.f ? (lse_max + log2f(total)) * float(M_LN2) : -INFINITY;
+        if (kp.chunks == 1) {
+          static_cast<float*>(params.lse)[row_index] = lse;
+        } else {
+          kp.lse_partial[row_index * kp.chunks + item.chunk] = lse;
+        }
       }
     }
+    ptx::named_barrier_sync(1, kConsumerThreads);  // (the buffers are the next item's)
   }
 #endif
 }
@@ -389,7 +436,7 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, evenness(chunks));
   int64_t chunks = 1;
   while (evenness(chunks) < 0.95 * best) ++chunks;
-  if (units * chunks >= (int64_t{1} << 31) / Cfg::kConsumers) return false;
+  if (units * chunks >= (int64_t{1} << 31)) return false;
   kp.chunks = static_cast<int>(chunks);
   kp.items = static_cast<int>(units * chunks);
   kp.keys_per_chunk = static_cast<int>(ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN);
@@ -410,14 +457,21 @@ bool takes_call(const AttentionProblem& p) {
 
 }  // namespace
 
+namespace {
+
+// The partial results a query row gets (none: its out and lse written directly).
+int partials_of(const DecodeKernelParams& kp) { return kp.chunks == 1 ? 0 : kp.chunks; }
+
+}  // namespace
+
 int decode_partials(const DecodeParams& params, ElementType type) {
   const AttentionProblem& p = params.problem;
-  if (!takes_call(p)) return 0;
+  if (!takes_call(p)) return -1;
   DecodeKernelParams kp;
   const bool takes = dispatch_decode_head_dim(p, [&](auto head_dim) {
     return prepare_launch<decltype(head_dim)::value>(params, type, kp);
   });
-  return takes ? kp.chunks * kDecodeConsumers : 0;
+  return takes ? partials_of(kp) : -1;
 }
 
 bool decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
@@ -431,7 +485,7 @@ bool decode_attention_partials(const DecodeParams& params, ElementType type, flo
       DecodeKernelParams kp;
       const bool prepared = prepare_launch<Cfg::kHeadDim>(params, type, kp);
       // (decode_partials made the same launch: the caller's partials are its.)
-      if (!prepared || kp.chunks * kDecodeConsumers != partials) return false;
+      if (!prepared || partials_of(kp) != partials) return false;
       kp.out_partial = out_partial;
       kp.lse_partial = lse_partial;
       dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
