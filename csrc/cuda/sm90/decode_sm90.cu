@@ -11,9 +11,9 @@
 // load each tile's K and V into a ring of stages: one copy a box of whole rows
 // of all the item's heads (in vLLM's paged layout a block's rows hold the
 // heads side by side, so a block of 16 keys is one copy, not 16 pieces of 256
-// bytes a head), the block table read 32 boxes at a time. A copy of whole rows
-// streams faster than one of each row's 64-column halves (StageLayout). Four consumer warps
-// each take 16 pairs of every tile: Q K^T, the online softmax and P V on the
+// bytes a head), the block table read 32 boxes at a time; a copy of whole
+// rows streams faster than copies of each row's 64-column halves
+// (StageLayout). Four consumer warps each take 16 pairs of every tile: Q K^T, the online softmax and P V on the
 // tensor cores (mma.sync m16n8k16 from the 128-byte swizzled stages), for the
 // item's query rows (the heads' GQA groups times the query tokens: one mma
 // tile), the scores of pairs of another head than a row's masked. Blocks are
@@ -57,8 +57,8 @@ struct DecodeTileConfig {
   static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
 };
 
-// What the kernel reads: the call, tensor maps of the caches as (col, head,
-// row, sequence or block), and its split into work items. An item takes
+// What the kernel reads: the call, tensor maps of the caches
+// (encode_cache_tensor_map), and its split into work items. An item takes
 // 2^heads_log2 key/value heads at once (as many as their query rows fit one
 // mma tile): a tile of a paged cache is then a box of rows that each hold
 // those heads side by side (vLLM's layout), not one 256-byte piece a row.
@@ -341,8 +341,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
     ptx::named_barrier_sync(1, kConsumerThreads);
     // The consumers' results merged: each thread a row's kHeadDim / 8 columns.
     // With one chunk they are the row's out and lse; else the chunk's partial.
-    constexpr int kColsPerThread = kHeadDim / (kConsumerThreads / decoding::kRows);
-    const int r = threadIdx.x / (kHeadDim / kColsPerThread), col0 = threadIdx.x % (kHeadDim / kColsPerThread) * kColsPerThread;
+    constexpr int kThreadsPerRow = kConsumerThreads / decoding::kRows, kColsPerThread = kHeadDim / kThreadsPerRow;
+    const int r = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow * kColsPerThread;
     if (r < rows) {
       float weight[Cfg::kConsumers], lse_max = -INFINITY, total = 0.f;
 #pragma unroll
@@ -363,7 +363,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       for (int c = col0; c < col0 + kColsPerThread; ++c) {
         float value = 0.f;
 #pragma unroll
-        for (int w = 0; w < Cfg::kConsumers; ++w) value += weight[w] * merge_out[(w * decoding::kRows + r) * kHeadDim + c];
+        for (int w = 0; w < Cfg::kConsumers; ++w) {
+          value += weight[w] * merge_out[(w * decoding::kRows + r) * kHeadDim + c];
+        }
         value *= inverse;
         if (kp.chunks == 1) {
           out_row[c * params.out.stride_col] = ptx::from_float<Elem>(value);
@@ -454,10 +456,6 @@ bool dispatch_decode_head_dim(const AttentionProblem& p, Fn&& fn) {
 bool takes_call(const AttentionProblem& p) {
   return p.batch > 0 && p.heads_kv > 0 && p.len_q > 0 && p.heads_q / p.heads_kv * p.len_q <= decoding::kRows;
 }
-
-}  // namespace
-
-namespace {
 
 // The partial results a query row gets (none: its out and lse written directly).
 int partials_of(const DecodeKernelParams& kp) { return kp.chunks == 1 ? 0 : kp.chunks; }

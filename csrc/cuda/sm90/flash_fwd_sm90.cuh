@@ -31,9 +31,9 @@
 // read it (out_free); at 64 and 256 each thread stores its registers. The
 // log-sum-exp is written from registers. A packed batch (varlen) is one grid
 // over every sequence's query blocks, in an order built on the device
-// (tile_order: cuda::plan_packed_forward); each tile reads its sequence's rows and lengths from
-// cu_seqlens, and the copy engine stores only the 64-row boxes that lie in the
-// sequence (the other consumers store their registers).
+// (tile_order, cuda::plan_packed_forward); each tile reads its sequence's rows
+// and lengths from cu_seqlens, and the copy engine stores only the 64-row
+// boxes that lie in the sequence (the other consumers store their registers).
 #include <algorithm>
 #include <cmath>
 
