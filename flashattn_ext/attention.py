@@ -53,10 +53,12 @@ def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                 f"(N, H, j, E) (a (N, j, H, E) one transposed), as SDPA takes them"
             )
         sequence_major = t.transpose(1, 2)  # (N, j, H, E): values() is (total, H, E)
-        packed.append((sequence_major.values(), sequence_major.offsets()))
+        # The longest sequence as torch's SDPA takes it: cached on the nested tensor (read from the
+        # device, a wait for it, only where no one has yet).
+        packed.append((sequence_major.values(), sequence_major.offsets(), sequence_major._get_max_seqlen()))
     if attn_mask is not None:
         raise ValueError("flashattn_ext: nested tensors take no attn_mask (as in SDPA)")
-    (q, offsets_q), (k, offsets_k), (v, offsets_v) = packed
+    (q, offsets_q, longest_q), (k, offsets_k, longest_k), (v, offsets_v, _) = packed
     if offsets_v is not offsets_k and not torch.equal(offsets_v, offsets_k):
         raise ValueError("flashattn_ext: with nested tensors, key and value must have the same sequence lengths")
     if not enable_gqa and q.shape[1] != k.shape[1]:
@@ -64,12 +66,9 @@ def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
             f"flashattn_ext: query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True for GQA"
         )
 
-    def longest(offsets):
-        return int((offsets[1:] - offsets[:-1]).max()) if offsets.numel() > 1 else 0
-
-    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest(offsets_q), longest(offsets_k), dropout_p=dropout_p,
+    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest_q, longest_k, dropout_p=dropout_p,
                            is_causal=is_causal, scale=scale)
-    return torch.nested.nested_tensor_from_jagged(out, offsets_q).transpose(1, 2)
+    return torch.nested.nested_tensor_from_jagged(out, offsets_q, max_seqlen=longest_q).transpose(1, 2)
 
 
 def attention_with_lse(

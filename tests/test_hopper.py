@@ -807,18 +807,23 @@ def packed_pair(lengths, heads=(4, 2), dim=128, dtype=torch.bfloat16):
 
 def test_varlen_in_one_launch_does_not_wait_for_the_device():
     """The one-launch forward and backward read cu_seqlens on the device only: no call waits for
-    it (torch's sync debug mode raises on one that does, as the path of one call a sequence shows)."""
+    it (torch's sync debug mode raises on one that does, as the path of one call a sequence shows),
+    nor does SDPA on jagged nested tensors whose longest sequence is known."""
     leaves, cu, dout = packed_pair([300, 5, 129])
+    # Jagged nested tensors sharing those offsets, their longest sequence known (as SDPA reads it).
+    nested = [torch.nested.nested_tensor_from_jagged(t.detach(), cu, max_seqlen=300).transpose(1, 2) for t in leaves]
     torch.cuda.synchronize()
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out = flashattn_ext.varlen_attention(*leaves, cu, cu, 300, 300, is_causal=True)
         torch.autograd.grad(out, leaves, dout)
+        nested_out = flashattn_ext.scaled_dot_product_attention(*nested, is_causal=True, enable_gqa=True)
         with pytest.raises(RuntimeError, match="synchroniz"):  # (dropout: one call a sequence)
             flashattn_ext.varlen_attention(*leaves, cu, cu, 300, 300, dropout_p=0.1)
     finally:
         torch.cuda.set_sync_debug_mode(previous)
+    assert torch.equal(nested_out.transpose(1, 2).values(), out.detach())
 
 
 @pytest.mark.parametrize("case", ["decreasing", "past_the_end", "longer_than_max_seqlen", "not_from_zero"])
