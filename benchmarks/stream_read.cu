@@ -26,14 +26,6 @@ constexpr int kRingBytes = 192 << 10;
 constexpr int kConsumers = 4;  // warps that wait for each stage and hand it back
 constexpr int kMaxStages = 64;
 
-// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes: a 1-d copy.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   ptx::smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(ptx::smem_addr(bar))
-               : "memory");
-}
-
 // One block an SM: warp kConsumers's lane 0 fills the ring, stage by stage,
 // with `copies` copies of `copy_bytes` (copy(i, c, dst, bar) issues copy c of
 // stage i); the consumer warps read a word of each stage and hand it back.
@@ -78,7 +70,7 @@ __global__ void bulk_stream(const char* src, int chunk, unsigned* sink) {
   const size_t share = kBytes / gridDim.x / chunk * chunk;
   const char* begin = src + share * blockIdx.x;
   stream_through_ring(share / chunk, 1, chunk, [&](int64_t i, int, void* dst, uint64_t* bar) {
-    bulk_load(dst, begin + i * chunk, chunk, bar);
+    ptx::bulk_load(dst, begin + i * chunk, chunk, bar);
   }, sink);
 }
 

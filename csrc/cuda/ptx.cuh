@@ -240,6 +240,16 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tensor_m
       : "memory");
 }
 
+// cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes: the copy
+// engine loads `bytes` contiguous bytes (a multiple of 16, both addresses
+// 16-byte aligned) into shared memory and counts them on the barrier.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_addr(smem_dst)),
+               "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
 // cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes:
 // tma_load_4d's five-dimensional form.
 __device__ __forceinline__ void tma_load_5d(void* smem_dst, const void* tensor_map, uint64_t* bar, int c0, int c1,
