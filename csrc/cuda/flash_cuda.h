@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "flash_params.h"
 
@@ -76,11 +77,17 @@ void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStr
 // a chunk kernel writes each query row's partial results over chunks of its
 // keys into out_partial (batch * heads_q * len_q * partials * head_dim_v
 // floats) and lse_partial (batch * heads_q * len_q * partials); decode_merge
-// merges them into out and lse. The chunk kernel: sm90::decode_attention_partials
-// where sm90::decode_partials takes the call, else decode_attention_partials
-// (mma.sync, any GPU from Ampere on), `partials` of them as decode_partials
-// says (its chunks). Lengths past the capacity and block indices outside the
-// cache are clamped (not checked: that would wait for the GPU).
+// merges them into out and lse. The chunk kernel: sm90::decode_attention
+// where it takes the call, else decode_attention_partials (mma.sync, any GPU
+// from Ampere on), `partials` of them as decode_partials says (its chunks).
+// Lengths past the capacity and block indices outside the cache are clamped
+// (not checked: that would wait for the GPU).
+struct DecodePartials {
+  float* out = nullptr;
+  float* lse = nullptr;
+};
+// The caller's buffers for `partials` partial results a query row.
+using DecodePartialsAllocator = std::function<DecodePartials(int partials)>;
 int decode_partials(const DecodeParams& params, ElementType type);
 void decode_append(const DecodeParams& params, ElementType type, cudaStream_t stream);
 void decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
@@ -149,23 +156,21 @@ int64_t backward_chunk_pairs(const AttentionProblem& p);
 // launches nothing and returns false.
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// The Hopper decode kernel (decode_sm90.cu): how many partial results it
-// writes a query row (one a chunk of its keys; 0 where its keys are one
-// chunk: then it writes out and lse itself, and decode_merge has nothing to
-// do), or -1 where it does not take the call. Its consumer warps' results of
-// a chunk merge in shared memory. It takes float16 and bfloat16 (the
-// caller's), head dims 64 and 128 (value's equal), up to 16 query rows a
-// key/value head (GQA group times query tokens), caches the copy engine can
-// address, paged ones whose blocks divide its tiles' keys or are a multiple of
-// them (tiles of 64 keys of one key/value head, 32 of two, 16 of four, ...: as
-// many heads as have up to 16 query rows together) and hold 1024 bytes or
-// more a copy.
-constexpr int kDecodeConsumers = 4;
-// decode_attention_partials returns false (and launches nothing) unless
-// `partials` is what decode_partials said.
-int decode_partials(const DecodeParams& params, ElementType type);
-bool decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
-                               int partials, cudaStream_t stream);
+// The Hopper decode kernel (decode_sm90.cu), launched where it takes the
+// call: returns how many partial results it writes a query row, into the
+// buffers `allocate` gives (asked once, before the launch): one a chunk of its
+// keys, or 0 where its keys are one chunk (then it writes out and lse itself,
+// and decode_merge has nothing to do). Returns -1, launching nothing, where it
+// does not take the call. Its consumer warps' results of a chunk merge in
+// shared memory. It takes float16 and bfloat16 (the caller's), head dims 64
+// and 128 (value's equal), up to 16 query rows a key/value head (GQA group
+// times query tokens), caches the copy engine can address, paged ones whose
+// blocks divide its tiles' keys or are a multiple of them (tiles of 64 keys of
+// one key/value head, 32 of two, 16 of four, ...: one head where each head's
+// rows lie apart, else as many as have up to 16 query rows together) and hold
+// 1024 bytes or more a copy.
+int decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
+                     cudaStream_t stream);
 
 }  // namespace sm90
 

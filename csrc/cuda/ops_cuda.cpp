@@ -343,21 +343,20 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cuda::ElementType type = element_type(q);
-  const int sm90_partials = use_sm90_kernels(q) ? cuda::sm90::decode_partials(params, type) : -1;
-  const bool sm90 = sm90_partials >= 0;
-  const int partials = sm90 ? sm90_partials : cuda::decode_partials(params, type);
-  const int64_t rows = p.batch * p.heads_q * p.len_q;
-  const at::Tensor out_partial = at::empty({rows * partials * p.head_dim_v}, q.options().dtype(at::kFloat));
-  const at::Tensor lse_partial = at::empty({rows * partials}, q.options().dtype(at::kFloat));
+  at::Tensor out_partial, lse_partial;
+  const cuda::DecodePartialsAllocator allocate = [&](int partials) -> cuda::DecodePartials {
+    const int64_t rows = p.batch * p.heads_q * p.len_q;
+    out_partial = at::empty({rows * partials * p.head_dim_v}, q.options().dtype(at::kFloat));
+    lse_partial = at::empty({rows * partials}, q.options().dtype(at::kFloat));
+    return {out_partial.data_ptr<float>(), lse_partial.data_ptr<float>()};
+  };
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, type, stream);
-  if (sm90) {
-    const bool launched = cuda::sm90::decode_attention_partials(
-        params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);
-    TORCH_INTERNAL_ASSERT(launched, "flashattn_ext: the Hopper decode kernel refused the call it took");
-  } else {
-    cuda::decode_attention_partials(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(),
-                                    partials, stream);
+  int partials = use_sm90_kernels(q) ? cuda::sm90::decode_attention(params, type, allocate, stream) : -1;
+  if (partials < 0) {  // (the Hopper kernel does not take the call)
+    partials = cuda::decode_partials(params, type);
+    const cuda::DecodePartials buffers = allocate(partials);
+    cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
   }
   if (partials > 0) {  // (none: the Hopper kernel wrote out and lse)
     cuda::decode_merge(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);

@@ -66,9 +66,11 @@ __device__ int64_t inclusive_scan(int64_t value, int64_t* scan, int64_t& total) 
   return scan[threadIdx.x];
 }
 
+// A quiet NaN, in float and in Elem.
+__device__ float float_nan() { return __int_as_float(0x7fffffff); }
 template <typename Elem>
 __device__ Elem elem_nan() {
-  return ptx::from_float<Elem>(__int_as_float(0x7fffffff));
+  return ptx::from_float<Elem>(float_nan());
 }
 
 struct PlanParams {
@@ -89,9 +91,8 @@ __global__ void __launch_bounds__(kThreads) plan_packed_forward_kernel(const Pla
   if (!bounds_are_valid(p, packed)) {
     // (A call cannot raise here: the kernel plans no tile, and the results are NaN.)
     if (threadIdx.x == 0) *params.tile_pairs = 0;
-    const float nan = __int_as_float(0x7fffffff);
     fill_nan(call.out, p.heads_q, packed.total_q, p.head_dim_v, elem_nan<Elem>());
-    fill_nan(TensorView4d{call.lse, 0, packed.total_q, 1, 0}, p.heads_q, packed.total_q, 1, nan);
+    fill_nan(TensorView4d{call.lse, 0, packed.total_q, 1, 0}, p.heads_q, packed.total_q, 1, float_nan());
     return;
   }
   static_assert(kBuckets == kThreads, "a bucket a thread");

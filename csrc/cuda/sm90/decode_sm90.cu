@@ -41,7 +41,7 @@ using decoding::QueryRow;
 template <int kHeadDim_>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // of keys and values
-  static constexpr int kConsumers = kDecodeConsumers;
+  static constexpr int kConsumers = 4;
   static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
   // (key, key/value head) pairs of a stage: 16 a consumer (keys of the
   // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
   const int heads_log2 = kp.heads_log2;
-  const int rows = (group * len_q) << heads_log2;  // (at most 16: decode_partials)
+  const int rows = (group * len_q) << heads_log2;  // (at most 16: takes_call)
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
@@ -489,30 +489,21 @@ int partials_of(const DecodeKernelParams& kp) { return kp.chunks == 1 ? 0 : kp.c
 
 }  // namespace
 
-int decode_partials(const DecodeParams& params, ElementType type) {
+int decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
+                     cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   if (!takes_call(p)) return -1;
-  DecodeKernelParams kp;
-  const bool takes = dispatch_decode_head_dim(p, [&](auto head_dim) {
-    return prepare_launch<decltype(head_dim)::value>(params, type, kp);
-  });
-  return takes ? partials_of(kp) : -1;
-}
-
-bool decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
-                               int partials, cudaStream_t stream) {
-  const AttentionProblem& p = params.problem;
-  bool launched = false;
+  int partials = -1;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    launched = dispatch_decode_head_dim(p, [&](auto head_dim) {
+    dispatch_decode_head_dim(p, [&](auto head_dim) {
       using Cfg = DecodeTileConfig<decltype(head_dim)::value>;
       DecodeKernelParams kp;
-      const bool prepared = prepare_launch<Cfg::kHeadDim>(params, type, kp);
-      // (decode_partials made the same launch: the caller's partials are its.)
-      if (!prepared || partials_of(kp) != partials) return false;
-      kp.out_partial = out_partial;
-      kp.lse_partial = lse_partial;
+      if (!prepare_launch<Cfg::kHeadDim>(params, type, kp)) return false;
+      partials = partials_of(kp);
+      const DecodePartials buffers = allocate(partials);
+      kp.out_partial = buffers.out;
+      kp.lse_partial = buffers.lse;
       dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
         const auto kernel = decode_kernel<Elem, Cfg, decltype(alibi)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
@@ -522,7 +513,7 @@ bool decode_attention_partials(const DecodeParams& params, ElementType type, flo
       return true;
     });
   });
-  return launched;
+  return partials;
 }
 
 }  // namespace flashattn_ext::cuda::sm90

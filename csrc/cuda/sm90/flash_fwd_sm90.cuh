@@ -175,8 +175,10 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const ui
   ptx::wgmma_commit();
 }
 
+// packed_pairs: a packed batch's (sequence, query block) pairs, as the plan
+// kernel counted them (kVarlen only).
 template <typename Cfg, bool kWindow, bool kVarlen>
-__device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile) {
+__device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile, int packed_pairs) {
   const AttentionProblem& p = kp.call.problem;
   const int m_blocks = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM)), heads = static_cast<int>(p.heads_q);
   FwdTile t;
@@ -185,7 +187,7 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile)
     // of tile_order: the tiles that run together read the same head's keys and
     // values from L2, and the grid ends with light ones.
     const PackedSequences& packed = kp.call.packed;
-    const int pairs = *packed.tile_pairs;
+    const int pairs = packed_pairs;
     t.head = tile / pairs;
     const int pair = tile - t.head * pairs;
     t.batch = packed.tile_order[2 * pair];
@@ -296,7 +298,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
     const int mask_tile_bytes = kp.mask.tile_bytes(Cfg::Mask::kColBlocks);
     int tile = blockIdx.x;
     // (A packed batch's were counted on the device.)
-    const int tiles = kVarlen ? *params.packed.tile_pairs * static_cast<int>(p.heads_q) : kp.tiles;
+    const int packed_pairs = kVarlen ? *params.packed.tile_pairs : 0;
+    const int tiles = kVarlen ? packed_pairs * static_cast<int>(p.heads_q) : kp.tiles;
     // Bit s: stage s's K buffer holds an output not yet read (out_waits: the
     // parity of its next out_free phase).
     uint32_t out_held = 0, out_waits = 0;
@@ -304,7 +307,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       const int slot = round % 2;
       FwdTile t;
       t.n_blocks = kNoTileLeft;
-      if (tile < tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile);
+      if (tile < tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile, packed_pairs);
       // The tile's key blocks; the consumers are handed those that the mask
       // does not hide (a key-padding mask's map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
