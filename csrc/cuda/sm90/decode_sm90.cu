@@ -351,7 +351,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
     ptx::named_barrier_sync(1, kConsumerThreads);
     // The consumers' results merged: each thread 4 columns of a row at a time,
     // a row's threads side by side. With one chunk they are the row's out and
-    // lse (rows of out contiguous: prepare_launch); else the chunk's partial.
+    // lse (rows of out contiguous and 8-byte aligned: prepare_launch); else
+    // the chunk's partial.
     constexpr int kThreadsPerRow = kConsumerThreads / decoding::kRows, kRowStep = 4 * kThreadsPerRow;
     const int r = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow * 4;
     if (r < rows) {
@@ -410,8 +411,12 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   using Cfg = DecodeTileConfig<kHeadDim>;
   const AttentionProblem& p = params.problem;
   const bool paged = params.block_table.data != nullptr;
-  // (The merge writes 4 columns of out at once.)
-  if (params.k_cache.stride_col != 1 || params.v_cache.stride_col != 1 || params.out.stride_col != 1) return false;
+  // (The merge writes 4 columns of out at once: 8 bytes, aligned where the
+  // out the glue allocates is.)
+  const TensorView4d& out = params.out;
+  const bool out_rows_aligned = reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride_col == 1 &&
+                                out.stride_batch % 4 == 0 && out.stride_head % 4 == 0 && out.stride_row % 4 == 0;
+  if (params.k_cache.stride_col != 1 || params.v_cache.stride_col != 1 || !out_rows_aligned) return false;
   // A copy walks the nearer of heads and rows in memory first (a paged
   // cache's heads, a contiguous (batch, heads, keys, dim) cache's rows).
   kp.heads_inner = params.k_cache.stride_head < params.k_cache.stride_row;
@@ -422,9 +427,8 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // apart, the fewest whose box fills the swizzle's 8 lines (each head's keys
   // then one stream: at 8k-32k keys, B = 64, 8 key heads, 0.2-0.6% faster on
   // an H100 and 1-1.6% on an H200).
-  // (A contiguous cache's tile is one box.)
   const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
-  const int64_t block_size = paged ? params.block_size : Cfg::kBlockN;
+  const int64_t block_size = paged ? params.block_size : Cfg::kBlockN;  // (a contiguous cache's tile: one box)
   auto box_rows = [&](int heads_log2) { return std::min(block_size, int64_t{Cfg::kBlockN >> heads_log2}); };
   auto box_fills_swizzle = [&](int heads_log2) { return (box_rows(heads_log2) << heads_log2) * Cfg::kColBlocks >= 8; };
   kp.heads_log2 = 0;

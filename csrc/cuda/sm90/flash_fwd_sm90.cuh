@@ -187,9 +187,8 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile,
     // of tile_order: the tiles that run together read the same head's keys and
     // values from L2, and the grid ends with light ones.
     const PackedSequences& packed = kp.call.packed;
-    const int pairs = packed_pairs;
-    t.head = tile / pairs;
-    const int pair = tile - t.head * pairs;
+    t.head = tile / packed_pairs;
+    const int pair = tile - t.head * packed_pairs;
     t.batch = packed.tile_order[2 * pair];
     const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, t.batch);
     const SequenceSpan keys = sequence_span(packed.cu_seqlens_k, packed.total_k, p.len_k, t.batch);
