@@ -24,6 +24,12 @@ constexpr int kBuckets = 64 * kBucketsPerOctave;
 // output's store) counted as a key tile's.
 constexpr int64_t kTileCostKeys = 128;
 
+// Sequence b's rows as cu_seqlens give them (not clamped: bounds_are_valid
+// judges them).
+__device__ int64_t sequence_rows(const IndexView& cu_seqlens, int64_t b) {
+  return cu_seqlens.at(0, b + 1) - cu_seqlens.at(0, b);
+}
+
 // Whether cu_seqlens hold a packed batch's bounds: from 0 to the packed rows,
 // not decreasing, no sequence longer than the longest the call gave (the
 // kernels clamp to them: bad bounds would silently drop rows). Every thread
@@ -33,8 +39,7 @@ __device__ bool bounds_are_valid(const AttentionProblem& p, const PackedSequence
                packed.cu_seqlens_q.at(0, p.batch) == packed.total_q &&
                packed.cu_seqlens_k.at(0, p.batch) == packed.total_k;
   for (int64_t b = threadIdx.x; b < p.batch && valid; b += blockDim.x) {
-    const int64_t len_q = packed.cu_seqlens_q.at(0, b + 1) - packed.cu_seqlens_q.at(0, b);
-    const int64_t len_k = packed.cu_seqlens_k.at(0, b + 1) - packed.cu_seqlens_k.at(0, b);
+    const int64_t len_q = sequence_rows(packed.cu_seqlens_q, b), len_k = sequence_rows(packed.cu_seqlens_k, b);
     valid = len_q >= 0 && len_k >= 0 && len_q <= p.len_q && len_k <= p.len_k;
   }
   return __syncthreads_and(valid);
@@ -102,8 +107,7 @@ __global__ void __launch_bounds__(kThreads) plan_packed_forward_kernel(const Pla
   __syncthreads();
   // Each sequence's work, bucketed (the most work in bucket 0).
   for (int64_t b = threadIdx.x; b < p.batch; b += blockDim.x) {
-    const int64_t len_q = packed.cu_seqlens_q.at(0, b + 1) - packed.cu_seqlens_q.at(0, b);
-    const int64_t len_k = packed.cu_seqlens_k.at(0, b + 1) - packed.cu_seqlens_k.at(0, b);
+    const int64_t len_q = sequence_rows(packed.cu_seqlens_q, b), len_k = sequence_rows(packed.cu_seqlens_k, b);
     const Visibility seen(p, len_q, len_k);
     int64_t cost = 0;
     for (int64_t row0 = 0; row0 < len_q; row0 += params.block_rows) {
@@ -130,10 +134,7 @@ __global__ void __launch_bounds__(kThreads) plan_packed_forward_kernel(const Pla
   for (int64_t first = 0; first < p.batch; first += blockDim.x) {
     const int64_t index = first + threadIdx.x;
     const int32_t b = index < p.batch ? params.sorted[index] : 0;
-    const int64_t tiles =
-        index < p.batch
-            ? ceil_div(packed.cu_seqlens_q.at(0, b + 1) - packed.cu_seqlens_q.at(0, b), params.block_rows)
-            : 0;
+    const int64_t tiles = index < p.batch ? ceil_div(sequence_rows(packed.cu_seqlens_q, b), params.block_rows) : 0;
     int64_t round_tiles;
     const int64_t end = inclusive_scan(tiles, scan, round_tiles);
     // The sequence's blocks from the last: a causal sequence's heaviest first.
