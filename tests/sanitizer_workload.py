@@ -177,7 +177,8 @@ def run_varlen_bad_bounds(dtype):
 def run_decode(dtype):
     """Decoding steps: contiguous and paged caches (blocks of 16 and 256 keys, and of 4: the mma.sync
     kernel's) whose sequences end inside tiles and blocks, one with no key, len_q 1 and 3 (causal),
-    and two new tokens appended; head dims 64 and 128 (the Hopper kernel's) and 32."""
+    and two new tokens appended; head dims 64 and 128 (the Hopper kernel's) and 32; and more key heads
+    than SMs."""
     lengths = torch.tensor([0, 37, 300], device="cuda")
     for dim, block_size, len_q in ((128, None, 1), (64, 16, 3), (128, 256, 1), (32, 4, 1)):
         capacity = 320
@@ -196,6 +197,15 @@ def run_decode(dtype):
         torch.cuda.synchronize()
         if not torch.isfinite(out).all():
             raise RuntimeError(f"decode out is not finite at head dim {dim}, block size {block_size} in {dtype}")
+    # More (sequence, key head) units than SMs: the Hopper kernel splits those left over into chunks,
+    # merged by the last to finish.
+    batch = torch.cuda.get_device_properties(0).multi_processor_count // 2 + 1
+    k_cache, v_cache = (torch.randn(batch, 2, 2048, 128, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(batch, 8, 1, 128, device="cuda", dtype=dtype)
+    out = flashattn_ext.decode_attention(q, k_cache, v_cache, torch.randint(0, 2049, (batch,), device="cuda"))
+    torch.cuda.synchronize()
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"decode out is not finite with more key heads than SMs in {dtype}")
 
 
 def main():

@@ -338,6 +338,28 @@ def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
 
 
 @cuda_test
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+def test_more_key_heads_than_sms_on_cuda(block_size):
+    """More (sequence, key head) units than the GPU has SMs, a few left over: the Hopper kernel takes
+    most whole and splits those left over into chunks merged by the last to finish; sequences of
+    different lengths (one empty, one shorter than a chunk)."""
+    gen = torch.Generator().manual_seed(11)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch, heads_kv, dtype, capacity, dim = sms // 8 + 2, 8, torch.bfloat16, 4096, 128
+    key_cache, value_cache, table = make_cache(batch, heads_kv, capacity, dim, dim, dtype, block_size, gen)
+    lengths = torch.randint(1, capacity + 1, (batch,), generator=gen)
+    lengths[-1], lengths[-2], lengths[-3] = 0, 300, capacity
+    query = torch.randn(batch, 4 * heads_kv, 1, dim, generator=gen).to(dtype)
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(), lengths.cuda(),
+                                              block_table=None if table is None else table.cuda(), return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths.tolist(), table, False, 1 / math.sqrt(dim))
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    finite = want_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), finite)
+    assert (lse.cpu().double() - want_lse)[finite].abs().max().item() <= 1e-4
+
+
+@cuda_test
 def test_cuda_takes_16_bit_types_only():
     call = _decode_call(query=torch.randn(2, 4, 1, 8).cuda(), key_cache=torch.randn(2, 2, 10, 8).cuda(),
                         value_cache=torch.randn(2, 2, 10, 8).cuda(), cache_seqlens=torch.tensor([3, 10]).cuda())

@@ -72,22 +72,25 @@ KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const A
 // key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim,
-// in three steps: decode_append writes key_new and value_new into the caches;
-// a chunk kernel writes each query row's partial results over chunks of its
-// keys into out_partial (batch * heads_q * len_q * partials * head_dim_v
-// floats) and lse_partial (batch * heads_q * len_q * partials); decode_merge
-// merges them into out and lse. The chunk kernel: sm90::decode_attention
-// where it takes the call, else decode_attention_partials (mma.sync, any GPU
-// from Ampere on), `partials` of them as decode_partials says (its chunks).
+// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
+// decode_append writes key_new and value_new into the caches; then
+// sm90::decode_attention where it takes the call, else two steps:
+// decode_attention_partials (mma.sync, any GPU from Ampere on) writes each
+// query row's partial results over chunks of its keys (`partials` of them, as
+// decode_partials says) into out_partial (batch * heads_q * len_q * partials
+// * head_dim_v floats) and lse_partial (batch * heads_q * len_q * partials),
+// and decode_merge merges them into out and lse.
 // Lengths past the capacity and block indices outside the cache are clamped
 // (not checked: that would wait for the GPU).
 struct DecodePartials {
   float* out = nullptr;
   float* lse = nullptr;
+  int* arrivals = nullptr;
 };
-// The caller's buffers for `partials` partial results a query row.
-using DecodePartialsAllocator = std::function<DecodePartials(int partials)>;
+// The caller's buffers for `results` partial results (a query row's over a
+// chunk of its keys: head_dim_v floats in out, one in lse) and
+// `arrival_counters` counters, zeros (sm90::decode_attention's).
+using DecodePartialsAllocator = std::function<DecodePartials(int64_t results, int64_t arrival_counters)>;
 int decode_partials(const DecodeParams& params, ElementType type);
 void decode_append(const DecodeParams& params, ElementType type, cudaStream_t stream);
 void decode_attention_partials(const DecodeParams& params, ElementType type, float* out_partial, float* lse_partial,
@@ -157,20 +160,19 @@ int64_t backward_chunk_pairs(const AttentionProblem& p);
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // The Hopper decode kernel (decode_sm90.cu), launched where it takes the
-// call: returns how many partial results it writes a query row, into the
-// buffers `allocate` gives (asked once, before the launch): one a chunk of its
-// keys, or 0 where its keys are one chunk (then it writes out and lse itself,
-// and decode_merge has nothing to do). Returns -1, launching nothing, where it
-// does not take the call. Its consumer warps' results of a chunk merge in
-// shared memory. It takes float16 and bfloat16 (the caller's), head dims 64
-// and 128 (value's equal), up to 16 query rows a key/value head (GQA group
-// times query tokens), caches the copy engine can address, paged ones whose
-// blocks divide its tiles' keys or are a multiple of them (tiles of 64 keys of
-// one key/value head, 32 of two, 16 of four, ...: one head where each head's
-// rows lie apart, else as many as have up to 16 query rows together) and hold
-// 1024 bytes or more a copy.
-int decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
-                     cudaStream_t stream);
+// call: it writes out and lse itself, a sequence's keys in one or more chunks
+// (each chunk's partial results in the buffers `allocate` gives, asked at most
+// once before the launch, merged by the last of the chunks to finish), and
+// returns true. Returns false, launching nothing, where it does not take the call. Its
+// consumer warps' results of a chunk merge in shared memory. It takes float16
+// and bfloat16 (the caller's), head dims 64 and 128 (value's equal), up to 16
+// query rows a key/value head (GQA group times query tokens), caches the copy
+// engine can address, paged ones whose blocks divide its tiles' keys or are a
+// multiple of them (tiles of 64 keys of one key/value head, 32 of two, 16 of
+// four, ...: one head where each head's rows lie apart, else as many as have
+// up to 16 query rows together) and hold 1024 bytes or more a copy.
+bool decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
+                      cudaStream_t stream);
 
 }  // namespace sm90
 

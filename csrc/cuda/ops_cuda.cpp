@@ -343,23 +343,20 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cuda::ElementType type = element_type(q);
-  at::Tensor out_partial, lse_partial;
-  const cuda::DecodePartialsAllocator allocate = [&](int partials) -> cuda::DecodePartials {
-    const int64_t rows = p.batch * p.heads_q * p.len_q;
-    out_partial = at::empty({rows * partials * p.head_dim_v}, q.options().dtype(at::kFloat));
-    lse_partial = at::empty({rows * partials}, q.options().dtype(at::kFloat));
-    return {out_partial.data_ptr<float>(), lse_partial.data_ptr<float>()};
+  at::Tensor out_partial, lse_partial, arrivals;
+  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t arrival_counters) -> cuda::DecodePartials {
+    out_partial = at::empty({results * p.head_dim_v}, q.options().dtype(at::kFloat));
+    lse_partial = at::empty({results}, q.options().dtype(at::kFloat));
+    arrivals = at::zeros({arrival_counters}, q.options().dtype(at::kInt));
+    return {out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), arrivals.data_ptr<int>()};
   };
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, type, stream);
-  int partials = use_sm90_kernels(q) ? cuda::sm90::decode_attention(params, type, allocate, stream) : -1;
-  if (partials < 0) {  // (the Hopper kernel does not take the call)
-    partials = cuda::decode_partials(params, type);
-    const cuda::DecodePartials buffers = allocate(partials);
+  if (!use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
+    const int partials = cuda::decode_partials(params, type);
+    const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
     cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
-  }
-  if (partials > 0) {  // (none: the Hopper kernel wrote out and lse)
-    cuda::decode_merge(params, type, out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), partials, stream);
+    cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};

@@ -1,12 +1,12 @@
-// Decoding on Hopper: the chunk kernel of decode.cu's three steps, fed by the
+// Decoding on Hopper: decode.cu's chunk and merge steps in one kernel, fed by the
 // copy engine. Reading the cache is the whole cost, and the mma.sync kernel
 // spent its time computing where each row of a tile lies (a block-table lookup
 // a row for paged caches) and starting blocks, not waiting for memory: on an
 // H200 it read a contiguous cache at 0.64-0.68 of a device-to-device copy's
 // rate and a paged one at 0.47-0.50, random or sequential block tables alike.
 //
-// Here one producer warp walks the block's work items (a chunk of a sequence's
-// keys, for one or more key/value heads whose query rows fit 16:
+// Here one producer warp walks the block's work items (a sequence's keys, or
+// a chunk of them, for one or more key/value heads whose query rows fit 16:
 // prepare_launch) and their tiles of 64 (key, head) pairs, and has the copy
 // engine load each tile's K and V into a ring of stages: one copy a box of
 // whole rows of all the item's heads (in vLLM's paged layout a block's rows
@@ -19,10 +19,10 @@
 // times the query tokens: one mma tile), the scores of pairs of another head
 // than a row's masked. Blocks are persistent, so the ring runs on from one item
 // into the next. The consumers' results of an item (each one's softmax over its
-// own pairs) merge in shared memory: into the rows' out and lse where a
-// sequence's keys are one chunk (no merge kernel then: 10 us of 0.72 ms at 8k
-// keys, B = 64, H100), else into the chunk's partial result, which decode_merge
-// merges.
+// own pairs) merge in shared memory: into the rows' out and lse where the item
+// is a sequence's keys, else into the chunk's partial result, and the last of a
+// sequence's chunks to finish merges them (no merge kernel: one took 10 us of
+// 0.72 ms at 8k keys, B = 64, H100).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -58,7 +58,8 @@ struct DecodeTileConfig {
   // pairs and the merge's reads of 4 rows' 16-byte pieces take the fewest
   // shared-memory wavefronts (2 and 4; rows a head dim apart took 8 and 16).
   static constexpr int kMergeRowFloats = kHeadDim + 4;
-  static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kMergeRowFloats + 1) * 4;
+  // (and a word that tells the consumers whether their item's chunk is its unit's last to finish)
+  static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kMergeRowFloats + 1) * 4 + 16;
   static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
@@ -71,15 +72,24 @@ struct DecodeTileConfig {
 struct DecodeKernelParams {
   DecodeParams call;
   CUtensorMap k_map, v_map;
-  int items;           // (chunk, group of key/value heads, sequence), chunk fastest
-  int chunks, keys_per_chunk;
+  // A unit is a group of key/value heads of a sequence (sequence-major). The
+  // first whole_units units are an item each; the other split_units are
+  // split into `chunks` items of keys_per_chunk keys each (chunk-major: the
+  // SMs then read different units' chunks at a time, not one unit's, which
+  // was 7% faster at 4 chunks).
+  int items, whole_units, split_units, chunks, keys_per_chunk;
+  int rows;            // query rows of an item: its heads' GQA groups times the query tokens
   int heads_log2;      // key/value heads of an item: 2^heads_log2
   int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
   bool heads_inner;    // a copy's box holds each row's heads together (else each head's rows)
-  // With more than one chunk, each chunk's result of a query row goes to
-  // out_partial and lse_partial (see decode_merge); with one, to out and lse.
+  // A whole unit's item writes its rows' out and lse. A split unit's chunks
+  // write their rows' partial results to out_partial and lse_partial
+  // ((split unit, row, chunk)-major), and the last of them to finish (counted
+  // in arrivals, one a split unit, zeros at the launch) merges them into out
+  // and lse.
   float* out_partial;
   float* lse_partial;
+  int* arrivals;
 };
 
 // Where a (key, head) pair's row lies in a stage: the copies' boxes follow
@@ -107,26 +117,35 @@ struct StageLayout {
 // One work item: the keys [key_begin, key_end) of sequence b that some query
 // row of key/value heads h_kv, h_kv + 1, ... sees in the chunk, in tiles of
 // tile_keys keys from tile0 (key_begin rounded down: a paged cache's blocks
-// then start a box).
+// then start a box). split is the unit's place among the split units (-1:
+// whole).
 struct DecodeItem {
   int64_t b, h_kv, length, key_begin, key_end, tile0;
-  int chunk, tiles, tile_keys;
+  int split, chunk, tiles, tile_keys;
 };
 
 template <typename Cfg>
 __device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, int index) {
   const AttentionProblem& p = kp.call.problem;
   DecodeItem item;
-  item.chunk = index % kp.chunks;
-  const int unit = index / kp.chunks;
+  item.split = -1;
+  item.chunk = 0;
+  int unit = index;
+  if (index >= kp.whole_units) {
+    const int split_index = index - kp.whole_units;
+    item.split = split_index % kp.split_units;
+    item.chunk = split_index / kp.split_units;
+    unit = kp.whole_units + item.split;
+  }
   const int groups = static_cast<int>(p.heads_kv) >> kp.heads_log2;
   item.h_kv = (unit % groups) << kp.heads_log2;
   item.b = unit / groups;
   item.length = decoding::sequence_length(kp.call, item.b);
   const Visibility vis(p, p.len_q, item.length);
   const int64_t chunk_begin = int64_t{item.chunk} * kp.keys_per_chunk;
+  const int64_t chunk_end = item.split < 0 ? item.length : chunk_begin + kp.keys_per_chunk;
   item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
-  item.key_end = max(item.key_begin, min(chunk_begin + kp.keys_per_chunk, vis.key_end(p.len_q - 1)));
+  item.key_end = max(item.key_begin, min(chunk_end, vis.key_end(p.len_q - 1)));
   item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
   item.tile0 = item.key_begin / item.tile_keys * item.tile_keys;
   item.tiles =
@@ -210,6 +229,56 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece)
   return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
 }
 
+// Where chunk `chunk`'s partial result of row r of split unit `split` lies
+// (in lse_partial; times the head dim in out_partial).
+__device__ __forceinline__ int64_t partial_index(const DecodeKernelParams& kp, int split, int r, int chunk) {
+  return (int64_t{split} * kp.rows + r) * kp.chunks + chunk;
+}
+
+// Query row r of a split unit, 4 columns from col0 every kRowStep: out and lse
+// from its chunks' partial results (written by other blocks: read from L2).
+template <typename Elem, typename Cfg>
+__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item, int r, int col0) {
+  constexpr int kHeadDim = Cfg::kHeadDim;
+  constexpr int kRowStep = 4 * Cfg::kConsumers * kWarpSize / decoding::kRows, kPieces = kHeadDim / kRowStep;
+  const DecodeParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  const QueryRow row = decoding::query_row(item.h_kv, static_cast<int>(p.heads_q / p.heads_kv),
+                                           static_cast<int>(p.len_q), r);
+  const int64_t first = partial_index(kp, item.split, r, 0);
+  const float* lse = kp.lse_partial + first;
+  const float* partial = kp.out_partial + first * kHeadDim + col0;
+  float lse_max = -INFINITY;
+  for (int c = 0; c < kp.chunks; ++c) lse_max = fmaxf(lse_max, __ldcg(lse + c));
+  float total = 0.f;
+  float4 value[kPieces] = {};
+  for (int c = 0; c < kp.chunks; ++c) {
+    const float chunk_lse = __ldcg(lse + c);
+    if (chunk_lse == -INFINITY) continue;
+    const float weight = __expf(chunk_lse - lse_max);
+    total += weight;
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(partial + c * kHeadDim + i * kRowStep));
+      value[i] = make_float4(value[i].x + weight * x.x, value[i].y + weight * x.y, value[i].z + weight * x.z,
+                             value[i].w + weight * x.w);
+    }
+  }
+  const float inverse = total > 0.f ? 1.f / total : 0.f;
+  Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
+                  row.head * params.out.stride_head + row.token * params.out.stride_row + col0;
+#pragma unroll
+  for (int i = 0; i < kPieces; ++i) {
+    *reinterpret_cast<uint2*>(out_row + i * kRowStep) =
+        make_uint2(ptx::pack2<Elem>(value[i].x * inverse, value[i].y * inverse),
+                   ptx::pack2<Elem>(value[i].z * inverse, value[i].w * inverse));
+  }
+  if (col0 == 0) {
+    const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
+    static_cast<float*>(params.lse)[row_index] = total > 0.f ? lse_max + logf(total) : -INFINITY;
+  }
+}
+
 template <typename Elem, typename Cfg, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -221,6 +290,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   // [consumer][row][col] and [consumer][row]
   float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
   float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * Cfg::kMergeRowFloats;
+  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kConsumers * decoding::kRows);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -239,7 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
   const int heads_log2 = kp.heads_log2;
-  const int rows = (group * len_q) << heads_log2;  // (at most 16: takes_call)
+  const int rows = kp.rows;  // (at most 16: takes_call)
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
@@ -370,7 +440,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
       Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
                       row.head * params.out.stride_head + row.token * params.out.stride_row;
-      float* partial_row = kp.out_partial + (row_index * kp.chunks + item.chunk) * kHeadDim;
+      const bool whole = item.split < 0;
+      const int64_t partial = whole ? 0 : partial_index(kp, item.split, r, item.chunk);
+      float* partial_row = kp.out_partial + partial * kHeadDim;
 #pragma unroll
       for (int c = col0; c < kHeadDim; c += kRowStep) {
         float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -384,7 +456,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
           value.w += weight[w] * x.w;
         }
         value = make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse);
-        if (kp.chunks == 1) {
+        if (whole) {
           *reinterpret_cast<uint2*>(out_row + c) =
               make_uint2(ptx::pack2<Elem>(value.x, value.y), ptx::pack2<Elem>(value.z, value.w));
         } else {
@@ -393,12 +465,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       }
       if (col0 == 0) {
         const float lse = total > 0.f ? (lse_max + log2f(total)) * float(M_LN2) : -INFINITY;
-        if (kp.chunks == 1) {
+        if (whole) {
           static_cast<float*>(params.lse)[row_index] = lse;
         } else {
-          kp.lse_partial[row_index * kp.chunks + item.chunk] = lse;
+          kp.lse_partial[partial] = lse;
         }
       }
+    }
+    if (item.split >= 0) {
+      // The unit's last chunk to finish merges its chunks' partial results
+      // (the others' are in memory before their arrivals: the fences).
+      __threadfence();
+      ptx::named_barrier_sync(1, kConsumerThreads);
+      if (threadIdx.x == 0) {
+        *unit_arrival = atomicAdd(kp.arrivals + item.split, 1);
+        __threadfence();
+      }
+      ptx::named_barrier_sync(1, kConsumerThreads);
+      if (*unit_arrival == kp.chunks - 1 && r < rows) merge_chunks<Elem, Cfg>(kp, item, r, col0);
     }
     ptx::named_barrier_sync(1, kConsumerThreads);  // (the buffers are the next item's)
   }
@@ -452,27 +536,37 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
       return false;
     }
   }
-  // Persistent blocks, one an SM, take the items in turn: the fewest chunks
+  // Persistent blocks, one an SM, take the items in turn: units whole while
+  // every SM gets one, and the units left over split into the fewest chunks
   // whose items spread over the SMs within 5% of the best split's evenness
   // (each chunk at least kMinKeysPerChunk keys; fewer would spend more on the
-  // partial results than on the keys). (Splitting all units' keys evenly over
-  // every SM instead, a unit's pieces in different blocks, was slower: 0.519
-  // against 0.500 ms at B = 64, 8k keys, 2 x 4 key heads on an H200's 132 SMs.)
+  // partial results than on the keys). Left whole, the units left over would
+  // leave SMs idle while they run: at 8k keys, 8 key heads, B = 100 (8 units
+  // of 800 left over on 132 SMs) took 6% longer, B = 70 (32 of 560) 5%. (All
+  // units split alike cost more than they balanced, 2% at 2 chunks and 7-16%
+  // at 4: a chunk's partial result and its arrival cost its SM about 4 us.)
   constexpr int64_t kMinKeysPerChunk = 512;
   const int64_t sms = multiprocessor_count(), units = p.batch * (p.heads_kv >> kp.heads_log2);
-  const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, units));
+  const int64_t left_over = units % sms;
   auto evenness = [&](int64_t chunks) {
-    const int64_t items = units * chunks;
+    const int64_t items = left_over * chunks;
     return double(items) / double(ceil_div(items, sms) * sms);
   };
-  double best = 0.;
-  for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, evenness(chunks));
   int64_t chunks = 1;
-  while (evenness(chunks) < 0.95 * best) ++chunks;
-  if (units * chunks >= (int64_t{1} << 31)) return false;
+  if (left_over > 0) {
+    const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, left_over));
+    double best = 0.;
+    for (int64_t c = 1; c <= most; ++c) best = std::max(best, evenness(c));
+    while (evenness(chunks) < 0.95 * best) ++chunks;
+  }
+  const int64_t split_units = chunks > 1 ? left_over : 0, items = units + split_units * (chunks - 1);
+  if (items >= (int64_t{1} << 31)) return false;
+  kp.items = static_cast<int>(items);
+  kp.whole_units = static_cast<int>(units - split_units);
+  kp.split_units = static_cast<int>(split_units);
   kp.chunks = static_cast<int>(chunks);
-  kp.items = static_cast<int>(units * chunks);
   kp.keys_per_chunk = static_cast<int>(ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN);
+  kp.rows = static_cast<int>(rows_per_head << kp.heads_log2);
   return true;
 }
 
@@ -488,36 +582,35 @@ bool takes_call(const AttentionProblem& p) {
   return p.batch > 0 && p.heads_kv > 0 && p.len_q > 0 && p.heads_q / p.heads_kv * p.len_q <= decoding::kRows;
 }
 
-// The partial results a query row gets (none: its out and lse written directly).
-int partials_of(const DecodeKernelParams& kp) { return kp.chunks == 1 ? 0 : kp.chunks; }
-
 }  // namespace
 
-int decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
-                     cudaStream_t stream) {
+bool decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
+                      cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  if (!takes_call(p)) return -1;
-  int partials = -1;
+  if (!takes_call(p)) return false;
+  bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
     dispatch_decode_head_dim(p, [&](auto head_dim) {
       using Cfg = DecodeTileConfig<decltype(head_dim)::value>;
       DecodeKernelParams kp;
       if (!prepare_launch<Cfg::kHeadDim>(params, type, kp)) return false;
-      partials = partials_of(kp);
-      const DecodePartials buffers = allocate(partials);
+      const DecodePartials buffers = kp.split_units > 0 ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks,
+                                                                   kp.split_units)
+                                                        : DecodePartials{};
       kp.out_partial = buffers.out;
       kp.lse_partial = buffers.lse;
+      kp.arrivals = buffers.arrivals;
       dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
         const auto kernel = decode_kernel<Elem, Cfg, decltype(alibi)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         const int blocks = std::min(kp.items, multiprocessor_count());
         kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
       });
-      return true;
+      return launched = true;
     });
   });
-  return partials;
+  return launched;
 }
 
 }  // namespace flashattn_ext::cuda::sm90
