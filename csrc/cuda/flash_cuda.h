@@ -163,14 +163,15 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
 // call: it writes out and lse itself, a sequence's keys in one or more chunks
 // (each chunk's partial results in the buffers `allocate` gives, asked at most
 // once before the launch, merged by the last of the chunks to finish), and
-// returns true. Returns false, launching nothing, where it does not take the call. Its
-// consumer warps' results of a chunk merge in shared memory. It takes float16
-// and bfloat16 (the caller's), head dims 64 and 128 (value's equal), up to 16
-// query rows a key/value head (GQA group times query tokens), caches the copy
-// engine can address, paged ones whose blocks divide its tiles' keys or are a
-// multiple of them (tiles of 64 keys of one key/value head, 32 of two, 16 of
-// four, ...: one head where each head's rows lie apart, else as many as have
-// up to 16 query rows together) and hold 1024 bytes or more a copy.
+// returns true. Returns false, launching nothing, where it does not take the
+// call. Its consumer warps' results of a chunk merge in shared memory. It
+// takes float16 and bfloat16 (the caller's), head dims 64 and 128 (value's
+// equal), up to 16 query rows a key/value head (GQA group times query
+// tokens), caches the copy engine can address, paged ones whose blocks divide
+// its tiles' keys or are a multiple of them (tiles of 64 keys of one
+// key/value head, 32 of two, 16 of four, ...: one head where each head's rows
+// lie apart, else as many as have up to 16 query rows together) and hold 1024
+// bytes or more a copy.
 bool decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
                       cudaStream_t stream);
 

@@ -344,10 +344,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cuda::ElementType type = element_type(q);
   at::Tensor out_partial, lse_partial, arrivals;
-  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t arrival_counters) -> cuda::DecodePartials {
+  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) -> cuda::DecodePartials {
     out_partial = at::empty({results * p.head_dim_v}, q.options().dtype(at::kFloat));
     lse_partial = at::empty({results}, q.options().dtype(at::kFloat));
-    arrivals = at::zeros({arrival_counters}, q.options().dtype(at::kInt));
+    arrivals = at::zeros({counters}, q.options().dtype(at::kInt));
     return {out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), arrivals.data_ptr<int>()};
   };
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
