@@ -384,16 +384,7 @@ int decode_partials(const DecodeParams& params, ElementType type) {
   const int64_t slots = int64_t{multiprocessor_count()} * per_sm;
   const int64_t units = p.batch * p.heads_kv * row_blocks(p);
   const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, 4 * ceil_div(8 * slots, units));
-  auto fill = [&](int64_t chunks) {
-    const int64_t blocks = units * chunks;
-    return double(blocks) / double(ceil_div(blocks, slots) * slots);
-  };
-  double best = 0.;
-  for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, fill(chunks));
-  for (int64_t chunks = 1; chunks <= most; ++chunks) {
-    if (fill(chunks) >= 0.95 * best) return static_cast<int>(chunks);
-  }
-  return 1;
+  return static_cast<int>(decoding::evenest_chunks(units, slots, most));
 }
 
 void decode_append(const DecodeParams& params, ElementType type, cudaStream_t stream) {

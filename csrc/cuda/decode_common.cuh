@@ -6,11 +6,28 @@
 // lane / 4 + 8, and of each 8-key n tile keys (lane % 4) * 2 and the next.
 #pragma once
 
+#include <algorithm>
+
 #include "cuda/flash_common.cuh"
 
 namespace flashattn_ext::cuda::decoding {
 
 constexpr int kRows = 16;  // query rows of a block: one mma tile
+
+// How many chunks to split each of `units` units' keys into, from 1 to most:
+// the fewest whose items fill waves of `slots` (the blocks that run at once)
+// within 5% of the best count's fill.
+inline int64_t evenest_chunks(int64_t units, int64_t slots, int64_t most) {
+  auto fill = [&](int64_t chunks) {
+    const int64_t items = units * chunks;
+    return double(items) / double(ceil_div(items, slots) * slots);
+  };
+  double best = 0.;
+  for (int64_t chunks = 1; chunks <= most; ++chunks) best = std::max(best, fill(chunks));
+  int64_t chunks = 1;
+  while (fill(chunks) < 0.95 * best) ++chunks;
+  return chunks;
+}
 
 // Keys that sequence b's queries see, clamped to the capacity so that no read
 // leaves the cache (the CPU op raises on such lengths; the CUDA op does not

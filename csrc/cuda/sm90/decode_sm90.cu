@@ -229,6 +229,12 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece)
   return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
 }
 
+// Four columns of an out row, from float.
+template <typename Elem>
+__device__ __forceinline__ void store_out4(Elem* out, float4 value) {
+  *reinterpret_cast<uint2*>(out) = make_uint2(ptx::pack2<Elem>(value.x, value.y), ptx::pack2<Elem>(value.z, value.w));
+}
+
 // Where chunk `chunk`'s partial result of row r of split unit `split` lies
 // (in lse_partial; times the head dim in out_partial).
 __device__ __forceinline__ int64_t partial_index(const DecodeKernelParams& kp, int split, int r, int chunk) {
@@ -269,9 +275,8 @@ __device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const
                   row.head * params.out.stride_head + row.token * params.out.stride_row + col0;
 #pragma unroll
   for (int i = 0; i < kPieces; ++i) {
-    *reinterpret_cast<uint2*>(out_row + i * kRowStep) =
-        make_uint2(ptx::pack2<Elem>(value[i].x * inverse, value[i].y * inverse),
-                   ptx::pack2<Elem>(value[i].z * inverse, value[i].w * inverse));
+    store_out4(out_row + i * kRowStep, make_float4(value[i].x * inverse, value[i].y * inverse,
+                                                   value[i].z * inverse, value[i].w * inverse));
   }
   if (col0 == 0) {
     const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
@@ -457,8 +462,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         }
         value = make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse);
         if (whole) {
-          *reinterpret_cast<uint2*>(out_row + c) =
-              make_uint2(ptx::pack2<Elem>(value.x, value.y), ptx::pack2<Elem>(value.z, value.w));
+          store_out4(out_row + c, value);
         } else {
           *reinterpret_cast<float4*>(partial_row + c) = value;
         }
@@ -539,25 +543,20 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // Persistent blocks, one an SM, take the items in turn: units whole while
   // every SM gets one, and the units left over split into the fewest chunks
   // whose items spread over the SMs within 5% of the best split's evenness
-  // (each chunk at least kMinKeysPerChunk keys; fewer would spend more on the
-  // partial results than on the keys). Left whole, the units left over would
-  // leave SMs idle while they run: at 8k keys, 8 key heads, B = 100 (8 units
-  // of 800 left over on 132 SMs) took 6% longer, B = 70 (32 of 560) 5%. (All
-  // units split alike cost more than they balanced, 2% at 2 chunks and 7-16%
-  // at 4: a chunk's partial result and its arrival cost its SM about 4 us.)
+  // (evenest_chunks; each chunk at least kMinKeysPerChunk keys; fewer would
+  // spend more on the partial results than on the keys). Left whole, the
+  // units left over would leave SMs idle while they run: at 8k keys, 8 key
+  // heads, B = 100 (8 units of 800 left over on 132 SMs) took 6% longer, B =
+  // 70 (32 of 560) 5%. (All units split alike cost more than they balanced, 2%
+  // at 2 chunks and 7-16% at 4: a chunk's partial result and its arrival cost
+  // its SM about 4 us.)
   constexpr int64_t kMinKeysPerChunk = 512;
   const int64_t sms = multiprocessor_count(), units = p.batch * (p.heads_kv >> kp.heads_log2);
   const int64_t left_over = units % sms;
-  auto evenness = [&](int64_t chunks) {
-    const int64_t items = left_over * chunks;
-    return double(items) / double(ceil_div(items, sms) * sms);
-  };
   int64_t chunks = 1;
   if (left_over > 0) {
     const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, left_over));
-    double best = 0.;
-    for (int64_t c = 1; c <= most; ++c) best = std::max(best, evenness(c));
-    while (evenness(chunks) < 0.95 * best) ++chunks;
+    chunks = decoding::evenest_chunks(left_over, sms, most);
   }
   const int64_t split_units = chunks > 1 ? left_over : 0, items = units + split_units * (chunks - 1);
   if (items >= (int64_t{1} << 31)) return false;
