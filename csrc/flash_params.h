@@ -229,7 +229,8 @@ FLASHATTN_EXT_HOST_DEVICE float alibi_slope(const AttentionProblem& p, int64_t b
 // 4-d: contiguous, (batch, heads_kv, capacity, head_dim); paged (block_table
 // set), (num_blocks, heads_kv, block_size, head_dim), with key j in block
 // block_table.at(b, j / block_size) at row j % block_size.
-// cache_seqlens.at(0, b) keys are cached; k_new and v_new (data set), (batch,
+// cache_seqlens.at(0, b) keys are cached (all problem.len_k where
+// cache_seqlens.data is null: a dense call's keys); k_new and v_new (data set), (batch,
 // heads_kv, len_new, head_dim), are first written into the cache at rows
 // cache_seqlens.at(0, b) on, and the queries then see all those + len_new
 // keys, with is_causal aligned bottom-right within them. problem.len_k is the
@@ -243,6 +244,27 @@ struct DecodeParams {
   int64_t block_size = 0;
   int64_t num_blocks = 0;  // paged: blocks in the cache
   int64_t len_new = 0;
+
+  // Sequence b's cached keys: cache_seqlens.at(0, b), or the whole capacity
+  // where cache_seqlens is absent (a dense call that the decode kernels take).
+  FLASHATTN_EXT_HOST_DEVICE int64_t cached_length(int64_t b) const {
+    return cache_seqlens.data == nullptr ? problem.len_k : cache_seqlens.at(0, b);
+  }
+  // Whether sequence b's cached and new keys fit its cache (in arithmetic
+  // that cannot overflow, whatever cache_seqlens holds).
+  FLASHATTN_EXT_HOST_DEVICE bool length_fits(int64_t b) const {
+    const int64_t cached = cached_length(b);
+    return cached >= 0 && cached <= problem.len_k - len_new;
+  }
+  // The keys sequence b's queries see, clamped to [0, capacity]: what the CUDA
+  // kernels read where length_fits fails (they do not wait for the GPU to
+  // check; decode_poison marks such sequences' results NaN).
+  FLASHATTN_EXT_HOST_DEVICE int64_t clamped_length(int64_t b) const {
+    const int64_t cached = clamp_index(cached_length(b), 0, problem.len_k);
+    return len_new >= problem.len_k - cached ? problem.len_k : cached + len_new;
+  }
+  // Whether a block table entry names a block of the (paged) cache.
+  FLASHATTN_EXT_HOST_DEVICE bool is_cache_block(int64_t index) const { return index >= 0 && index < num_blocks; }
 };
 
 }  // namespace flashattn_ext

@@ -3,12 +3,14 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <Python.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -114,6 +116,15 @@ void check_options(const AttentionOptions& options) {
                     options.window_right, ")");
   TORCH_CHECK_VALUE(options.softcap >= 0.0 && std::isfinite(options.softcap),
                     "flashattn_ext: softcap must be finite and >= 0 (0: off), got ", options.softcap);
+}
+
+// A window bound of len_q + len_k or more hides no key from any query (the
+// diagonal's offset lies in [-len_q, len_k]): it becomes -1, open, so that no
+// kernel adds it to an index (an "unbounded" sys.maxsize would overflow).
+void open_wide_window(AttentionProblem& p) {
+  const int64_t span = p.len_q + p.len_k;
+  if (p.window_left >= span) p.window_left = -1;
+  if (p.window_right >= span) p.window_right = -1;
 }
 
 // ALiBi's slopes, one per (batch, query head).
@@ -242,6 +253,7 @@ AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, con
   p.window_right = options.window_right;
   p.softcap = options.softcap;
   set_alibi(p, options.alibi_slopes);
+  open_wide_window(p);
   return p;
 }
 
@@ -381,6 +393,13 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
   }
   TORCH_CHECK_VALUE(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "flashattn_ext: cu_seqlens_q holds ",
                     cu_seqlens_q.numel() - 1, " sequences but cu_seqlens_k ", cu_seqlens_k.numel() - 1);
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0,
+                    "flashattn_ext: max_seqlen_q and max_seqlen_k must be >= 0, got ", max_seqlen_q, " and ",
+                    max_seqlen_k);
+  // No sequence is longer than the packed rows: a larger max_seqlen says no
+  // more (and would overflow where the kernels add it to an index).
+  max_seqlen_q = std::min(max_seqlen_q, q.size(0));
+  max_seqlen_k = std::min(max_seqlen_k, k.size(0));
   static const std::optional<at::Tensor> no_attn_mask;  // (AttentionOptions holds a reference to it)
   const AttentionOptions options{no_attn_mask, 0.0,     is_causal, causal_lower_right, scale, window_left,
                                  window_right, softcap, alibi_slopes};
@@ -417,6 +436,7 @@ Params packed_params(const PackedBatch& batch) {
   p.batch = batch.sequences();
   p.len_q = batch.max_seqlen_q;
   p.len_k = batch.max_seqlen_k;
+  open_wide_window(p);
   params.q = view_of(batch.q);
   params.k = view_of(batch.k);
   params.v = view_of(batch.v);
@@ -513,7 +533,9 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
     params.block_table = index_view(block_table);
     params.block_size = k4.size(2);
     params.num_blocks = k4.size(0);
-    capacity = block_table.size(1) * params.block_size;
+    TORCH_CHECK_VALUE(!c10::mul_overflows(block_table.size(1), params.block_size, &capacity),
+                      "flashattn_ext: block_table's ", block_table.size(1), " blocks a sequence of ",
+                      params.block_size, " rows hold more keys than an int64 counts");
   }
 
   TORCH_CHECK(args.k_new.has_value() == args.v_new.has_value(),
@@ -556,6 +578,7 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   p.softcap = args.softcap;
   check_alibi(args.alibi_slopes, p.batch, p.heads_q, q);
   set_alibi(p, args.alibi_slopes);
+  open_wide_window(p);
 
   out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));
@@ -570,17 +593,37 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
 void check_decode_values_on_host(const DecodeParams& params) {
   const AttentionProblem& p = params.problem;
   for (int64_t b = 0; b < p.batch; ++b) {
-    const int64_t cached = params.cache_seqlens.at(0, b), length = cached + params.len_new;
-    TORCH_CHECK_VALUE(cached >= 0 && length <= p.len_k, "flashattn_ext: sequence ", b, " has ", cached,
-                      " cached keys", params.len_new > 0 ? " and " + std::to_string(params.len_new) + " new ones" : "",
+    const int64_t cached = params.cache_seqlens.at(0, b);
+    TORCH_CHECK_VALUE(params.length_fits(b), "flashattn_ext: sequence ", b, " has ", cached, " cached keys",
+                      params.len_new > 0 ? " and " + std::to_string(params.len_new) + " new ones" : "",
                       ", but its cache holds ", p.len_k);
     if (params.block_table.data == nullptr) continue;
+    const int64_t length = cached + params.len_new;  // (at most the capacity: no overflow)
     for (int64_t block = 0; block * params.block_size < length; ++block) {
       const int64_t index = params.block_table.at(b, block);
-      TORCH_CHECK_VALUE(index >= 0 && index < params.num_blocks, "flashattn_ext: block_table[", b, ", ", block,
-                        "] is ", index, ", not a block of the cache (", params.num_blocks, " blocks)");
+      TORCH_CHECK_VALUE(params.is_cache_block(index), "flashattn_ext: block_table[", b, ", ", block, "] is ", index,
+                        ", not a block of the cache (", params.num_blocks, " blocks)");
     }
   }
+}
+
+void check_decode_values(const DecodeArguments& args, const DecodeParams& params) {
+  if (args.cache_seqlens.is_cpu() && (!args.block_table.has_value() || args.block_table->is_cpu())) {
+    check_decode_values_on_host(params);
+    return;
+  }
+  const at::Tensor cache_seqlens = args.cache_seqlens.cpu();
+  const std::optional<at::Tensor> block_table =
+      args.block_table.has_value() ? std::optional<at::Tensor>(args.block_table->cpu()) : std::nullopt;
+  DecodeParams host = params;
+  host.cache_seqlens = index_view(cache_seqlens);
+  if (block_table.has_value()) host.block_table = index_view(*block_table);
+  check_decode_values_on_host(host);
+}
+
+bool input_checks_requested() {
+  const char* value = std::getenv("FLASHATTN_EXT_CHECK_INPUTS");
+  return value != nullptr && std::string(value) == "1";
 }
 
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,

@@ -75,6 +75,15 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
 // cache_seqlens and block_table are in host memory.
 void check_decode_values_on_host(const DecodeParams& params);
 
+// check_decode_values_on_host for params whose cache_seqlens and block_table
+// (args') may be on a GPU: read to the host first (a wait for the device).
+void check_decode_values(const DecodeArguments& args, const DecodeParams& params);
+
+// Whether FLASHATTN_EXT_CHECK_INPUTS=1 (read at each call) asks the CUDA ops to
+// read index tensors to the host and raise the CPU's errors on bad values,
+// where they would otherwise give NaN results without waiting for the GPU.
+bool input_checks_requested();
+
 // A packed batch (the varlen ops): q, k, v (total rows, heads, dim) seen as
 // (1, heads, total rows, dim), and the sequences' bounds cu_seqlens as given
 // (on the inputs' device: not read here).

@@ -13,9 +13,18 @@ def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
     return out.permute([order.index(dim) for dim in range(3)] + [3])
 
 
+def _check_devices(query, **tensors):
+    """The real kernels' device checks. A meta tensor among CPU ones sends the whole call here, and the
+    fake kernel must then raise as the real one would, not return memory nobody computed."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != query.device:
+            raise RuntimeError(f"flashattn_ext: {name} is on {tensor.device} but query is on {query.device}")
+
+
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
                             window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    _check_devices(query, key=key, value=value, attn_mask=attn_mask, alibi_slopes=alibi_slopes)
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
@@ -27,6 +36,8 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
 def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal,
                              causal_lower_right, scale, compute_grad_attn_mask, window_left=-1, window_right=-1,
                              softcap=0.0, alibi_slopes=None):
+    _check_devices(query, grad_out=grad_out, key=key, value=value, out=out, lse=lse, attn_mask=attn_mask,
+                   alibi_slopes=alibi_slopes, rng_state=rng_state if dropout_p > 0 else None)
     grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
 
@@ -34,6 +45,8 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, a
 @torch.library.register_fake("flashattn_ext::decode_attention")
 def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, is_causal,
                            scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    _check_devices(query, key_cache=key_cache, value_cache=value_cache, cache_seqlens=cache_seqlens,
+                   block_table=block_table, key_new=key_new, value_new=value_new, alibi_slopes=alibi_slopes)
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value_cache.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
@@ -48,6 +61,8 @@ def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_beg
 @torch.library.register_fake("flashattn_ext::varlen_forward")
 def _varlen_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                          causal_lower_right, scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    _check_devices(query, key=key, value=value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   alibi_slopes=alibi_slopes)
     total_q, heads, _ = query.shape
     out = query.new_empty((total_q, heads, value.shape[-1]))
     lse = query.new_empty((heads, total_q), dtype=lse_dtype(query.dtype))
@@ -58,4 +73,6 @@ def _varlen_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seql
 def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                           max_seqlen_k, is_causal, causal_lower_right, scale, window_left=-1, window_right=-1,
                           softcap=0.0, alibi_slopes=None):
+    _check_devices(query, grad_out=grad_out, key=key, value=value, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                   cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     return tuple(t.new_empty(t.shape) for t in (query, key, value))

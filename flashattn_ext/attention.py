@@ -108,6 +108,13 @@ def attention_with_lse(
     diagonal's offset as for window (flash-attn's bias with causal_lower_right).
     The slopes get no gradient.
     """
+    if _is_plain_4d(query, key, value, attn_mask, enable_gqa) and window is None and softcap is None and \
+            alibi_slopes is None:
+        # The op checks dtypes, devices and sizes itself: a decoding step's host time shows in its latency.
+        out, lse, _ = torch.ops.flashattn_ext.attention_forward(
+            query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right),
+            float(default_scale(query.shape[3]) if scale is None else scale))
+        return out, lse
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -192,8 +199,22 @@ def attention_with_lse(
     return _reshaped(out, (*lead, len_q, head_dim_v)), _reshaped(lse, (*lead, len_q))
 
 
+def _is_plain_4d(query, key, value, attn_mask, enable_gqa) -> bool:
+    """Whether the call is already the op's: 4-d (B, H, L, E) tensors of one batch size, dtype and
+    device, no mask, and the heads equal (with enable_gqa, key's dividing query's), so that nothing is
+    left to broadcast or reshape. Anything else takes the general path, which raises SDPA's errors."""
+    if attn_mask is not None or type(query) is not Tensor or type(key) is not Tensor or type(value) is not Tensor:
+        return False
+    q_shape, k_shape, v_shape = query.shape, key.shape, value.shape
+    return (len(q_shape) == len(k_shape) == len(v_shape) == 4 and q_shape[0] == k_shape[0] == v_shape[0]
+            and k_shape[1] == v_shape[1]
+            and (q_shape[1] == k_shape[1] or (enable_gqa and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0))
+            and query.dtype == key.dtype == value.dtype and query.device == key.device == value.device)
+
+
 def window_bounds(window) -> Tuple[int, int]:
-    """window=(left, right) as the ops take it: -1 for an open side."""
+    """window=(left, right) as the ops take it: -1 for an open side (also for a bound past int64's range,
+    which hides no key; the ops open any bound of len_q + len_k or more)."""
     if window is None:
         return -1, -1
     if not (isinstance(window, (tuple, list)) and len(window) == 2):
@@ -203,7 +224,7 @@ def window_bounds(window) -> Tuple[int, int]:
         if bound is None:
             bounds.append(-1)
         elif isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
-            bounds.append(bound)
+            bounds.append(bound if bound < 2**63 else -1)
         else:
             raise ValueError(f"flashattn_ext: window's {side} bound must be an int >= 0 or None, got {bound!r}")
     return bounds[0], bounds[1]

@@ -44,9 +44,13 @@ def decode_attention(
     key gets out = 0 and lse = -inf.
 
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
-    whose partial results merge through their log-sum-exps (flash-decoding); cache_seqlens and the
-    block table are not read back there to check them (that would wait for the GPU): lengths past
-    the capacity are clamped to it, block indices outside the cache into it. The CPU raises on them.
+    whose partial results merge through their log-sum-exps (flash-decoding). cache_seqlens and the
+    block table are not read back there to check them (that would wait for the GPU): a sequence
+    whose length does not fit its cache (negative, or past the capacity with the new keys), or
+    whose block table names a block outside the cache, gets NaN out and lse, and no new key is
+    written where it does not fit; nothing outside the caches is read or written. The CPU raises
+    on such values, and so does CUDA with FLASHATTN_EXT_CHECK_INPUTS=1 (read at each call), which
+    reads them to the host first.
     """
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cache_seqlens": cache_seqlens,
                "block_table": block_table, "key_new": key_new, "value_new": value_new}

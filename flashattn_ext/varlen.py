@@ -55,7 +55,14 @@ def varlen_attention(
     heads_q, heads_kv = query.shape[1], key.shape[1]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"flashattn_ext: the {heads_kv} key/value heads must divide the {heads_q} query heads")
-    sequences = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, Tensor) else 0
+    for name, bounds in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(bounds, Tensor):
+            raise TypeError(f"flashattn_ext: {name} must be a 1-d int32 or int64 torch.Tensor, got "
+                            f"{type(bounds).__name__}")
+    for name, longest in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(longest, int) or isinstance(longest, bool) or not 0 <= longest < 2**63:
+            raise ValueError(f"flashattn_ext: {name} must be an int from 0 to 2**63 - 1, got {longest!r}")
+    sequences = cu_seqlens_q.numel() - 1
     per_sequence_slopes = isinstance(alibi_slopes, Tensor) and alibi_slopes.dim() == 2
     if per_sequence_slopes and alibi_slopes.shape[0] != sequences:
         raise RuntimeError(
@@ -69,9 +76,6 @@ def varlen_attention(
     if dropout_p > 0:
         return _by_sequence(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                             is_causal, scale, causal_lower_right, window, softcap, alibi_slopes, return_lse)
-    for name, value_ in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value_, int) or isinstance(value_, bool):
-            raise ValueError(f"flashattn_ext: {name} must be an int, got {value_!r}")
     if isinstance(alibi_slopes, Tensor) and not per_sequence_slopes:
         alibi_slopes = alibi_slopes.expand(sequences, heads_q)  # (a view: read in place)
     window_left, window_right = window_bounds(window)
@@ -140,7 +144,7 @@ def _sequence_bounds(name: str, cu_seqlens: Tensor, total: int, max_seqlen: int)
     if any(length < 0 for length in lengths):
         raise ValueError(f"flashattn_ext: {name} must not decrease, got {bounds}")
     longest = max(lengths, default=0)
-    if not isinstance(max_seqlen, int) or longest > max_seqlen:
+    if longest > max_seqlen:
         raise ValueError(f"flashattn_ext: the max_seqlen given with {name} ({max_seqlen!r}) is below its longest "
                          f"sequence ({longest})")
     return bounds

@@ -54,7 +54,9 @@ __device__ __forceinline__ Elem* cache_row(const DecodeParams& params, const Ten
 }
 
 // Writes key_new and value_new into the caches, one thread per element of a
-// key row and of a value row; rows past the capacity are not written.
+// key row and of a value row. A sequence whose keys do not fit its cache gets
+// nothing written, nor does a row whose block table entry names no block of
+// the cache (decode_poison marks their results NaN).
 template <typename Elem>
 __global__ void append_kernel(const DecodeParams params) {
   const AttentionProblem& p = params.problem;
@@ -63,8 +65,11 @@ __global__ void append_kernel(const DecodeParams params) {
   if (index >= p.batch * p.heads_kv * params.len_new * cols) return;
   const int64_t col = index % cols, i = index / cols % params.len_new;
   const int64_t h = index / (cols * params.len_new) % p.heads_kv, b = index / (cols * params.len_new * p.heads_kv);
-  const int64_t j = params.cache_seqlens.at(0, b) + i;
-  if (j < 0 || j >= p.len_k) return;
+  if (!params.length_fits(b)) return;
+  const int64_t j = params.cached_length(b) + i;
+  if (params.block_table.data != nullptr && !params.is_cache_block(params.block_table.at(b, j / params.block_size))) {
+    return;
+  }
   const bool key = col < p.head_dim;
   const TensorView4d& src = key ? params.k_new : params.v_new;
   const TensorView4d& dst = key ? params.k_cache : params.v_cache;
@@ -342,6 +347,31 @@ __global__ void merge_partials_kernel(const DecodeParams params, const float* ou
   if (lane == 0) static_cast<float*>(params.lse)[row] = sum > 0.f ? lse_max + logf(sum) : -INFINITY;
 }
 
+// One block a sequence: where its cache_seqlens or a block table entry it
+// reads is out of range (what the CPU op raises on), its out and lse become
+// NaN, written after the kernels' own results.
+template <typename Elem>
+__global__ void poison_kernel(const DecodeParams params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t b = blockIdx.x;
+  bool bad = !params.length_fits(b);
+  if (!bad && params.block_table.data != nullptr) {
+    const int64_t blocks = ceil_div(params.cached_length(b) + params.len_new, params.block_size);
+    for (int64_t block = threadIdx.x; block < blocks && !bad; block += blockDim.x) {
+      bad = !params.is_cache_block(params.block_table.at(b, block));
+    }
+  }
+  if (!__syncthreads_or(bad)) return;
+  const int64_t rows = p.heads_q * p.len_q;
+  for (int64_t e = threadIdx.x; e < rows * p.head_dim_v; e += blockDim.x) {
+    const int64_t row = e / p.head_dim_v, h = row / p.len_q, token = row % p.len_q, c = e % p.head_dim_v;
+    static_cast<Elem*>(params.out.data)[b * params.out.stride_batch + h * params.out.stride_head +
+                                        token * params.out.stride_row + c * params.out.stride_col] =
+        ptx::from_float<Elem>(NAN);
+  }
+  for (int64_t row = threadIdx.x; row < rows; row += blockDim.x) static_cast<float*>(params.lse)[b * rows + row] = NAN;
+}
+
 // Blocks of decode_chunks_kernel that fit on one SM (its shared memory
 // decides), asked once: the same on every GPU of a kind, and a wrong count
 // would only cost speed.
@@ -393,6 +423,14 @@ void decode_append(const DecodeParams& params, ElementType type, cudaStream_t st
   if (new_elements == 0) return;
   dispatch_element_type(type, [&](auto elem) {
     append_kernel<decltype(elem)><<<static_cast<unsigned>(ceil_div(new_elements, 256)), 256, 0, stream>>>(params);
+  });
+}
+
+void decode_poison(const DecodeParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  if (params.cache_seqlens.data == nullptr || p.batch == 0 || p.heads_q * p.len_q * p.head_dim_v == 0) return;
+  dispatch_element_type(type, [&](auto elem) {
+    poison_kernel<decltype(elem)><<<static_cast<unsigned>(p.batch), 128, 0, stream>>>(params);
   });
 }
 

@@ -12,7 +12,7 @@
 
 namespace flashattn_ext::cuda::decoding {
 
-constexpr int kRows = 16;  // query rows of a block: one mma tile
+constexpr int kRows = kDecodeTileRows;
 
 // How many chunks to split each of `units` units' keys into, from 1 to most:
 // the fewest whose items fill waves of `slots` (the blocks that run at once)
@@ -31,10 +31,10 @@ inline int64_t evenest_chunks(int64_t units, int64_t slots, int64_t most) {
 
 // Keys that sequence b's queries see, clamped to the capacity so that no read
 // leaves the cache (the CPU op raises on such lengths; the CUDA op does not
-// read them back, which would wait for the GPU).
+// read them back, which would wait for the GPU, but decode_poison marks the
+// sequence's results NaN).
 __device__ __forceinline__ int64_t sequence_length(const DecodeParams& params, int64_t b) {
-  const int64_t length = params.cache_seqlens.at(0, b) + params.len_new;
-  return min(max(length, int64_t{0}), params.problem.len_k);
+  return params.clamped_length(b);
 }
 
 // Row `index` of key/value head h_kv's query rows: (query head, query token)

@@ -15,6 +15,9 @@ enum class ElementType { kFloat16, kBFloat16 };
 
 // The largest head dim the kernels take; it must be a multiple of 8.
 constexpr int kMaxHeadDim = 256;
+// Query rows of a decode kernel's block (a key/value head's group of query
+// heads times the query tokens): one mma tile.
+constexpr int kDecodeTileRows = 16;
 
 // Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
 // delta = rowsum(dO * O) per query row, into params.delta (kOneKeyRowDelta
@@ -79,9 +82,12 @@ void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStr
 // query row's partial results over chunks of its keys (`partials` of them, as
 // decode_partials says) into out_partial (batch * heads_q * len_q * partials
 // * head_dim_v floats) and lse_partial (batch * heads_q * len_q * partials),
-// and decode_merge merges them into out and lse.
-// Lengths past the capacity and block indices outside the cache are clamped
-// (not checked: that would wait for the GPU).
+// and decode_merge merges them into out and lse. Last, decode_poison sets
+// out and lse to NaN for each sequence whose length does not fit its cache or
+// whose block table names a block outside the cache: the kernels before it
+// clamp such lengths and indices into the cache (no read or write leaves it,
+// and decode_append writes nothing for them) rather than wait for the GPU to
+// check them on the host.
 struct DecodePartials {
   float* out = nullptr;
   float* lse = nullptr;
@@ -97,6 +103,7 @@ void decode_attention_partials(const DecodeParams& params, ElementType type, flo
                                int partials, cudaStream_t stream);
 void decode_merge(const DecodeParams& params, ElementType type, const float* out_partial, const float* lse_partial,
                   int partials, cudaStream_t stream);
+void decode_poison(const DecodeParams& params, ElementType type, cudaStream_t stream);
 
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.

@@ -137,6 +137,68 @@ at::Tensor classify_mask_key_blocks(const at::Tensor& q, Params& params, cudaStr
   return map;
 }
 
+// Runs the decode kernels on params (sm90::decode_attention where it takes
+// the call, else the mma.sync ones: chunks, then their merge), q giving the
+// device and options of their workspaces.
+void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  const cuda::ElementType type = element_type(q);
+  // One allocation (its parts 16-byte aligned) and a memset of the counters
+  // where there are any: a decoding step's host time shows in its latency.
+  at::Tensor workspace;
+  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) -> cuda::DecodePartials {
+    auto aligned = [](int64_t floats) { return (floats + 3) / 4 * 4; };
+    const int64_t out_floats = aligned(results * p.head_dim_v), lse_floats = aligned(results);
+    workspace = at::empty({out_floats + lse_floats + counters}, q.options().dtype(at::kFloat));
+    float* out = workspace.data_ptr<float>();
+    int* arrivals = reinterpret_cast<int*>(out + out_floats + lse_floats);
+    if (counters > 0) C10_CUDA_CHECK(cudaMemsetAsync(arrivals, 0, counters * sizeof(int), stream));
+    return {out, out + out_floats, arrivals};
+  };
+  if (!use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
+    const int partials = cuda::decode_partials(params, type);
+    const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
+    cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
+    cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
+  }
+}
+
+// Whether a dense forward has a decoding step's shape, which the decode
+// kernels take: the query rows of a key/value head (its group's heads times
+// the query tokens) fit one mma tile, and the call has nothing they lack (a
+// mask, dropout; a causal mask, window or ALiBi aligned top-left where
+// len_q != len_k, since theirs align bottom-right). They read each key/value
+// head's keys once for its whole group and split long ones over the SMs
+// (flash-decoding), where the dense kernels read them once a query head into
+// mostly empty tiles: 2.6x cuDNN's time for a one-token step of B = 16, GQA
+// 32:8, 4k keys (issue 44). The backward needs only out and lse, which these
+// kernels give as the dense ones do. FLASHATTN_EXT_KERNELS=dense (read at each
+// call) keeps such calls on the dense kernels, for comparisons.
+bool takes_decode_kernels(const FwdParams& params) {
+  const AttentionProblem& p = params.problem;
+  const char* family = std::getenv("FLASHATTN_EXT_KERNELS");
+  if (family != nullptr && std::string(family) == "dense") return false;
+  const bool aligned = p.causal_lower_right || p.len_q == p.len_k ||
+                       (!p.is_causal && !p.has_window() && p.alibi_slopes == nullptr);
+  constexpr int64_t kLimit = int64_t{1} << 31;  // (the decode kernels' 32-bit indices)
+  return params.mask_kind == MaskKind::kNone && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
+         p.heads_q / p.heads_kv * p.len_q <= cuda::kDecodeTileRows && p.len_k < kLimit && p.batch < kLimit;
+}
+
+// The dense forward's params as a decoding step's: k and v its caches, every
+// sequence holding all len_k keys (no cache_seqlens).
+DecodeParams as_decoding_step(const FwdParams& params) {
+  DecodeParams decode;
+  decode.problem = params.problem;
+  decode.problem.causal_lower_right = true;  // (the same visibility: see takes_decode_kernels)
+  decode.q = params.q;
+  decode.out = params.out;
+  decode.lse = params.lse;
+  decode.k_cache = params.k;
+  decode.v_cache = params.v;
+  return decode;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::Tensor& q, const at::Tensor& k,
                                                                       const at::Tensor& v,
                                                                       const std::optional<at::Tensor>& attn_mask,
@@ -159,6 +221,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     return std::make_tuple(out, lse, rng_state);
   };
   if (const auto gap = kernel_gap(q, params.problem)) return run_fallback(*gap);
+  if (takes_decode_kernels(params)) {
+    run_decode_kernels(as_decoding_step(params), q, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse, rng_state};
+  }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
@@ -247,6 +314,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q)) {
     return varlen_forward_by_sequence(batch);
   }
+  if (input_checks_requested()) read_sequence_bounds(batch);  // (raises on bad bounds, as the CPU does)
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
@@ -279,6 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
       at::globalContext().deterministicAlgorithms()) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
+  if (input_checks_requested()) read_sequence_bounds(batch);
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
@@ -329,10 +398,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
-  const DecodeParams params = prepare_decode(
-      {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
-       softcap, alibi_slopes},
-      out, lse);
+  const DecodeArguments args{q,     k_cache,   v_cache, cache_seqlens, block_table, k_new,  v_new,
+                             is_causal, scale, window_left, window_right, softcap, alibi_slopes};
+  const DecodeParams params = prepare_decode(args, out, lse);
+  if (input_checks_requested()) check_decode_values(args, params);
   const AttentionProblem& p = params.problem;
   TORCH_CHECK(p.head_dim <= cuda::kMaxHeadDim && p.head_dim_v <= cuda::kMaxHeadDim,
               "flashattn_ext: decode_attention on CUDA takes head dims up to ", cuda::kMaxHeadDim, ", got ",
@@ -342,22 +411,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   TORCH_CHECK(p.len_k < kLimit && p.batch < kLimit && params.num_blocks < kLimit,
               "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
-  const cuda::ElementType type = element_type(q);
-  at::Tensor out_partial, lse_partial, arrivals;
-  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) -> cuda::DecodePartials {
-    out_partial = at::empty({results * p.head_dim_v}, q.options().dtype(at::kFloat));
-    lse_partial = at::empty({results}, q.options().dtype(at::kFloat));
-    arrivals = at::zeros({counters}, q.options().dtype(at::kInt));
-    return {out_partial.data_ptr<float>(), lse_partial.data_ptr<float>(), arrivals.data_ptr<int>()};
-  };
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cuda::decode_append(params, type, stream);
-  if (!use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
-    const int partials = cuda::decode_partials(params, type);
-    const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
-    cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
-    cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
-  }
+  cuda::decode_append(params, element_type(q), stream);
+  run_decode_kernels(params, q, stream);
+  cuda::decode_poison(params, element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }

@@ -25,9 +25,12 @@ constexpr int kBuckets = 64 * kBucketsPerOctave;
 constexpr int64_t kTileCostKeys = 128;
 
 // Sequence b's rows as cu_seqlens give them (not clamped: bounds_are_valid
-// judges them).
+// judges them). The difference wraps rather than overflows (bounds of any
+// value): bounds that pass bounds_are_valid's test through wrapped
+// differences in [0, longest] from 0 to the total are those same bounds.
 __device__ int64_t sequence_rows(const IndexView& cu_seqlens, int64_t b) {
-  return cu_seqlens.at(0, b + 1) - cu_seqlens.at(0, b);
+  const uint64_t end = static_cast<uint64_t>(cu_seqlens.at(0, b + 1)), begin = static_cast<uint64_t>(cu_seqlens.at(0, b));
+  return static_cast<int64_t>(end - begin);
 }
 
 // Whether cu_seqlens hold a packed batch's bounds: from 0 to the packed rows,

@@ -1,0 +1,85 @@
+"""A decoding step through the SDPA drop-in (issue 44's bar): flashattn_ext.scaled_dot_product_attention on
+a few query tokens against a cache, as transformers' sdpa path calls it, against stock SDPA (which picks
+cuDNN) on the same call, and against our dense kernels on it (FLASHATTN_EXT_KERNELS=dense, read at each
+call): the route to the decode kernels is what this measures.
+
+bf16, no mask, enable_gqa where the heads differ. Times: the median of 50 calls (CUDA events, a call
+each) after warm-up, the three providers' calls interleaved. Each row first checks our output against
+stock SDPA's.
+
+    python3 benchmarks/bench_decode_step.py [--out FILE]
+"""
+import argparse
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from bench_attention import interleaved_median_cuda_events
+import flashattn_ext
+
+# (batch, query heads, key heads, head dim, keys, query tokens)
+CASES = [
+    (16, 32, 8, 128, 4096, 1),  # issue 44's call: transformers' decode step, GQA 32:8, 4k cache
+    (16, 32, 8, 128, 4096, 2),
+    (16, 32, 8, 128, 4096, 4),
+    (16, 32, 8, 128, 4096, 8),  # 64 rows a key head: the mma.sync decode kernel, several row blocks
+    (16, 32, 8, 128, 512, 1),
+    (64, 32, 8, 128, 4096, 1),
+    (1, 32, 8, 128, 8192, 1),
+    (1, 32, 8, 128, 32768, 1),
+    (4, 32, 8, 128, 32768, 1),
+    (16, 16, 16, 64, 2048, 1),  # MHA at head dim 64
+    (16, 16, 16, 64, 2048, 16),
+]
+
+
+def with_kernels(family, fn):
+    """fn run with FLASHATTN_EXT_KERNELS=family (None: unset)."""
+    def call():
+        old = os.environ.pop("FLASHATTN_EXT_KERNELS", None)
+        if family is not None:
+            os.environ["FLASHATTN_EXT_KERNELS"] = family
+        try:
+            return fn()
+        finally:
+            os.environ.pop("FLASHATTN_EXT_KERNELS", None)
+            if old is not None:
+                os.environ["FLASHATTN_EXT_KERNELS"] = old
+    return call
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    lines = [f"# A decoding step through the SDPA drop-in ({torch.cuda.get_device_name()}, torch {torch.__version__})",
+             "", "| B | Hq:Hkv | D | keys | q tokens | ours ms | dense ms | SDPA ms | SDPA / ours | dense / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for batch, heads_q, heads_kv, dim, keys, tokens in CASES:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(batch, heads_q, tokens, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(batch, heads_kv, keys, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        gqa = heads_q != heads_kv
+        ours = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # noqa: E731
+        dense = with_kernels("dense", ours)
+        stock = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # noqa: E731
+        with torch.no_grad():
+            want = stock().float()
+            for name, fn in (("ours", ours), ("dense", dense)):
+                error = (fn().float() - want).abs().max().item()
+                assert error < 2e-2, f"{name} differs from SDPA by {error}"
+            ms, dense_ms, sdpa_ms = (t * 1e3 for t in interleaved_median_cuda_events([ours, dense, stock], 50, 5))
+        line = (f"| {batch} | {heads_q}:{heads_kv} | {dim} | {keys} | {tokens} | {ms:.4f} | {dense_ms:.4f} | "
+                f"{sdpa_ms:.4f} | {sdpa_ms / ms:.2f} | {dense_ms / ms:.2f} |")
+        lines.append(line)
+        print(line, flush=True)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Dense calls with a decoding step's shape (a key/value head's query rows fit one 16-row tile) run the
+decode kernels on CUDA: results and gradients against the float64 reference, with the options the route
+takes (GQA, bottom-right causal, windows, softcap, ALiBi) and those it leaves to the dense kernels."""
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import cuda_test, naive_attention, relative_error
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def decode_kernels_ran(fn):
+    """Whether fn's CUDA kernels include a decode kernel (by name)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return any("decode" in event.name for event in profile.events())
+
+
+# (batch, query heads, key heads, query tokens, keys, head dim)
+SHAPES = [(3, 32, 8, 1, 1000, 128), (2, 8, 2, 4, 700, 64), (2, 4, 4, 1, 300, 256), (1, 2, 2, 8, 2048, 128),
+          (2, 16, 1, 1, 129, 64), (2, 4, 2, 2, 5, 80)]
+OPTIONS = [dict(), dict(is_causal=True, causal_lower_right=True), dict(window=(100, 0), causal_lower_right=True),
+           dict(softcap=30.0), dict(alibi=True, causal_lower_right=True)]
+
+
+@cuda_test
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_decode_shaped_calls_match_float64(dtype, shape, options):
+    batch, heads_q, heads_kv, tokens, keys, dim = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    # (Inputs rounded to dtype: the reference sees what the kernels see.)
+    q = torch.randn(batch, heads_q, tokens, dim, generator=gen, dtype=torch.float64).to(dtype).double()
+    k, v = (torch.randn(batch, heads_kv, keys, dim, generator=gen, dtype=torch.float64).to(dtype).double()
+            for _ in range(2))
+    grad = torch.randn(batch, heads_q, tokens, dim, generator=gen, dtype=torch.float64).to(dtype).double()
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(heads_q, generator=gen) * 0.1
+    inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    cuda_options = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in options.items()}
+    call = lambda: flashattn_ext.attention_with_lse(*inputs, enable_gqa=heads_q != heads_kv, **cuda_options)  # noqa: E731
+    out, lse = call()
+    out.backward(grad.to("cuda", dtype))
+    reference = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = naive_attention(*reference, enable_gqa=heads_q != heads_kv, **options)
+    want_out.backward(grad)
+    assert relative_error(out.detach().cpu(), want_out.detach()) <= TOLERANCE[dtype]
+    assert (lse.cpu().double() - want_lse.detach()).abs().max().item() <= 1e-3
+    for got, want in zip(inputs, reference):
+        assert relative_error(got.grad.cpu(), want.grad) <= 2 * TOLERANCE[dtype]
+    with torch.no_grad():
+        assert decode_kernels_ran(call)
+
+
+@cuda_test
+def test_route_leaves_what_the_decode_kernels_lack():
+    """A mask, dropout, top-left causal alignment with fewer queries than keys, more than 16 query rows a
+    key head, and FLASHATTN_EXT_KERNELS=dense keep the dense kernels."""
+    q = torch.randn(2, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert decode_kernels_ran(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    mask = torch.rand(2, 1, 2, 300, device="cuda") > 0.3
+    for call in (lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                 lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.2, enable_gqa=True),
+                 lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                 lambda: flashattn_ext.scaled_dot_product_attention(q.repeat(1, 1, 3, 1), k, v, enable_gqa=True)):
+        assert not decode_kernels_ran(call)
+
+
+@cuda_test
+def test_dense_kernels_on_request(monkeypatch):
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    call = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+    routed = call()
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "dense")
+    assert not decode_kernels_ran(call)
+    assert (call().float() - routed.float()).abs().max().item() < 2e-2
