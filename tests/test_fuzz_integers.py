@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, naive_attention, relative_error
+from helpers import DEVICES, cuda_test, naive_attention, relative_error
 from test_decode import make_cache, reference
 
 EXTREMES = [0, 1, -1, 2**31 - 1, 2**31, -(2**31), 2**63 - 1, -(2**63)]
@@ -328,3 +328,24 @@ def test_dropout_mask_rows(device):
             assert raised == (not 0 <= begin <= end <= 4)
             if not raised:
                 assert torch.equal(rows[0].cpu(), whole[:, :, begin:end])
+
+
+@cuda_test
+def test_checked_mode_raises_on_cuda(monkeypatch):
+    """FLASHATTN_EXT_CHECK_INPUTS=1: the CUDA ops read the index tensors to the host and raise the CPU's
+    errors where they would otherwise answer NaN."""
+    monkeypatch.setenv("FLASHATTN_EXT_CHECK_INPUTS", "1")
+    query, key_cache, value_cache, table, new = decode_case("cuda", True, True)
+    with pytest.raises(ValueError, match="sequence 1 has 9223372036854775807 cached keys and 1 new ones"):
+        flashattn_ext.decode_attention(
+            query.cuda(), key_cache.cuda(), value_cache.cuda(), torch.tensor([5, 2**63 - 1], device="cuda"),
+            block_table=table.cuda(), key_new=new[0].cuda(), value_new=new[1].cuda())
+    bad_table = table.clone()
+    bad_table[1, 1] = -1
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] is -1, not a block of the cache"):
+        flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                       torch.tensor([5, 7], device="cuda"), block_table=bad_table.cuda())
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in varlen_case("cuda"))
+    cu = torch.tensor([0, 5, 3, 14], device="cuda", dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q must not decrease"):
+        flashattn_ext.varlen_attention(q, k, v, cu, cu, 11, 11)
