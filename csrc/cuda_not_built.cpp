@@ -20,6 +20,7 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("decode_attention", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("varlen_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("varlen_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("kernel_route", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
 }
 
 }  // namespace flashattn_ext

@@ -72,6 +72,13 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");
+  // Which kernel family would take an attention_forward call (with backward,
+  // its attention_backward), and why: (family, reason), from the device's
+  // routing table (cuda/route.h), without running it.
+  m.def(
+      "kernel_route(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
+      "bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "Tensor? alibi_slopes=None, bool backward=False) -> (str family, str reason)");
   m.def("set_dropout_bits(int bits) -> ()", &set_dropout_bits);
   m.def("get_dropout_bits() -> int", &get_dropout_bits);
   // Inference: a few query tokens per sequence against a key/value cache,

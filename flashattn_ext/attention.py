@@ -115,6 +115,41 @@ def attention_with_lse(
             query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right),
             float(default_scale(query.shape[3]) if scale is None else scale))
         return out, lse
+    args, lead, len_q, head_dim_v = _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                  enable_gqa, causal_lower_right, window, softcap, alibi_slopes)
+    out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args)
+    return _reshaped(out, (*lead, len_q, head_dim_v)), _reshaped(lse, (*lead, len_q))
+
+
+def kernel_route(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    causal_lower_right: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    backward: bool = False,
+) -> Tuple[str, str]:
+    """Which kernel family takes this attention_with_lse call (with backward=True, its backward), and
+    why, without running it: on CUDA "sm90", "sm80", "decode" or "aten" (the fallback), from the routing
+    table in csrc/cuda/route.h; on the CPU "cpu" or "aten". A kernel may still refuse at launch tensors
+    it cannot address (the Hopper kernels' copy engine), and the call then runs the next row's."""
+    args, *_ = _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                             causal_lower_right, window, softcap, alibi_slopes)
+    family, reason = torch.ops.flashattn_ext.kernel_route(*args, bool(backward))
+    return family, reason
+
+
+def _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_lower_right,
+                  window, softcap, alibi_slopes):
+    """attention_with_lse's arguments checked as SDPA checks them and mapped onto the op's 4-d views:
+    returns (the attention_forward op's arguments, the output's leading dims, len_q, head_dim_v)."""
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -189,14 +224,11 @@ def attention_with_lse(
     window_left, window_right = window_bounds(window)
     slopes = per_head_slopes(alibi_slopes, batch, heads_q)
 
-    out, lse, _ = torch.ops.flashattn_ext.attention_forward(
-        q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale),
-        window_left, window_right, softcap_value(softcap), slopes,
-    )
-
+    args = (q, k, v, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right), float(scale),
+            window_left, window_right, softcap_value(softcap), slopes)
     # SDPA's output has the broadcast rank of its inputs.
     lead = (*batch, heads_q) if max(query.dim(), key.dim(), value.dim()) >= 3 else ()
-    return _reshaped(out, (*lead, len_q, head_dim_v)), _reshaped(lse, (*lead, len_q))
+    return args, lead, len_q, head_dim_v
 
 
 def _is_plain_4d(query, key, value, attn_mask, enable_gqa) -> bool:

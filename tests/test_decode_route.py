@@ -42,7 +42,8 @@ def test_decode_shaped_calls_match_float64(dtype, shape, options):
         options["alibi_slopes"] = torch.rand(heads_q, generator=gen) * 0.1
     inputs = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
     cuda_options = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in options.items()}
-    call = lambda: flashattn_ext.attention_with_lse(*inputs, enable_gqa=heads_q != heads_kv, **cuda_options)  # noqa: E731
+    options_on_cuda = dict(enable_gqa=heads_q != heads_kv, **cuda_options)
+    call = lambda: flashattn_ext.attention_with_lse(*inputs, **options_on_cuda)  # noqa: E731
     out, lse = call()
     out.backward(grad.to("cuda", dtype))
     reference = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -52,6 +53,7 @@ def test_decode_shaped_calls_match_float64(dtype, shape, options):
     assert (lse.cpu().double() - want_lse.detach()).abs().max().item() <= 1e-3
     for got, want in zip(inputs, reference):
         assert relative_error(got.grad.cpu(), want.grad) <= 2 * TOLERANCE[dtype]
+    assert flashattn_ext.kernel_route(*inputs, **options_on_cuda)[0] == "decode"
     with torch.no_grad():
         assert decode_kernels_ran(call)
 

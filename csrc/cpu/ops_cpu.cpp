@@ -96,9 +96,25 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
   return {out, lse};
 }
 
+std::tuple<std::string, std::string> kernel_route_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                      bool is_causal, bool causal_lower_right, double scale,
+                                                      int64_t window_left, int64_t window_right, double softcap,
+                                                      const std::optional<at::Tensor>& alibi_slopes, bool backward) {
+  (void)backward;  // (both passes alike)
+  at::Tensor out, lse;
+  prepare_forward(q, k, v,
+                  {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap,
+                   alibi_slopes},
+                  out, lse);
+  if (fallback_requested()) return {"aten", "FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback"};
+  return {"cpu", "the CPU kernels take every call"};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
+  m.impl("kernel_route", &kernel_route_cpu);
   m.impl("attention_forward", &attention_forward_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);

@@ -1,79 +1,28 @@
 // CUDA implementations of the flashattn_ext ops: device guard, current stream,
-// launch-error checks, and the choice of kernel family once per call: the
-// Hopper kernels (sm90/) where they cover the call, else the mma.sync kernels
-// (sm80/); what neither covers goes to the ATen-operation fallback
-// (fallback.h) with a one-time warning.
+// launch-error checks, and the kernel family that route.h's table chooses for
+// each call (what no kernel takes goes to the ATen-operation fallback,
+// fallback.h, with a one-time warning quoting the table's reason).
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
 
 #include "cuda/flash_cuda.h"
+#include "cuda/route.h"
 #include "fallback.h"
 #include "ops.h"
 
 namespace flashattn_ext {
 namespace {
 
-// Why the hand-written kernels cannot take a call, or nothing when they can
-// (a sliding window, softcap and ALiBi: the Hopper kernels alone,
-// hopper_only_feature).
-std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
-  if (fallback_requested()) return std::string("FLASHATTN_EXT_KERNELS=aten asks for the ATen fallback");
-  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) {
-    return c10::str("the CUDA kernels take float16 and bfloat16, not ", q.scalar_type());
-  }
-  if (p.head_dim % 8 != 0 || p.head_dim > cuda::kMaxHeadDim) {
-    return c10::str("the CUDA kernels take head dims that are multiples of 8 up to ", cuda::kMaxHeadDim, ", not ",
-                    p.head_dim);
-  }
-  if (p.head_dim_v != p.head_dim) {
-    return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
-                    p.head_dim);
-  }
-  return std::nullopt;
-}
-
-// For a call with what only the Hopper kernels take, what to say where they do not take it.
-std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
-  if (p.alibi_slopes != nullptr) {
-    return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "
-                       "dropout or softcap; the backward not in deterministic mode)");
-  }
-  if (p.softcap > 0.0) {
-    return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
-                       "or dropout; the backward at head dims up to 64 and 97 to 256, not in deterministic mode)");
-  }
-  if (p.has_window()) {
-    return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "
-                       "backward not in deterministic mode)");
-  }
-  return std::nullopt;
-}
-
 void warn_fallback(const std::string& gap) {
   TORCH_WARN_ONCE("flashattn_ext: ", gap, ", so this call (and others like it, warned once) runs a slower fallback ",
                   "built from ATen operations.");
-}
-
-// Whether q's GPU runs the Hopper kernels: compute capability 9.0, a build
-// with the 9.0a target, and not turned off with FLASHATTN_EXT_KERNELS=sm80
-// (read at every call, so tests and benchmarks can compare the two families).
-bool use_sm90_kernels(const at::Tensor& q) {
-#ifdef FLASHATTN_EXT_HAS_SM90A
-  const char* family = std::getenv("FLASHATTN_EXT_KERNELS");
-  if (family != nullptr && std::string(family) == "sm80") return false;
-  return at::cuda::getDeviceProperties(q.device().index())->major == 9;
-#else
-  (void)q;
-  return false;
-#endif
 }
 
 cuda::ElementType element_type(const at::Tensor& q) {
@@ -155,7 +104,7 @@ void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStr
     if (counters > 0) C10_CUDA_CHECK(cudaMemsetAsync(arrivals, 0, counters * sizeof(int), stream));
     return {out, out + out_floats, arrivals};
   };
-  if (!use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
+  if (!cuda::use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
     const int partials = cuda::decode_partials(params, type);
     const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
     cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
@@ -163,34 +112,12 @@ void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStr
   }
 }
 
-// Whether a dense forward has a decoding step's shape, which the decode
-// kernels take: the query rows of a key/value head (its group's heads times
-// the query tokens) fit one mma tile, and the call has nothing they lack (a
-// mask, dropout; a causal mask, window or ALiBi aligned top-left where
-// len_q != len_k, since theirs align bottom-right). They read each key/value
-// head's keys once for its whole group and split long ones over the SMs
-// (flash-decoding), where the dense kernels read them once a query head into
-// mostly empty tiles: 2.6x cuDNN's time for a one-token step of B = 16, GQA
-// 32:8, 4k keys (issue 44). The backward needs only out and lse, which these
-// kernels give as the dense ones do. FLASHATTN_EXT_KERNELS=dense (read at each
-// call) keeps such calls on the dense kernels, for comparisons.
-bool takes_decode_kernels(const FwdParams& params) {
-  const AttentionProblem& p = params.problem;
-  const char* family = std::getenv("FLASHATTN_EXT_KERNELS");
-  if (family != nullptr && std::string(family) == "dense") return false;
-  const bool aligned = p.causal_lower_right || p.len_q == p.len_k ||
-                       (!p.is_causal && !p.has_window() && p.alibi_slopes == nullptr);
-  constexpr int64_t kLimit = int64_t{1} << 31;  // (the decode kernels' 32-bit indices)
-  return params.mask_kind == MaskKind::kNone && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
-         p.heads_q / p.heads_kv * p.len_q <= cuda::kDecodeTileRows && p.len_k < kLimit && p.batch < kLimit;
-}
-
 // The dense forward's params as a decoding step's: k and v its caches, every
 // sequence holding all len_k keys (no cache_seqlens).
 DecodeParams as_decoding_step(const FwdParams& params) {
   DecodeParams decode;
   decode.problem = params.problem;
-  decode.problem.causal_lower_right = true;  // (the same visibility: see takes_decode_kernels)
+  decode.problem.causal_lower_right = true;  // (the same visibility: see cuda::route_forward)
   decode.q = params.q;
   decode.out = params.out;
   decode.lse = params.lse;
@@ -220,17 +147,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     fallback_forward(q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, out, lse);
     return std::make_tuple(out, lse, rng_state);
   };
-  if (const auto gap = kernel_gap(q, params.problem)) return run_fallback(*gap);
-  if (takes_decode_kernels(params)) {
+  const cuda::Route route = cuda::route_forward(q, params);
+  if (route.family == cuda::Family::kAten) return run_fallback(route.reason);
+  if (route.family == cuda::Family::kDecode) {
     run_decode_kernels(as_decoding_step(params), q, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse, rng_state};
   }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
-  const bool sm90 = use_sm90_kernels(q) && cuda::sm90::forward_covers(params);
-  const std::optional<std::string> hopper_only = hopper_only_feature(params.problem);
-  if (hopper_only && !sm90) return run_fallback(*hopper_only);
+  const bool sm90 = route.family == cuda::Family::kSm90;
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
   at::Tensor key_block_map;
   if (sm90) {
@@ -241,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
     // (Tensors the copy engine cannot address: such a call has no other kernel.)
-    if (hopper_only) return run_fallback(*hopper_only);
+    if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);
     cuda::sm80::attention_forward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -267,7 +193,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                       dv, dmask);
     return std::make_tuple(dq, dk, dv, dmask);
   };
-  if (const auto gap = kernel_gap(q, params.problem)) return run_fallback(*gap);
+  const cuda::Route route = cuda::route_backward(q, params);
+  if (route.family == cuda::Family::kAten) return run_fallback(route.reason);
   // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
@@ -275,9 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // algorithms: the Hopper kernels' wherever they run, the sm80 kernels' up to
   // head dim kMaxAtomicDqHeadDim.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
-  const bool sm90 = !deterministic && use_sm90_kernels(q) && cuda::sm90::backward_covers(params);
-  const std::optional<std::string> hopper_only = hopper_only_feature(params.problem);
-  if (hopper_only && !sm90) return run_fallback(*hopper_only);
+  const bool sm90 = route.family == cuda::Family::kSm90;
   at::Tensor dq_accum;
   if (!deterministic && (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
@@ -290,7 +215,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor key_block_map = sm90 ? classify_mask_key_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
-    if (hopper_only) return run_fallback(*hopper_only);  // (tensors the copy engine cannot address)
+    // (Tensors the copy engine cannot address.)
+    if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -311,16 +237,13 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                          causal_lower_right, scale, window_left, window_right, softcap,
                                          alibi_slopes);
-  if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q)) {
-    return varlen_forward_by_sequence(batch);
-  }
-  if (input_checks_requested()) read_sequence_bounds(batch);  // (raises on bad bounds, as the CPU does)
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
   at::Tensor out, lse;
   FwdParams params = prepare_packed_forward(batch, out, lse);
-  if (!cuda::sm90::forward_covers(params)) return varlen_forward_by_sequence(batch);
+  if (cuda::route_packed_forward(q, params).family != cuda::Family::kSm90) return varlen_forward_by_sequence(batch);
+  if (input_checks_requested()) read_sequence_bounds(batch);  // (raises on bad bounds, as the CPU does)
   const int64_t block_rows = cuda::sm90::varlen_forward_block_rows(params.problem);
   const at::Tensor plan =
       at::empty({cuda::packed_forward_plan_ints(params, block_rows)}, q.options().dtype(at::kInt));
@@ -343,11 +266,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                          causal_lower_right, scale, window_left, window_right, softcap,
                                          alibi_slopes);
-  if (kernel_gap(q, attention_problem(batch.q, batch.k, batch.v, batch.options)) || !use_sm90_kernels(q) ||
-      at::globalContext().deterministicAlgorithms()) {
-    return varlen_backward_by_sequence(batch, dout, out, lse);
-  }
-  if (input_checks_requested()) read_sequence_bounds(batch);
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
@@ -358,9 +276,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   BwdParams params = prepare_packed_backward(batch, dout_rows, out_rows, lse, dq, dk, dv);
   const AttentionProblem& p = params.problem;
   params.dq_accum_pairs = p.batch * p.heads_kv;
-  if (!cuda::sm90::backward_covers(params) || params.dq_accum_pairs != cuda::sm90::backward_chunk_pairs(p)) {
+  if (cuda::route_packed_backward(q, params).family != cuda::Family::kSm90) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
+  if (input_checks_requested()) read_sequence_bounds(batch);
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
   // (Zeroed by the launch.)
@@ -419,9 +338,37 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   return {out, lse};
 }
 
+// The kernel_route op: the routing table's answer for an attention_forward
+// call (with backward, its attention_backward), without running it.
+std::tuple<std::string, std::string> kernel_route_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                       bool is_causal, bool causal_lower_right, double scale,
+                                                       int64_t window_left, int64_t window_right, double softcap,
+                                                       const std::optional<at::Tensor>& alibi_slopes, bool backward) {
+  const c10::cuda::CUDAGuard device_guard(q.device());
+  at::Tensor out, lse;
+  const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
+                                 window_left, window_right, softcap,   alibi_slopes};
+  const FwdParams forward = prepare_forward(q, k, v, options, out, lse);
+  cuda::Route route = cuda::route_forward(q, forward);
+  if (backward) {
+    BwdParams params;
+    params.problem = forward.problem;
+    params.mask_kind = forward.mask_kind;
+    params.mask = forward.mask;
+    params.dropout.p = dropout_p;
+    // Autograd asks for the gradient of a float mask that requires it (any
+    // non-null dmask says so to the table).
+    if (params.mask_kind == MaskKind::kAdditive && attn_mask->requires_grad()) params.dmask.data = out.data_ptr();
+    route = cuda::route_backward(q, params);
+  }
+  return {cuda::family_name(route.family), route.reason};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
+  m.impl("kernel_route", &kernel_route_cuda);
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);

@@ -29,7 +29,8 @@ constexpr int64_t kTileCostKeys = 128;
 // value): bounds that pass bounds_are_valid's test through wrapped
 // differences in [0, longest] from 0 to the total are those same bounds.
 __device__ int64_t sequence_rows(const IndexView& cu_seqlens, int64_t b) {
-  const uint64_t end = static_cast<uint64_t>(cu_seqlens.at(0, b + 1)), begin = static_cast<uint64_t>(cu_seqlens.at(0, b));
+  const auto end = static_cast<uint64_t>(cu_seqlens.at(0, b + 1));
+  const auto begin = static_cast<uint64_t>(cu_seqlens.at(0, b));
   return static_cast<int64_t>(end - begin);
 }
 

@@ -1,0 +1,86 @@
+"""The routing table (csrc/cuda/route.h), asked through flashattn_ext.kernel_route: which kernel family
+takes a call, and why."""
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import cuda_test
+
+
+def qkv(device, dtype, heads_q=4, heads_kv=4, len_q=256, len_k=256, dim=128):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2, heads_q, len_q, dim, generator=gen).to(device, dtype),
+            torch.randn(2, heads_kv, len_k, dim, generator=gen).to(device, dtype),
+            torch.randn(2, heads_kv, len_k, dim, generator=gen).to(device, dtype))
+
+
+def test_cpu_route(monkeypatch):
+    q, k, v = qkv("cpu", torch.float32)
+    assert flashattn_ext.kernel_route(q, k, v, is_causal=True)[0] == "cpu"
+    assert flashattn_ext.kernel_route(q, k, v, backward=True)[0] == "cpu"
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "aten")
+    family, reason = flashattn_ext.kernel_route(q, k, v)
+    assert family == "aten" and "FLASHATTN_EXT_KERNELS=aten" in reason
+
+
+def test_route_checks_the_call_as_the_op_does():
+    q, k, v = qkv("cpu", torch.float32)
+    with pytest.raises(RuntimeError, match="key head dim 64 does not match query head dim 128"):
+        flashattn_ext.kernel_route(q, k[..., :64], v)
+
+
+def hopper():
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+@cuda_test
+def test_cuda_routes(monkeypatch):
+    bf16 = torch.bfloat16
+    route = flashattn_ext.kernel_route
+    q, k, v = qkv("cuda", bf16)
+    dense = "sm90" if hopper() else "sm80"
+    assert route(q, k, v, is_causal=True)[0] == dense
+    assert route(q, k, v, is_causal=True, backward=True)[0] == dense
+    # Row 1: what no kernel takes.
+    family, reason = route(*qkv("cuda", torch.float32))
+    assert family == "aten" and "float16 and bfloat16" in reason
+    family, reason = route(*qkv("cuda", bf16, dim=36))
+    assert family == "aten" and "multiples of 8" in reason
+    # Row 2: a decoding step's shape (4 query heads a key head, 1 token: 4 rows), not with a mask or
+    # top-left causal alignment, nor with 5 tokens (20 rows).
+    step = qkv("cuda", bf16, heads_q=16, len_q=1, len_k=3000)
+    assert route(*step, enable_gqa=True)[0] == "decode"
+    assert route(*step, enable_gqa=True, is_causal=True, causal_lower_right=True)[0] == "decode"
+    assert route(*step, enable_gqa=True, is_causal=True)[0] == dense
+    assert route(*step, enable_gqa=True, attn_mask=torch.ones(1, 3000, dtype=torch.bool, device="cuda"))[0] == dense
+    assert route(*qkv("cuda", bf16, heads_q=16, len_q=5, len_k=3000), enable_gqa=True)[0] == dense
+    # Row 3: deterministic mode.
+    torch.use_deterministic_algorithms(True)
+    try:
+        family, reason = route(q, k, v, backward=True)
+        assert family == "sm80" and "deterministic" in reason
+        family, reason = route(q, k, v, window=(64, 0), backward=True)
+        assert family == "aten" and "sliding window" in reason
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # Rows 5 and 6 where the Hopper kernels are turned off.
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    family, reason = route(q, k, v, softcap=30.0)
+    assert family == "aten" and "softcap" in reason
+    family, reason = route(q, k, v)
+    assert family == "sm80" and "FLASHATTN_EXT_KERNELS=sm80" in reason
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "dense")
+    assert route(*step, enable_gqa=True)[0] == dense
+
+
+@cuda_test
+@pytest.mark.skipif(not torch.cuda.is_available() or not hopper(), reason="needs an H100 / H200")
+def test_hopper_coverage_gaps():
+    """What the Hopper kernels do not cover yet runs the sm80 kernels: the masked backward at head dim
+    64 (issue 44 asks for it), dropout with a mask."""
+    q, k, v = qkv("cuda", torch.bfloat16, dim=64)
+    mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
+    assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask)[0] == "sm90"
+    family, reason = flashattn_ext.kernel_route(q, k, v, attn_mask=mask, backward=True)
+    assert family == "sm80" and "backward_covers" in reason
+    assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=0.1)[0] == "sm80"
