@@ -456,9 +456,13 @@ Params packed_params(const PackedBatch& batch) {
 
 }  // namespace
 
+FwdParams packed_forward_params(const PackedBatch& batch) { return packed_params<FwdParams>(batch); }
+
+BwdParams packed_backward_params(const PackedBatch& batch) { return packed_params<BwdParams>(batch); }
+
 FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor& q = batch.q;
-  FwdParams params = packed_params<FwdParams>(batch);
+  FwdParams params = packed_forward_params(batch);
   const AttentionProblem& p = params.problem;
   out = at::empty({q.size(2), p.heads_q, p.head_dim_v}, q.options());
   lse = at::empty({p.heads_q, q.size(2)}, q.options().dtype(lse_dtype(q.scalar_type())));
@@ -470,7 +474,7 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::
 BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const at::Tensor& q = batch.q;
-  BwdParams params = packed_params<BwdParams>(batch);
+  BwdParams params = packed_backward_params(batch);
   const AttentionProblem& p = params.problem;
   const std::vector<int64_t> out_shape{q.size(2), p.heads_q, p.head_dim_v};
   check_saved(out, "out", out_shape, q.scalar_type(), q);

@@ -119,6 +119,12 @@ at::Tensor heads_first(const at::Tensor& t);
 // A new packed (total rows, heads, dim) tensor for the (1, heads, total rows, dim) view t.
 at::Tensor empty_packed_like(const at::Tensor& t);
 
+// A packed batch's forward (backward) params before anything is allocated:
+// the problem and the views of q, k, v and the bounds (what cuda::route
+// reads to choose a path).
+FwdParams packed_forward_params(const PackedBatch& batch);
+BwdParams packed_backward_params(const PackedBatch& batch);
+
 // Allocates the packed batch's out (total_q, heads_q, Ev) and lse (heads_q,
 // total_q) and returns the kernel params of its forward (params.packed set).
 FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::Tensor& lse);

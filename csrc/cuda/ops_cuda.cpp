@@ -237,13 +237,15 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                          causal_lower_right, scale, window_left, window_right, softcap,
                                          alibi_slopes);
+  if (cuda::route_packed_forward(q, packed_forward_params(batch)).family != cuda::Family::kSm90) {
+    return varlen_forward_by_sequence(batch);
+  }
+  if (input_checks_requested()) read_sequence_bounds(batch);  // (raises on bad bounds, as the CPU does)
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
   at::Tensor out, lse;
   FwdParams params = prepare_packed_forward(batch, out, lse);
-  if (cuda::route_packed_forward(q, params).family != cuda::Family::kSm90) return varlen_forward_by_sequence(batch);
-  if (input_checks_requested()) read_sequence_bounds(batch);  // (raises on bad bounds, as the CPU does)
   const int64_t block_rows = cuda::sm90::varlen_forward_block_rows(params.problem);
   const at::Tensor plan =
       at::empty({cuda::packed_forward_plan_ints(params, block_rows)}, q.options().dtype(at::kInt));
@@ -266,6 +268,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                                          causal_lower_right, scale, window_left, window_right, softcap,
                                          alibi_slopes);
+  if (cuda::route_packed_backward(q, packed_backward_params(batch)).family != cuda::Family::kSm90) {
+    return varlen_backward_by_sequence(batch, dout, out, lse);
+  }
+  if (input_checks_requested()) read_sequence_bounds(batch);
   batch.q = with_aligned_rows(batch.q);
   batch.k = with_aligned_rows(batch.k);
   batch.v = with_aligned_rows(batch.v);
@@ -275,11 +281,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   at::Tensor dq, dk, dv;
   BwdParams params = prepare_packed_backward(batch, dout_rows, out_rows, lse, dq, dk, dv);
   const AttentionProblem& p = params.problem;
-  params.dq_accum_pairs = p.batch * p.heads_kv;
-  if (cuda::route_packed_backward(q, params).family != cuda::Family::kSm90) {
-    return varlen_backward_by_sequence(batch, dout, out, lse);
-  }
-  if (input_checks_requested()) read_sequence_bounds(batch);
+  params.dq_accum_pairs = p.batch * p.heads_kv;  // (all of them: route_packed_backward)
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
   // (Zeroed by the launch.)

@@ -126,8 +126,7 @@ Route route_backward(const at::Tensor& q, const BwdParams& params) {
 
 Route route_packed_forward(const at::Tensor& q, const FwdParams& params) {
   if (auto gap = kernel_gap(q, params.problem)) return {Family::kBySequence, *gap};
-  if (!use_sm90_kernels(q)) return {Family::kBySequence, why_not_sm90(q, "forward")};
-  if (!sm90::forward_covers(params)) return {Family::kBySequence, why_not_sm90(q, "forward")};
+  if (!use_sm90_kernels(q) || !sm90::forward_covers(params)) return {Family::kBySequence, why_not_sm90(q, "forward")};
   return {Family::kSm90, "the Hopper forward covers the packed batch"};
 }
 
@@ -136,8 +135,8 @@ Route route_packed_backward(const at::Tensor& q, const BwdParams& params) {
   if (at::globalContext().deterministicAlgorithms()) {
     return {Family::kBySequence, "deterministic mode: the sm80 kernels' separate dQ pass, a sequence at a time"};
   }
-  if (!use_sm90_kernels(q) || !sm90::backward_covers(params) ||
-      params.dq_accum_pairs != sm90::backward_chunk_pairs(params.problem)) {
+  const AttentionProblem& p = params.problem;
+  if (!use_sm90_kernels(q) || !sm90::backward_covers(params) || sm90::backward_chunk_pairs(p) != p.batch * p.heads_kv) {
     return {Family::kBySequence, why_not_sm90(q, "backward")};
   }
   return {Family::kSm90, "the Hopper backward covers the packed batch"};

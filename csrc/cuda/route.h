@@ -48,9 +48,11 @@ struct Route {
 Route route_forward(const at::Tensor& q, const FwdParams& params);
 Route route_backward(const at::Tensor& q, const BwdParams& params);
 
-// A packed batch (varlen): the Hopper kernels take it whole (kSm90) where
-// they cover it (the backward with dq_accum_pairs set to all pairs, not in
-// deterministic mode), else one dense call a sequence (kBySequence).
+// A packed batch (varlen; the params of packed_forward_params and
+// packed_backward_params, nothing allocated yet): the Hopper kernels take it
+// whole (kSm90) where they cover it (the backward with a dq_accum for all its
+// pairs, not in deterministic mode), else one dense call a sequence
+// (kBySequence).
 Route route_packed_forward(const at::Tensor& q, const FwdParams& params);
 Route route_packed_backward(const at::Tensor& q, const BwdParams& params);
 
