@@ -121,10 +121,12 @@ at::ScalarType accumulation_type(const at::Tensor& q) {
 
 }  // namespace
 
-bool fallback_requested() {
+bool kernels_requested(const char* family) {
   const char* kernels = std::getenv("FLASHATTN_EXT_KERNELS");
-  return kernels != nullptr && std::strcmp(kernels, "aten") == 0;
+  return kernels != nullptr && std::strcmp(kernels, family) == 0;
 }
+
+bool fallback_requested() { return kernels_requested("aten"); }
 
 void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,

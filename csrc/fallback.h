@@ -19,9 +19,12 @@ namespace flashattn_ext {
 
 constexpr int64_t kFallbackChunkBytes = int64_t(128) << 20;
 
+// Whether FLASHATTN_EXT_KERNELS (read at each call: for tests and
+// comparisons) names `family`: "aten", "sm80" or "dense" (cuda/route.h).
+bool kernels_requested(const char* family);
+
 // Whether FLASHATTN_EXT_KERNELS=aten asks every device to run this fallback
-// instead of its kernels (read at each call: for tests and comparisons; the
-// CPU tests check the fallback this way).
+// instead of its kernels (the CPU tests check the fallback this way).
 bool fallback_requested();
 
 // Fills out and lse, as allocated by prepare_forward. q, k, v, attn_mask:

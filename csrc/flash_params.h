@@ -230,10 +230,10 @@ FLASHATTN_EXT_HOST_DEVICE float alibi_slope(const AttentionProblem& p, int64_t b
 // set), (num_blocks, heads_kv, block_size, head_dim), with key j in block
 // block_table.at(b, j / block_size) at row j % block_size.
 // cache_seqlens.at(0, b) keys are cached (all problem.len_k where
-// cache_seqlens.data is null: a dense call's keys); k_new and v_new (data set), (batch,
-// heads_kv, len_new, head_dim), are first written into the cache at rows
-// cache_seqlens.at(0, b) on, and the queries then see all those + len_new
-// keys, with is_causal aligned bottom-right within them. problem.len_k is the
+// cache_seqlens.data is null: a dense call's keys); k_new and v_new (data
+// set), (batch, heads_kv, len_new, head_dim), are first written into the
+// cache at rows cache_seqlens.at(0, b) on, and the queries then see all those
+// + len_new keys, with is_causal aligned bottom-right within them. problem.len_k is the
 // capacity (keys a sequence's cache can hold); problem.causal_lower_right is set.
 struct DecodeParams {
   AttentionProblem problem;

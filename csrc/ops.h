@@ -136,7 +136,7 @@ BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& gr
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
 // The attention_forward and attention_backward ops' signatures (schemas in
-// ops.cpp) and their typed handles, looked up once: for the C++ code that
+// schemas.cpp) and their typed handles, looked up once: for the C++ code that
 // calls them through the dispatcher (autograd.cpp, varlen.cpp).
 using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,

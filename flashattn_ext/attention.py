@@ -1,5 +1,5 @@
 """The Python face of flashattn_ext: torch.nn.functional.scaled_dot_product_attention's
-signature and semantics on top of the 4-d ops registered in csrc/ops.cpp.
+signature and semantics on top of the 4-d ops registered in csrc/schemas.cpp.
 
 The shim only reshapes: it maps SDPA's (N, ..., H, L, E) layout, broadcasting
 and GQA onto 4-d (batch, heads, seq_len, head_dim) views. Broadcast dimensions

@@ -3,18 +3,11 @@
 
 #include <ATen/cuda/CUDAContext.h>
 
-#include <cstdlib>
-
 #include "cuda/flash_cuda.h"
 #include "fallback.h"
 
 namespace flashattn_ext::cuda {
 namespace {
-
-bool kernels_requested(const char* family) {
-  const char* value = std::getenv("FLASHATTN_EXT_KERNELS");
-  return value != nullptr && std::string(value) == family;
-}
 
 // Why no hand-written kernel can take a call, or nothing where one can.
 std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProblem& p) {
