@@ -28,7 +28,9 @@ With --dropout, every (D, N, causal) row is measured once per dropout_p, one aft
 tables gain a dropout column (the plot shows the first value's rows only). --masks does the same with
 attn_mask (non-causal rows only: SDPA takes no mask with is_causal): "padding", a bool (B, 1, 1, N)
 key-padding mask that hides nothing; "padding_half", the same hiding each sequence's second half of
-keys; "float", a float (N, N) mask of normal noise in the inputs' dtype. A masked cell counts the
+keys; "float", a float (N, N) mask of normal noise in the inputs' dtype; "padding_spread", right
+padding with the batch's lengths spread from N down to N / 4; "padding_rows", the same as a
+(B, 1, N, N) mask with every row materialized (transformers' BERT passes this form). A masked cell counts the
 unmasked call's FLOPs, so that its TFLOP/s compare as speed: work a mask lets a kernel skip shows.
 """
 import argparse
@@ -231,7 +233,7 @@ def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torc
     return [torch.randn(b, h, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
 
 
-MASKS = ("none", "padding", "padding_half", "float")
+MASKS = ("none", "padding", "padding_half", "float", "padding_spread", "padding_rows")
 
 
 def make_mask(kind: str, b: int, n: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
@@ -242,6 +244,11 @@ def make_mask(kind: str, b: int, n: int, dtype: torch.dtype, device: torch.devic
         keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device=device)
         if kind == "padding_half":
             keep[..., n // 2:] = False
+        if kind in ("padding_spread", "padding_rows"):  # right padding, lengths from N down to N / 4
+            lengths = torch.linspace(n, n / 4, b, device=device).round().long()
+            keep = (torch.arange(n, device=device) < lengths[:, None]).view(b, 1, 1, n)
+        if kind == "padding_rows":  # every row materialized, as transformers' BERT passes it
+            keep = keep.expand(b, 1, n, n).contiguous()
         return keep
     return None
 

@@ -66,18 +66,20 @@ inline MaskDims mask_dims(const TensorView4d& mask, const AttentionProblem& p) {
           mask.stride_row != 0 && p.len_q > 1};
 }
 
-// What a mask that repeats over queries (a key-padding mask) does to each block
-// of keys: hides every key (the Hopper kernels skip the block), none (they run
-// the unmasked code on it), or some.
-enum class KeyBlockVisibility : uint8_t { kHidden = 0, kVisible = 1, kPartial = 2 };
+// What an attn_mask does to a tile of queries and keys: hides every pair (the
+// Hopper kernels skip the tile), none (they run the unmasked code on it), or
+// some.
+enum class BlockVisibility : uint8_t { kHidden = 0, kVisible = 1, kPartial = 2 };
 
-// The visibility of each block of kKeyBlockKeys keys (cuda/flash_cuda.h), for
-// each (batch, head) of the mask: blocks contiguous, a stride of 0 where the
-// mask repeats over batch or heads. No map (visibility null): every block
-// counts as partial.
-struct KeyBlockMap {
+// The visibility of each block of kMaskBlockRows queries x kKeyBlockKeys keys
+// (cuda/flash_cuda.h), for each (batch, head) of the mask: key blocks
+// contiguous, then query blocks (stride_rows; 0 where the mask repeats over
+// queries, such as a key-padding mask: one block of all of them), heads and
+// batches (0 where the mask repeats over them). No map (visibility null):
+// every block counts as partial.
+struct MaskBlockMap {
   const uint8_t* visibility = nullptr;
-  int64_t stride_batch = 0, stride_head = 0;
+  int64_t stride_batch = 0, stride_head = 0, stride_rows = 0;
 };
 
 // Integer indices read in place, int32 or int64, through element strides: a
@@ -129,7 +131,7 @@ struct FwdParams {
   void* lse = nullptr;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask;
-  KeyBlockMap key_blocks;  // (CUDA) set by cuda::classify_key_blocks where the mask repeats over queries
+  MaskBlockMap mask_blocks;  // (CUDA) set by cuda::classify_mask_blocks for the Hopper kernels
   DropoutParams dropout;
   int* tile_counter = nullptr;
   PackedSequences packed;  // a packed batch (the Hopper forward alone; no mask or dropout)
@@ -156,7 +158,7 @@ struct BwdParams {
   int64_t dq_accum_pair0 = 0, dq_accum_pairs = 0;
   MaskKind mask_kind = MaskKind::kNone;
   TensorView4d mask, dmask;
-  KeyBlockMap key_blocks;  // (CUDA) as in FwdParams
+  MaskBlockMap mask_blocks;  // (CUDA) as in FwdParams
   DropoutParams dropout;   // the forward's, with the same rng_state
   // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
   // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta

@@ -12,7 +12,14 @@ causal and sliding-window masks reach it as the boolean masks transformers build
 is_causal when none is needed), and runs them through flashattn_ext.attention_with_lse: GQA
 without repeating the key/value heads, dropout, an explicit scale, and logit softcapping (Gemma 2),
 which SDPA lacks. Attention sinks and T5's position bias raise NotImplementedError.
+
+An encoder's padded batch (a bidirectional mask, queries and keys the same tokens) gets a mask that
+hides the padding tokens' query rows as well as their keys: the kernels then skip every tile of
+padding, as an unpadded (varlen) call would, and the padding tokens' outputs are 0 (as with
+transformers' flash-attention unpadding; SDPA's are arbitrary there, and nothing real attends to
+them). The real tokens' outputs are unchanged.
 """
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -82,5 +89,41 @@ def register_with_transformers(name: str = NAME) -> str:
             "AttentionMaskInterface (pip install transformers)"
         ) from error
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_hiding_padding_queries(sdpa_mask))
     return name
+
+
+def _mask_hiding_padding_queries(sdpa_mask):
+    """transformers' sdpa_mask, with the padding tokens' query rows hidden too where the mask is
+    bidirectional and its queries are its keys (an encoder's forward: no cache, no offsets)."""
+    from transformers.masking_utils import and_masks, bidirectional_mask_function
+
+    signature = inspect.signature(sdpa_mask)
+
+    def build(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        given = call.arguments
+        padding = given.get("attention_mask")
+        # (q_length in transformers 5.2x; cache_position, the queries' positions, before.)
+        positions = given.get("cache_position")
+        q_length = given.get("q_length", positions.shape[0] if positions is not None else None)
+        same_tokens = (
+            given.get("mask_function") is bidirectional_mask_function
+            and isinstance(padding, torch.Tensor)
+            and padding.dim() == 2
+            and q_length == given.get("kv_length") == padding.shape[1]
+            and not given.get("q_offset") and not given.get("kv_offset")
+        )
+        if same_tokens:
+            given["mask_function"] = and_masks(bidirectional_mask_function, _query_padding_function(padding))
+        return sdpa_mask(*call.args, **call.kwargs)
+
+    return build
+
+
+def _query_padding_function(padding: torch.Tensor):
+    def query_is_real(batch_idx, head_idx, q_idx, kv_idx):
+        return padding[batch_idx, q_idx].bool()
+
+    return query_is_real

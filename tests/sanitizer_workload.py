@@ -114,6 +114,28 @@ def run_masked(dtype):
             raise RuntimeError(f"{name} is not finite for the masked case in {dtype}")
 
 
+def run_mask_blocks(dtype):
+    """The masks' block maps at head dims 64 (the backward's 128-query tiles, one dS^T buffer with
+    a float mask) and 128: (B, 1, L, S) masks whose 64 x 128 blocks hide every pair, none or some,
+    bool and float, with and without dropout, a batch element that sees no key; ragged tiles, GQA."""
+    for dim in (64, 128):
+        q = torch.randn(2, 4, 200, dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(2, 2, 400, dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        blocks = torch.randint(0, 3, (2, 1, 4, 4), device="cuda")  # 0 hidden, 1 visible, 2 partial
+        blocks[1] = 0
+        per_pair = blocks.repeat_interleave(64, dim=2)[:, :, :200].repeat_interleave(128, dim=3)[..., :400]
+        keep = (per_pair == 1) | ((per_pair == 2) & (torch.rand(per_pair.shape, device="cuda") > 0.5))
+        float_mask = torch.zeros(keep.shape, device="cuda", dtype=dtype).masked_fill(~keep, -float("inf"))
+        for mask in (keep, float_mask):
+            for dropout_p in (0.0, 0.3):
+                out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                                                 enable_gqa=True)
+                out.backward(torch.randn_like(out))
+                torch.cuda.synchronize()
+                if torch.isnan(out[0]).any():  # (batch element 1 sees no key: SDPA's NaN there, ours 0)
+                    raise RuntimeError(f"out is NaN for a block mask at head dim {dim} in {dtype}")
+
+
 def run_windowed(dtype):
     """Sliding windows through the Hopper kernels: key (query) tiles from the window's first, both
     edges crossing ragged tiles, rows that see no key, with a float mask and with dropout, head dims
@@ -231,6 +253,8 @@ def main():
             print(f"ok copied inputs {dtype} deterministic={deterministic}", flush=True)
             run_masked(dtype)
             print(f"ok masks {dtype} deterministic={deterministic}", flush=True)
+            run_mask_blocks(dtype)
+            print(f"ok mask blocks {dtype} deterministic={deterministic}", flush=True)
             run_windowed(dtype)
             print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
             run_varlen(dtype)
@@ -244,4 +268,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1:  # one section, e.g. `mask_blocks`, in both dtypes
+        for dtype in DTYPES:
+            globals()[f"run_{sys.argv[1]}"](dtype)
+            print(f"ok {sys.argv[1]} {dtype}", flush=True)
+    else:
+        main()

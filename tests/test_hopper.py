@@ -19,7 +19,7 @@ import flashattn_ext
 from helpers import CUDA_REASON, ERROR_FLOOR, draw_rng_state, math_with_dropout_mask, naive_attention
 from helpers import poison_cuda_allocator, relative_error
 from helpers import dropout_bits  # noqa: F401  (a fixture)
-from test_dropout import check_against_mask_reference
+from test_dropout import check_against_mask_reference, ours_and_mask, reference_with_mask
 
 pytestmark = [
     pytest.mark.cuda,
@@ -357,13 +357,49 @@ def test_forward_with_attn_mask_matches_float64(shape, case, dtype):
     assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
 
 
-# Head dims 128 and 112 (padded) run the Hopper backward with a mask; 64 the sm80 one (no room for
-# the mask's tiles beside its 128-query tiles).
+# Dropout with a mask runs in the Hopper kernels: head dims 64 (the backward's 128-query tiles) and
+# 128, GQA, ragged blocks.
+MASKED_DROPOUT_SHAPES = [(2, 4, 2, 200, 512, 64), (1, 4, 2, 333, 640, 128)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["key_padding_bool", "bool_per_batch", "float_per_head"])
+@pytest.mark.parametrize("shape", MASKED_DROPOUT_SHAPES, ids=["x".join(map(str, s)) for s in MASKED_DROPOUT_SHAPES])
+def test_dropout_with_attn_mask_matches_reference_built_from_its_mask(shape, case, dtype):
+    """Dropout and an attn_mask together run in the Hopper forward and backward, and drop what
+    dropout_mask says: out and gradients within twice torch's math SDPA's error (the same mask and
+    drops, in the inputs' dtype) of float64."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 4)
+    mask = attn_mask(case, shape, dtype, seed=len(case) + 2, empty_batch=False)
+    kwargs = {"enable_gqa": shape[1] != shape[2]}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(
+        *leaves, attn_mask=mask, dropout_p=0.2, **kwargs).sum().backward())
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], device="cuda", dtype=dtype)
+    poison_cuda_allocator(POISON_BYTES)
+    got, keep = ours_and_mask(q, k, v, 0.2, grad_out, 13, attn_mask=mask, **kwargs)
+    want = reference_with_mask(q, k, v, keep, 0.2, grad_out, attn_mask=mask if mask.dtype == torch.bool
+                               else mask.double(), **kwargs)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    base_out = math_with_dropout_mask(*leaves, keep, 0.2, attn_mask=mask, **kwargs)
+    base = (base_out.detach(), *torch.autograd.grad(base_out, leaves, grad_out))
+    scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
+        assert torch.isfinite(g).all(), f"{name}: not every element written, or not finite"
+        error, base_error = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
+        assert error <= 2 * base_error + ERROR_FLOOR[dtype], f"{name}: {error:.3g} vs torch's {base_error:.3g}"
+
+
+# The Hopper backward with a mask: head dims 128 and 64 (64-query tiles and 128-query ones), 112
+# and 40 (padded), GQA, ragged query and key blocks.
 MASK_BACKWARD_SHAPES = [
     (1, 2, 2, 333, 1024, 128),
     (2, 4, 2, 200, 512, 112),
     (2, 24, 8, 130, 384, 128),
     (2, 4, 2, 200, 512, 64),
+    (1, 6, 2, 259, 640, 40),
 ]
 
 
@@ -386,8 +422,7 @@ def test_backward_with_attn_mask_matches_float64(shape, case, dtype):
 
     ours = lambda *args, **kwargs: flashattn_ext.scaled_dot_product_attention(*args, enable_gqa=gqa, **kwargs)  # noqa: E731
     names = kernel_names(lambda: grads(ours, q, k, v, mask))
-    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
-    assert hopper_backward == (shape[5] > 96), names
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     got = grads(ours, q, k, v, mask)
     sdpa = expanded(F.scaled_dot_product_attention)
@@ -400,24 +435,26 @@ def test_backward_with_attn_mask_matches_float64(shape, case, dtype):
         assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], f"{name}: {ours_error:.3g} vs SDPA's {sdpa_error:.3g}"
 
 
-def key_block_mask(kind, mask_shape, shape, dtype, seed):
-    """A mask that repeats over queries, shaped (B, H, 1, S), (B, 1, 1, S) or (1, 1, 1, S), whose
-    128-key blocks (the Hopper forward's key tiles) each hide every key, none, or some (drawn per
-    row of the mask); the first row hides every key where there are others. bool: True takes part;
-    float: -inf where hidden, 0 in the blocks that hide none, normal noise in the others."""
-    batch, heads_q, _, _, len_k, _ = shape
-    rows = {"batch_head": (batch, heads_q), "batch": (batch, 1), "shared": (1, 1)}[mask_shape]
+def block_mask(kind, mask_shape, shape, dtype, seed):
+    """A mask whose blocks of 64 queries x 128 keys (the block map's) each hide every pair, none, or
+    some, drawn per block: shaped (B, H, 1, S), (B, 1, 1, S) or (1, 1, 1, S) (repeating over queries,
+    as a key-padding mask does), or (B, 1, L, S) with rows of its own ("batch_rows"). The mask of the
+    first (batch, head) hides every key where there are others. bool: True takes part; float: -inf
+    where hidden, 0 in the blocks that hide none, normal noise in the others."""
+    batch, heads_q, _, len_q, len_k, _ = shape
+    rows = {"batch_head": (batch, heads_q), "batch": (batch, 1), "shared": (1, 1), "batch_rows": (batch, 1)}[mask_shape]
     gen = torch.Generator().manual_seed(seed)
-    blocks = -(-len_k // 128)
-    visibility = torch.randint(0, 3, (*rows, blocks), generator=gen)  # 0 hidden, 1 whole, 2 partial
+    query_blocks = -(-len_q // 64) if mask_shape == "batch_rows" else 1
+    visibility = torch.randint(0, 3, (*rows, query_blocks, -(-len_k // 128)), generator=gen)  # 0 hidden, 1 whole
     if rows != (1, 1):
         visibility[0, 0] = 0
-    per_key = visibility.repeat_interleave(128, dim=-1)[..., :len_k]
-    keep = (per_key == 1) | ((per_key == 2) & (torch.rand(per_key.shape, generator=gen) > 0.5))
-    keep = keep[:, :, None, :]
+    per_pair = visibility.repeat_interleave(128, dim=-1)[..., :len_k]
+    if query_blocks > 1:
+        per_pair = per_pair.repeat_interleave(64, dim=-2)[..., :len_q, :]
+    keep = (per_pair == 1) | ((per_pair == 2) & (torch.rand(per_pair.shape, generator=gen) > 0.5))
     if kind == "bool":
         return keep.cuda()
-    bias = torch.where(per_key[:, :, None, :] == 2, torch.randn(keep.shape, generator=gen), torch.zeros(keep.shape))
+    bias = torch.where(per_pair == 2, torch.randn(keep.shape, generator=gen), torch.zeros(keep.shape))
     return bias.masked_fill(~keep, -float("inf")).to("cuda", dtype)
 
 
@@ -428,23 +465,24 @@ KEY_BLOCK_SHAPES = [(2, 4, 2, 300, 1008, 128), (3, 2, 1, 500, 1280, 64)]
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared"])
+@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared", "batch_rows"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("shape", KEY_BLOCK_SHAPES, ids=["x".join(map(str, s)) for s in KEY_BLOCK_SHAPES])
-def test_forward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask_shape, causal, dtype):
-    """A mask that repeats over queries is classified by 128-key blocks before the forward, which
-    skips the blocks it hides and runs the unmasked code on those it hides none of: blocks of all
-    three kinds in any order, per (batch, head), batch, or shared by all, with the causal diagonal
-    through them (the op takes both), and a row of the mask that hides every key (out 0, lse -inf)."""
+def test_forward_skips_the_tiles_a_mask_hides(shape, kind, mask_shape, causal, dtype):
+    """A mask is classified by blocks of 64 queries x 128 keys before the forward, which skips the
+    tiles it hides and runs the unmasked code on those it hides none of: blocks of all three kinds
+    in any order, per (batch, head), batch, or shared by all, with rows of their own or repeating
+    over queries, with the causal diagonal through them (the op takes both), and a (batch, head)
+    whose mask hides every key (out 0, lse -inf)."""
     q, k, v = random_inputs(shape, dtype, seed=11)
-    mask = key_block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal)
+    mask = block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal)
     gqa = shape[1] != shape[2]
     mask_view = mask.expand(shape[0], shape[1], shape[3], shape[4])  # as the Python call passes it
     call = lambda: torch.ops.flashattn_ext.attention_forward(q, k, v, mask_view, 0.0, causal, False,  # noqa: E731
                                                              shape[5] ** -0.5)
     names = kernel_names(call)
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    assert any("classify_key_blocks" in n for n in names), names
+    assert any("classify_mask_blocks" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     out, lse, _ = call()
     want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), is_causal=causal, enable_gqa=gqa,
@@ -460,23 +498,24 @@ def test_forward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask
     assert (out[~visible] == 0).all()
 
 
-# The Hopper backward takes masks at head dims 97 to 128: GQA and a ragged last key block, and a padded head dim.
-KEY_BLOCK_BACKWARD_SHAPES = [(2, 4, 2, 300, 1008, 128), (2, 3, 3, 257, 1280, 112)]
+# GQA and a ragged last key block, padded head dims, 64-query tiles (head dims 97 to 128) and
+# 128-query ones (up to 64).
+KEY_BLOCK_BACKWARD_SHAPES = [(2, 4, 2, 300, 1008, 128), (2, 3, 3, 257, 1280, 112), (2, 4, 2, 300, 1008, 64)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared"])
+@pytest.mark.parametrize("mask_shape", ["batch_head", "batch", "shared", "batch_rows"])
 @pytest.mark.parametrize("kind", ["bool", "float"])
 @pytest.mark.parametrize("shape", KEY_BLOCK_BACKWARD_SHAPES,
                          ids=["x".join(map(str, s)) for s in KEY_BLOCK_BACKWARD_SHAPES])
-def test_backward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mask_shape, causal, dtype):
-    """The backward reads the same map: a block of 128 keys that the mask hides for every query head
-    of its group streams nothing and gets dk = dv = 0 exactly; one it hides none of runs unmasked; the
-    others apply the mask. dq, dk, dv within twice SDPA's error (with the mask and the causal diagonal
-    as one mask) of float64."""
+def test_backward_skips_the_tiles_a_mask_hides(shape, kind, mask_shape, causal, dtype):
+    """The backward reads the same map: a query tile that the mask hides from a block of 128 keys
+    is not streamed (dk = dv = 0 exactly where it hides them all); one it hides none of runs
+    unmasked; the others apply the mask. dq, dk, dv within twice SDPA's error (with the mask and
+    the causal diagonal as one mask) of float64."""
     q, k, v = random_inputs(shape, dtype, seed=12)
-    mask = key_block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal + 3)
+    mask = block_mask(kind, mask_shape, shape, dtype, seed=len(kind) + len(mask_shape) + causal + 3)
     batch, heads_q, heads_kv, len_q, len_k, head_dim = shape
     gen = torch.Generator().manual_seed(9)
     grad_out = torch.randn(batch, heads_q, len_q, head_dim, generator=gen).to("cuda", dtype)
@@ -491,7 +530,7 @@ def test_backward_skips_the_key_blocks_a_key_padding_mask_hides(shape, kind, mas
 
     names = kernel_names(call)
     assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
-    assert sum("classify_key_blocks" in n for n in names) == 2, names  # the forward's and the backward's
+    assert sum("classify_mask_blocks" in n for n in names) == 2, names  # the forward's and the backward's
     poison_cuda_allocator(POISON_BYTES)
     got = call()
     # SDPA takes no mask with is_causal: the causal diagonal joins the mask. Rows that see no key (NaN in
@@ -697,7 +736,7 @@ def test_forward_with_attn_mask_and_causal(lower_right):
 
 @pytest.mark.parametrize(
     "case",
-    ["mask_rows_unaligned", "mask_with_dropout", "mask_head_dim_256", "negative_scale", "stride_zero_batch"],
+    ["mask_rows_unaligned", "mask_head_dim_256", "negative_scale", "stride_zero_batch"],
 )
 def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
@@ -705,13 +744,9 @@ def test_calls_the_hopper_kernel_leaves_to_sm80(case):
     kwargs = {}
     if case == "mask_rows_unaligned":  # rows of 300 bools: not whole 16-byte pieces
         kwargs["attn_mask"] = torch.rand(200, 300, device="cuda") > 0.2
-    if case in ("mask_with_dropout", "mask_head_dim_256"):  # rows of 304 bools: whole 16-byte pieces
+    if case == "mask_head_dim_256":  # rows of 304 bools: whole 16-byte pieces
         kwargs["attn_mask"] = torch.rand(200, 304, device="cuda") > 0.2
         k, v = torch.cat([k, k[:, :, :4]], dim=2), torch.cat([v, v[:, :, :4]], dim=2)
-    if case == "mask_with_dropout":
-        names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.1, **kwargs))
-        assert not any("sm90" in n for n in names), names
-        return  # what dropout drops is checked against its mask in test_dropout
     if case == "negative_scale":
         kwargs["scale"] = -0.1
     if case == "stride_zero_batch":

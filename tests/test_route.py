@@ -78,12 +78,17 @@ def test_cuda_routes(monkeypatch):
 @cuda_test
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper(), reason="needs an H100 / H200")
 def test_hopper_coverage_gaps(monkeypatch):
-    """What the Hopper kernels do not cover yet runs the sm80 kernels: the masked backward at head dim
-    64 (issue 44 asks for it), dropout with a mask."""
+    """A mask, with or without dropout, runs on Hopper at head dims up to 128 (64 included); what
+    the Hopper kernels do not cover yet runs the sm80 kernels: the backward with dropout at head
+    dim 256."""
     monkeypatch.delenv("FLASHATTN_EXT_KERNELS", raising=False)
-    q, k, v = qkv("cuda", torch.bfloat16, dim=64)
-    mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
-    assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask)[0] == "sm90"
-    family, reason = flashattn_ext.kernel_route(q, k, v, attn_mask=mask, backward=True)
+    for dim in (64, 128):
+        q, k, v = qkv("cuda", torch.bfloat16, dim=dim)
+        mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
+        for dropout_p in (0.0, 0.1):
+            assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=dropout_p)[0] == "sm90"
+            assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=dropout_p, backward=True)[0] == "sm90"
+    q, k, v = qkv("cuda", torch.bfloat16, dim=256)
+    assert flashattn_ext.kernel_route(q, k, v, dropout_p=0.1)[0] == "sm90"
+    family, reason = flashattn_ext.kernel_route(q, k, v, dropout_p=0.1, backward=True)
     assert family == "sm80" and "backward_covers" in reason
-    assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=0.1)[0] == "sm80"

@@ -85,3 +85,43 @@ def test_attention_sinks_are_refused_by_name():
 def test_names_with_flash_are_refused():
     with pytest.raises(ValueError, match="containing 'flash'"):
         flashattn_ext.register_with_transformers("flashattn_ext")
+
+
+@pytest.mark.parametrize("device, dtype", device_dtype_params({"cpu": [torch.float32], "cuda": [torch.bfloat16]}))
+def test_encoder_training_step_matches_sdpa_on_real_tokens(device, dtype):
+    """BERT on a right-padded batch: the backend's mask also hides the padding tokens' query rows
+    (their outputs are 0, so that the kernels skip them); the loss (on real tokens), the real
+    tokens' logits and every gradient are SDPA's."""
+    config = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    sdpa = transformers.BertForMaskedLM(transformers.BertConfig(**config, attn_implementation="sdpa"))
+    ours = transformers.BertForMaskedLM(transformers.BertConfig(**config, attn_implementation=NAME))
+    ours.load_state_dict(sdpa.state_dict())
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 96, (3, 40), generator=gen).to(device)
+    mask = torch.ones(3, 40, dtype=torch.long, device=device)
+    mask[1, 29:] = 0
+    mask[2, 7:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for model in (sdpa.to(device, dtype), ours.to(device, dtype)):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, logits_a, grads_a), (loss_b, logits_b, grads_b) = results
+    assert relative_error(loss_b, loss_a) <= TOLERANCE[dtype]
+    real = mask.bool()
+    assert relative_error(logits_b[real], logits_a[real]) <= TOLERANCE[dtype]
+    # (Errors relative to the largest gradient of any: the key bias's is 0 up to rounding.)
+    largest = max(grad.abs().max().item() for grad in grads_a.values())
+    for name, grad in grads_a.items():
+        assert (grads_b[name].double() - grad.double()).abs().max().item() <= TOLERANCE[dtype] * largest, name
+    # The padding tokens' query rows are hidden: the mask the backend builds.
+    from transformers.masking_utils import create_bidirectional_mask
+
+    embeds = torch.zeros(3, 40, 64, device=device)
+    built = create_bidirectional_mask(config=ours.config, inputs_embeds=embeds, attention_mask=mask)
+    assert built.shape == (3, 1, 40, 40) and built.dtype == torch.bool
+    assert torch.equal(built[:, 0], real[:, :, None] & real[:, None, :])

@@ -377,6 +377,25 @@ __device__ __forceinline__ float lse_log2(const float* lse, int64_t row, int64_t
   return x == -INFINITY ? INFINITY : x * float(M_LOG2E);
 }
 
+// What the attn_mask does to the tile of `rows` queries from row0 (a multiple
+// of kMaskBlockRows; rows past len_q do not count) and key block key_block of
+// (batch b, query head): the map's blocks combined, hidden or visible where
+// they all are, else partial.
+__device__ __forceinline__ BlockVisibility tile_visibility(const MaskBlockMap& map, int64_t b, int64_t head,
+                                                           int64_t row0, int rows, int64_t len_q,
+                                                           int64_t key_block) {
+  if (map.visibility == nullptr) return BlockVisibility::kPartial;
+  const uint8_t* blocks = map.visibility + b * map.stride_batch + head * map.stride_head + key_block;
+  const uint8_t first = blocks[row0 / kMaskBlockRows * map.stride_rows];
+  if (map.stride_rows != 0) {
+    const int64_t end = (min(row0 + rows, len_q) - 1) / kMaskBlockRows;
+    for (int64_t r = row0 / kMaskBlockRows + 1; r <= end; ++r) {
+      if (blocks[r * map.stride_rows] != first) return BlockVisibility::kPartial;
+    }
+  }
+  return static_cast<BlockVisibility>(first);
+}
+
 // The attn_mask of one (batch, query head), read in place through its strides
 // (0 where it broadcasts), one element at a time: rare enough a path that the
 // reads need no layout of their own.

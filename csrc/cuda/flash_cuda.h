@@ -61,15 +61,17 @@ enum class DqAccumLayout { kRows, kWgmmaTiles };
 // holds (the rows layout: all of them).
 void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout layout, cudaStream_t stream);
 
-// Key blocks of an attn_mask that repeats over queries (mask_blocks.cu), for the
-// Hopper kernels, whose masked forward and backward take kKeyBlockKeys keys at
-// a time: key_block_map_bytes is the device memory the map of the mask takes, 0
-// where there is no map (no mask, or one with rows of its own);
-// classify_key_blocks fills that memory and returns the map over it.
+// The block map of an attn_mask (mask_blocks.cu), for the Hopper kernels,
+// whose masked forward and backward take kKeyBlockKeys keys at a time and
+// query tiles of a multiple of kMaskBlockRows rows: mask_block_map_bytes is the
+// device memory the map takes, 0 where there is none (no mask, or a grid past
+// its launch limits); classify_mask_blocks fills that memory and returns the
+// map over it.
 constexpr int kKeyBlockKeys = 128;
-int64_t key_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p);
-KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p, ElementType type,
-                                uint8_t* map, cudaStream_t stream);
+constexpr int kMaskBlockRows = 64;
+int64_t mask_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p);
+MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p,
+                                  ElementType type, uint8_t* map, cudaStream_t stream);
 
 // Sets the delta of the query rows that params' attn_mask leaves exactly one
 // key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.

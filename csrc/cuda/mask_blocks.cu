@@ -1,10 +1,12 @@
 // Two passes over an attn_mask, before the kernels that read it:
-//  - The key-block map of a mask that repeats over queries (a key-padding
-//    mask): for each (batch, head) of the mask and each block of kKeyBlockKeys
-//    keys, whether the mask hides all of its keys, none, or some
-//    (KeyBlockVisibility). The Hopper kernels skip hidden blocks (no loads, no
-//    GEMMs) and run the unmasked code on visible ones; one pass over the mask's
-//    B x H x S elements at most, before the forward and again before the backward.
+//  - The block map: for each (batch, head) of the mask, each block of
+//    kMaskBlockRows query rows (one block of all of them where the mask
+//    repeats over queries, such as a key-padding mask) and each block of
+//    kKeyBlockKeys keys, whether the mask hides all of its pairs, none, or some
+//    (BlockVisibility). The Hopper kernels skip hidden tiles (no loads, no
+//    GEMMs) and run the unmasked code on visible ones: FlexAttention's
+//    BlockMask, built without the user's help. One pass over the mask's own
+//    elements, before the forward and again before the backward.
 //  - Before the backward, the query rows that the mask leaves exactly one key:
 //    their delta becomes kOneKeyRowDelta (flash_common.cuh), which the masked
 //    backward kernels read as dS = 0.
@@ -17,14 +19,18 @@
 namespace flashattn_ext::cuda {
 namespace {
 
-// The map's extent: the mask's batches and heads where it has its own (else 1), and the key blocks.
+// The map's extent: the mask's batches, heads and query blocks where it has
+// its own (else 1), and the key blocks.
 struct MapShape {
-  int64_t batches, heads, blocks;
+  int64_t batches, heads, row_blocks, key_blocks;
+  int64_t bytes() const { return batches * heads * row_blocks * key_blocks; }
 };
 
 MapShape map_shape(const TensorView4d& mask, const AttentionProblem& p) {
   const MaskDims own = mask_dims(mask, p);
-  return {own.batch ? p.batch : 1, own.heads ? p.heads_q : 1, (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
+  return {own.batch ? p.batch : 1, own.heads ? p.heads_q : 1,
+          own.rows ? (p.len_q + kMaskBlockRows - 1) / kMaskBlockRows : 1,
+          (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
 }
 
 // Whether the mask's element at offset (elements) hides its key: a bool mask
@@ -38,23 +44,33 @@ __device__ __forceinline__ bool hides_key(const TensorView4d& mask, bool additiv
 
 uint16_t minus_infinity_bits(ElementType type) { return type == ElementType::kBFloat16 ? 0xff80 : 0xfc00; }
 
-// One block of kKeyBlockKeys threads a key block, a key a thread. Keys past
-// len_k count neither way.
-__global__ void classify_key_blocks_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, int64_t len_k,
-                                           uint8_t* map) {
+// One thread block of kKeyBlockKeys threads a block of the map (grid: key
+// blocks, query blocks, batches x heads), a key a thread, down the block's
+// rows (the mask's first row alone where it repeats over queries: `rows` 1,
+// its row stride unused). Keys and rows past the ends count neither way.
+__global__ void __launch_bounds__(kKeyBlockKeys)
+    classify_mask_blocks_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, int64_t len_k,
+                                int64_t rows, int64_t heads, uint8_t* map) {
   const int64_t key = int64_t(blockIdx.x) * kKeyBlockKeys + threadIdx.x;
+  const int64_t row0 = int64_t(blockIdx.y) * kMaskBlockRows, row_end = min(row0 + kMaskBlockRows, rows);
+  const int64_t head = blockIdx.z % heads, batch = blockIdx.z / heads;
   bool hidden = true, visible = true;
   if (key < len_k) {
-    const int64_t offset = blockIdx.z * mask.stride_batch + blockIdx.y * mask.stride_head + key * mask.stride_col;
-    hidden = hides_key(mask, additive, minus_infinity, offset);
-    // (An additive value leaves the score as it is only where it is +-0.)
-    visible = additive ? (static_cast<const uint16_t*>(mask.data)[offset] & 0x7fff) == 0 : !hidden;
+    const int64_t base = batch * mask.stride_batch + head * mask.stride_head + key * mask.stride_col;
+#pragma unroll 8
+    for (int64_t row = row0; row < row_end; ++row) {
+      const int64_t offset = base + row * mask.stride_row;
+      const bool hides = hides_key(mask, additive, minus_infinity, offset);
+      hidden &= hides;
+      // (An additive value leaves the score as it is only where it is +-0.)
+      visible &= additive ? (static_cast<const uint16_t*>(mask.data)[offset] & 0x7fff) == 0 : !hides;
+    }
   }
   const bool all_hidden = __syncthreads_and(hidden), all_visible = __syncthreads_and(visible);
   if (threadIdx.x == 0) {
-    const KeyBlockVisibility visibility = all_hidden    ? KeyBlockVisibility::kHidden
-                                          : all_visible ? KeyBlockVisibility::kVisible
-                                                        : KeyBlockVisibility::kPartial;
+    const BlockVisibility visibility = all_hidden    ? BlockVisibility::kHidden
+                                       : all_visible ? BlockVisibility::kVisible
+                                                     : BlockVisibility::kPartial;
     map[(int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = static_cast<uint8_t>(visibility);
   }
 }
@@ -95,31 +111,32 @@ __global__ void __launch_bounds__(kOneKeyThreads)
 
 }  // namespace
 
-int64_t key_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p) {
-  // Only a mask that repeats over queries has one: the Hopper kernels read the
-  // map beside such a mask's one-row tiles (encode_mask_tiles).
-  if (kind == MaskKind::kNone || mask_dims(mask, p).rows) return 0;
+int64_t mask_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p) {
+  if (kind == MaskKind::kNone) return 0;
   const MapShape shape = map_shape(mask, p);
-  constexpr int64_t kMaxGridDim = 65535;  // the classifying grid's y (heads) and z (batches)
-  if (shape.batches > kMaxGridDim || shape.heads > kMaxGridDim) return 0;
-  return shape.batches * shape.heads * shape.blocks;
+  constexpr int64_t kMaxGridDim = 65535;  // the classifying grid's y (query blocks) and z (batches x heads)
+  if (shape.row_blocks > kMaxGridDim || shape.batches * shape.heads > kMaxGridDim) return 0;
+  return shape.bytes();
 }
 
-KeyBlockMap classify_key_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p, ElementType type,
-                                uint8_t* map, cudaStream_t stream) {
+MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p,
+                                  ElementType type, uint8_t* map, cudaStream_t stream) {
   const MapShape shape = map_shape(mask, p);
-  TensorView4d repeated = mask;
-  if (shape.batches == 1) repeated.stride_batch = 0;
-  if (shape.heads == 1) repeated.stride_head = 0;
-  const bool additive = kind == MaskKind::kAdditive;
-  const uint16_t minus_infinity = minus_infinity_bits(type);
-  const dim3 grid(static_cast<unsigned>(shape.blocks), static_cast<unsigned>(shape.heads),
-                  static_cast<unsigned>(shape.batches));
-  classify_key_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(repeated, additive, minus_infinity, p.len_k, map);
-  KeyBlockMap blocks;
+  const MaskDims dims = mask_dims(mask, p);
+  TensorView4d own = mask;  // (strides of 0 where the mask repeats)
+  if (!dims.batch) own.stride_batch = 0;
+  if (!dims.heads) own.stride_head = 0;
+  if (!dims.rows) own.stride_row = 0;
+  const dim3 grid(static_cast<unsigned>(shape.key_blocks), static_cast<unsigned>(shape.row_blocks),
+                  static_cast<unsigned>(shape.batches * shape.heads));
+  classify_mask_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(own, kind == MaskKind::kAdditive,
+                                                                  minus_infinity_bits(type), p.len_k,
+                                                                  dims.rows ? p.len_q : 1, shape.heads, map);
+  MaskBlockMap blocks;
   blocks.visibility = map;
-  blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.blocks : 0;
-  blocks.stride_head = shape.heads > 1 ? shape.blocks : 0;
+  blocks.stride_rows = dims.rows ? shape.key_blocks : 0;
+  blocks.stride_head = shape.heads > 1 ? shape.row_blocks * shape.key_blocks : 0;
+  blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.row_blocks * shape.key_blocks : 0;
   return blocks;
 }
 

@@ -71,17 +71,17 @@ at::Tensor draw_rng_state(const at::Tensor& q, double dropout_p, cudaStream_t st
   return rng_state;
 }
 
-// For the Hopper kernels, a mask that repeats over queries: which of its key
-// blocks they may skip or run unmasked (cuda::classify_key_blocks), in the
-// returned device memory, which params.key_blocks then reads; none (an empty
-// tensor) for other masks.
+// For the Hopper kernels, an attn_mask's block map: which of its tiles they
+// may skip or run unmasked (cuda::classify_mask_blocks), in the returned
+// device memory, which params.mask_blocks then reads; none (an empty tensor)
+// without a mask.
 template <typename Params>
-at::Tensor classify_mask_key_blocks(const at::Tensor& q, Params& params, cudaStream_t stream) {
-  const int64_t bytes = cuda::key_block_map_bytes(params.mask_kind, params.mask, params.problem);
+at::Tensor map_mask_blocks(const at::Tensor& q, Params& params, cudaStream_t stream) {
+  const int64_t bytes = cuda::mask_block_map_bytes(params.mask_kind, params.mask, params.problem);
   if (bytes == 0) return at::Tensor();
   at::Tensor map = at::empty({bytes}, q.options().dtype(at::kByte));
-  params.key_blocks = cuda::classify_key_blocks(params.mask_kind, params.mask, params.problem, element_type(q),
-                                                map.data_ptr<uint8_t>(), stream);
+  params.mask_blocks = cuda::classify_mask_blocks(params.mask_kind, params.mask, params.problem, element_type(q),
+                                                  map.data_ptr<uint8_t>(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return map;
 }
@@ -158,12 +158,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   // No tile counter to fill for calls the Hopper forward does not take.
   const bool sm90 = route.family == cuda::Family::kSm90;
   const at::Tensor tile_counter = sm90 ? at::empty({1}, q.options().dtype(at::kInt)) : at::Tensor();
-  at::Tensor key_block_map;
+  at::Tensor mask_block_map;
   if (sm90) {
     params.tile_counter = tile_counter.data_ptr<int>();
     // (A memset: at::zeros would dispatch a fill kernel, several times the host time.)
     C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
-    key_block_map = classify_mask_key_blocks(q, params, stream);
+    mask_block_map = map_mask_blocks(q, params, stream);
   }
   if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
     // (Tensors the copy engine cannot address: such a call has no other kernel.)
@@ -213,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     params.dq_accum = dq_accum.data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const at::Tensor key_block_map = sm90 ? classify_mask_key_blocks(q, params, stream) : at::Tensor();
+  const at::Tensor mask_block_map = sm90 ? map_mask_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
     // (Tensors the copy engine cannot address.)
     if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);

@@ -23,11 +23,20 @@ struct BwdKernelParams {
   MaskTileShape mask;
 };
 
+// One of a block's query tiles: query head `head` of the group, query block
+// m_begin + m. unmasked: the attn_mask hides none of its pairs (or there is
+// none). Starts before the first tile.
+struct QueryTile {
+  int head = 0, m = -1;
+  int unmasked = 1;
+};
+
 template <int kStages>
 struct BwdBarriers {
   uint64_t kv_full;
-  uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse and delta
+  uint64_t q_full[kStages], dout_full[kStages];  // q_full also covers the stage's lse, delta and tile
   uint64_t q_empty[kStages], dout_empty[kStages];
+  QueryTile tile[kStages];  // the stage's query tile, from the loader (next_query_tile): the consumers read it
   // With dropout, beside them: its seed, offset and threshold, read from
   // rng_state once (device memory: a load in each tile would hold up the
   // tile's Philox calls, and registers are short).
@@ -36,34 +45,44 @@ struct BwdBarriers {
 
 // A block's keys and the query tiles it streams: kBlockN keys from col0 of key
 // head h_kv of batch b; m_count query blocks from m_begin on (those that see
-// any of the keys) of each of the group's query heads: tiles of them in all.
+// any of the keys) of each of the group's query heads, less those the
+// attn_mask's block map hides: tiles of them in all (next_query_tile).
 // dq_accum: where the dQ rows of the group's first query head start in
-// dq_accum (the next heads' follow). keys: what the attn_mask does to the
-// keys (kVisible without a mask); where it hides them all, no tiles.
-// q_start, k_start: the sequence's first query and key row in a packed batch
-// (0 in a dense call), len_q and len_k its lengths (the call's in a dense one);
-// dq_accum_head_rows: dq_accum's rows a query head.
+// dq_accum (the next heads' follow). q_start, k_start: the sequence's first
+// query and key row in a packed batch (0 in a dense call), len_q and len_k its
+// lengths (the call's in a dense one); dq_accum_head_rows: dq_accum's rows a
+// query head.
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
   int m_count, tiles;
   float* dq_accum;
-  KeyBlockVisibility keys;
   int64_t q_start, k_start, len_q, len_k, dq_accum_head_rows;
 };
 
-// What an attn_mask with a key-block map (one that repeats over queries) does
-// to key block key_block for every query head of a group: hides its keys or
-// leaves them visible where it does so for each head; else, and without a map,
-// partial.
-__device__ __forceinline__ KeyBlockVisibility group_key_block_visibility(const KeyBlockMap& map, int64_t b,
-                                                                         int64_t first_head, int64_t group,
-                                                                         int64_t key_block) {
-  if (map.visibility == nullptr) return KeyBlockVisibility::kPartial;
-  const uint8_t* seen = map.visibility + b * map.stride_batch + first_head * map.stride_head + key_block;
-  for (int64_t h = 1; h < group; ++h) {
-    if (seen[h * map.stride_head] != seen[0]) return KeyBlockVisibility::kPartial;
+// Moves t to the block's next query tile (query blocks within a head, then
+// heads), past those the attn_mask's block map hides; false past the last.
+// Every role of the block walks the same sequence.
+template <typename Cfg>
+__device__ __forceinline__ bool next_query_tile(const BwdParams& params, const BwdBlock& block, QueryTile& t) {
+  if (block.m_count == 0) return false;
+  while (true) {
+    if (++t.m == block.m_count) {
+      t.m = 0;
+      ++t.head;
+    }
+    if (t.head == block.group) return false;
+    if constexpr (!Cfg::Mask::kPresent) {
+      return true;
+    } else {
+      static_assert(Cfg::kBlockN == kKeyBlockKeys && Cfg::kBlockM % kMaskBlockRows == 0, "tiles of whole map blocks");
+      const BlockVisibility seen =
+          tile_visibility(params.mask_blocks, block.b, block.h_kv * block.group + t.head,
+                          (block.m_begin + t.m) * Cfg::kBlockM, Cfg::kBlockM, block.len_q, block.col0 / Cfg::kBlockN);
+      if (seen == BlockVisibility::kHidden) continue;
+      t.unmasked = seen == BlockVisibility::kVisible;
+      return true;
+    }
   }
-  return static_cast<KeyBlockVisibility>(seen[0]);
 }
 
 // kWindow: the call has a sliding window (the kernels' template flag), whose
@@ -119,12 +138,10 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
     block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
   }
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
-  block.keys = KeyBlockVisibility::kVisible;
-  if constexpr (Cfg::Mask::kPresent) {
-    static_assert(Cfg::kBlockN == kKeyBlockKeys, "a block's keys are one block of the key-block map");
-    block.keys = group_key_block_visibility(params.key_blocks, block.b, block.h_kv * block.group, block.group,
-                                            position.block);
-    if (block.keys == KeyBlockVisibility::kHidden) block.m_count = block.tiles = 0;  // dK = dV = 0, and no dQ
+  if (Cfg::Mask::kPresent && params.mask_blocks.visibility != nullptr) {
+    // Less those the mask hides; none left: dK = dV = 0, and no dQ.
+    QueryTile t;
+    for (block.tiles = 0; next_query_tile<Cfg>(params, block, t);) ++block.tiles;
   }
   return block;
 }
@@ -144,7 +161,7 @@ __device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>
 
 // The producer's loader warp: its first lane drives the copy engine, loading
 // K and V once, then each query tile's Q (with its attn_mask tile, unless the
-// mask hides none of the block's keys) and dO into the ring of stages; every
+// mask hides none of the tile's pairs) and dO into the ring of stages; every
 // lane stages lse and delta of the tile's queries (plain loads: their rows are
 // not 16-byte aligned for the copy engine).
 template <typename Cfg, bool kVarlen = false>
@@ -168,53 +185,53 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
                        kv_head, batch);
     }
   }
-  const bool load_mask = Cfg::Mask::kPresent && block.keys != KeyBlockVisibility::kVisible;
-  if (load_mask && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
-  const int mask_tile_bytes = load_mask ? kp.mask.tile_bytes(Cfg::Mask::kColBlocks) : 0;
-  int tile = 0;
-  for (int head = static_cast<int>(block.h_kv * block.group); head < (block.h_kv + 1) * block.group; ++head) {
+  if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
+  QueryTile t;
+  for (int tile = 0; next_query_tile<Cfg>(params, block, t); ++tile) {
+    const int head = static_cast<int>(block.h_kv * block.group) + t.head;
     // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
     const int64_t stats_row0 =
         kVarlen ? head * params.packed.total_q + block.q_start : (block.b * p.heads_q + head) * p.len_q;
     const float* lse = static_cast<const float*>(params.lse) + stats_row0;
     const float* delta = static_cast<const float*>(params.delta) + stats_row0;
     const int64_t len_q = kVarlen ? block.len_q : p.len_q;
-    for (int m = 0; m < block.m_count; ++m, ++tile) {
-      const int q_row = static_cast<int>((block.m_begin + m) * kBlockM);
-      const int q_coord = static_cast<int>(block.q_start) + q_row;
-      const int stage = tile % kStages;
-      const uint32_t parity = (tile / kStages) & 1;
-      ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
-      if (lane == 0) {
-        ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
-                           c * kSwizzleCols, q_coord, head, batch);
-        }
-        if (Cfg::Mask::kPresent && load_mask) {
-          for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
-            ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
-                             &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols,
-                             kp.mask.rows_full ? q_row : 0, head * kp.mask.head_step, batch * kp.mask.batch_step);
-          }
-        }
+    const int q_row = static_cast<int>((block.m_begin + t.m) * kBlockM);
+    const int q_coord = static_cast<int>(block.q_start) + q_row;
+    const int stage = tile % kStages;
+    const uint32_t parity = (tile / kStages) & 1;
+    const bool load_mask = Cfg::Mask::kPresent && !t.unmasked;
+    ptx::mbarrier_wait(&bars->q_empty[stage], parity ^ 1);
+    if (lane == 0) {
+      bars->tile[stage] = t;
+      const int mask_tile_bytes = load_mask ? kp.mask.tile_bytes(Cfg::Mask::kColBlocks) : 0;
+      ptx::mbarrier_arrive_expect_tx(&bars->q_full[stage], Cfg::kQBytes + mask_tile_bytes);
+      for (int c = 0; c < Cfg::kColBlocks; ++c) {
+        ptx::tma_load_4d(s_q + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.q_map, &bars->q_full[stage],
+                         c * kSwizzleCols, q_coord, head, batch);
       }
-      // dO's stage is released before Q's: no wait here. Both copies are
-      // under way before the stats' plain loads.
-      if (lane == 0) {
-        ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
-        ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
-        for (int c = 0; c < Cfg::kColBlocks; ++c) {
-          ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
-                           &bars->dout_full[stage], c * kSwizzleCols, q_coord, head, batch);
+      if (load_mask) {
+        for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
+          ptx::tma_load_4d(s_mask + stage * Cfg::Mask::kBytes + c * kp.mask.block_bytes, &kp.mask_map,
+                           &bars->q_full[stage], key_row + c * Cfg::Mask::kColBlockCols, kp.mask.rows_full ? q_row : 0,
+                           head * kp.mask.head_step, batch * kp.mask.batch_step);
         }
       }
-      for (int i = lane; i < kBlockM; i += kWarpSize) {
-        s_stats[stage][0][i] = lse_log2(lse, q_row + i, len_q);
-        s_stats[stage][1][i] = q_row + i < len_q ? delta[q_row + i] : 0.f;
-      }
-      ptx::mbarrier_arrive(&bars->q_full[stage]);
     }
+    // dO's stage is released before Q's: no wait here. Both copies are
+    // under way before the stats' plain loads.
+    if (lane == 0) {
+      ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
+      for (int c = 0; c < Cfg::kColBlocks; ++c) {
+        ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
+                         &bars->dout_full[stage], c * kSwizzleCols, q_coord, head, batch);
+      }
+    }
+    for (int i = lane; i < kBlockM; i += kWarpSize) {
+      s_stats[stage][0][i] = lse_log2(lse, q_row + i, len_q);
+      s_stats[stage][1][i] = q_row + i < len_q ? delta[q_row + i] : 0.f;
+    }
+    ptx::mbarrier_arrive(&bars->q_full[stage]);
   }
 }
 

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Per stage: lse (in log2 units) and delta of the tile's queries.
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
   auto* bars = reinterpret_cast<BwdBarriers<kStages>*>(s_stats + kStages);
+  static_assert(sizeof(BwdBarriers<kStages>) <= Cfg::kBarrierBytes, "the barriers' room (BwdTileConfig)");
 
   const BwdBlock block = backward_block<Cfg, kWindow>(kp);
   const int64_t col0 = block.col0;

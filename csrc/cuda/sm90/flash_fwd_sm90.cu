@@ -16,7 +16,7 @@ bool forward_covers(const FwdParams& params) {
   const bool plain = !masked && params.dropout.p == 0.0;
   const bool varlen_covered =
       !params.packed.present() || (plain && p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  return varlen_covered && !(masked && params.dropout.p > 0.0) && !(p.softcap > 0.0 && !plain) &&
+  return varlen_covered && !(p.softcap > 0.0 && !plain) &&
          !(p.alibi_slopes != nullptr && !(plain && p.softcap == 0.0)) && p.scale > 0.0 &&
          p.head_dim == p.head_dim_v &&
          p.head_dim <= (masked ? 128 : 256) && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;

@@ -24,8 +24,9 @@
 // diagonal is; with softcapping the scores are capped as they come in. An
 // attn_mask's tile of each key tile comes with K (one row of it where the mask
 // repeats over queries, such as a key-padding mask), and each consumer applies
-// it to its scores as soon as they are in. With dropout, the probabilities are dropped after the rows'
-// sums and before P V. At head dim 128 the output leaves through shared
+// it to its scores as soon as they are in; its block map lets a tile skip the
+// key tiles it hides and run unmasked on those it hides none of. With dropout,
+// the probabilities are dropped after the rows' sums and before P V. At head dim 128 the output leaves through shared
 // memory and the copy engine: the consumers round it into the K buffer of the
 // tile's last stage, which the producer refills only once the copy engine has
 // read it (out_free); at 64 and 256 each thread stores its registers. The
@@ -65,8 +66,8 @@ struct FwdKernelParams {
 
 // Where a tile of the forward lies, and which key tiles its consumers run:
 // n_blocks of them from key block first_block on (those its rows see, through
-// the causal diagonal and a sliding window, less the blocks a key-padding mask
-// hides); n_blocks == kNoTileLeft: no tile is left. The producer works it out
+// the causal diagonal and a sliding window, less the blocks an attn_mask's
+// block map hides); n_blocks == kNoTileLeft: no tile is left. The producer works it out
 // (integer divisions) and hands it to the consumers. row0 and the key blocks
 // count from the tile's sequence's first row and key: in a packed batch
 // (varlen) those are rows q_start and k_start of the packed tensors, and the
@@ -233,8 +234,7 @@ template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWind
           bool kVarlen>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(const __grid_constant__ FwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
-  static_assert(!Cfg::Mask::kPresent || (Cfg::kBlockN == kKeyBlockKeys && !kDropout),
-                "a key-block map's blocks are the key tiles (and the tiles' places their blocks: no dropout)");
+  static_assert(!Cfg::Mask::kPresent || Cfg::kBlockN == kKeyBlockKeys, "the block map's key blocks are the key tiles");
   static_assert(!(kSoftcap && Cfg::Mask::kPresent), "softcapped scores take no attn_mask here");
   static_assert(!(kAlibi && (kSoftcap || Cfg::Mask::kPresent)), "ALiBi's scores take no cap or attn_mask here");
   static_assert(!(kVarlen && (kDropout || Cfg::Mask::kPresent)), "a packed batch takes no attn_mask or dropout here");
@@ -308,16 +308,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       t.n_blocks = kNoTileLeft;
       if (tile < tiles) t = fwd_tile<Cfg, kWindow, kVarlen>(kp, tile, packed_pairs);
       // The tile's key blocks; the consumers are handed those that the mask
-      // does not hide (a key-padding mask's map: the other blocks are skipped).
+      // does not hide (its block map: the other blocks are skipped).
       const int key_blocks = t.n_blocks;
-      const KeyBlockMap& key_map = params.key_blocks;
-      const uint8_t* visibility = nullptr;
-      if (Cfg::Mask::kPresent && key_map.visibility != nullptr && t.n_blocks > 0) {
-        visibility = key_map.visibility + t.batch * key_map.stride_batch + t.head * key_map.stride_head;
+      const bool mapped = Cfg::Mask::kPresent && params.mask_blocks.visibility != nullptr && t.n_blocks > 0;
+      auto visibility = [&](int n_block) {
+        return mapped ? tile_visibility(params.mask_blocks, t.batch, t.head, t.row0, kBlockM, p.len_q, n_block)
+                      : BlockVisibility::kPartial;
+      };
+      if (mapped) {
         int shown = 0;
-#pragma unroll 8
+#pragma unroll 4
         for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
-          shown += visibility[n_block] != static_cast<uint8_t>(KeyBlockVisibility::kHidden);
+          shown += visibility(n_block) != BlockVisibility::kHidden;
         }
         t.n_blocks = shown;
       }
@@ -337,10 +339,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
         }
       }
       for (int n_block = t.first_block; n_block < t.first_block + key_blocks; ++n_block) {
-        const auto seen = visibility != nullptr ? static_cast<KeyBlockVisibility>(visibility[n_block])
-                                                : KeyBlockVisibility::kPartial;
-        if (seen == KeyBlockVisibility::kHidden) continue;
-        const bool unmasked = seen == KeyBlockVisibility::kVisible;  // (no mask tile to load)
+        const BlockVisibility seen = visibility(n_block);
+        if (seen == BlockVisibility::kHidden) continue;
+        const bool unmasked = seen == BlockVisibility::kVisible;  // (no mask tile to load)
         const int stage = kv % kStages;
         const uint32_t parity = (kv / kStages) & 1;
         const int key_row = t.k_start + n_block * kBlockN;
@@ -462,8 +463,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   };
 
   // The key block of the kv-th K/V tile, the index-th of its query tile's: with
-  // an attn_mask the producer says which (a key-padding mask's hidden blocks
-  // are skipped) and whether the mask hides none of its keys; read after K's
+  // an attn_mask the producer says which (the blocks its block map hides are
+  // skipped) and whether the mask hides none of its pairs; read after K's
   // wait and before its release.
   struct StageBlock {
     int n_block;

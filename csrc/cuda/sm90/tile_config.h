@@ -120,9 +120,6 @@ struct BwdTileConfig {
   static constexpr int kDqRowBlocks = kBlockM / 64;
   static constexpr int kDqBlockFloats = 64 * kDqAccumSliceCols;  // one consumer's dQ of one tile
   static constexpr int kStages = 2;
-  // dS^T buffers: tile t's is written while the other consumer may still read
-  // t - 1's (see the kernel's kDsReady).
-  static constexpr int kDsBuffers = 2;
   // The attn_mask's tile of a stage, for its queries' scores: loaded with Q and freed with it.
   using Mask = MaskTile<kBlockM, kBlockN, kMaskElemBytes_>;
   // dQ block buffers of each consumer for the bulk reduce: with two, the copy
@@ -142,12 +139,20 @@ struct BwdTileConfig {
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 32;  // and dropout's state
-  // K, V, the stages of Q, dO and the mask, the dS^T buffers, the dQ blocks, the stats, the barriers; slack to
-  // align the base.
-  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * (2 * kQBytes + Mask::kBytes) + kDsBuffers * kDsBytes +
-                                    kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes +
-                                    1024;
+  // The mbarriers, the stages' query tiles (12 bytes each, 16 kept) and dropout's state (BwdBarriers).
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 16 * kStages + 32;
+  // K, V, the stages of Q, dO and the mask, the dQ blocks, the stats and the
+  // barriers; then the dS^T buffers. The base is 1024-byte aligned (the
+  // kernel's __align__), so no slack: with it, a bool mask's 128-query tiles
+  // at head dim 64 would not fit (they fit with 888 bytes to spare).
+  static constexpr int kSmemBytesBeforeDs = 2 * kKVBytes + kStages * (2 * kQBytes + Mask::kBytes) +
+                                            kConsumers * kDqBuffers * kDqBlockFloats * 4 + kStatsBytes + kBarrierBytes;
+  // dS^T buffers: with two, tile t's is written while the other consumer may
+  // still read t - 1's (see the kernel's kDsReady); one where two do not fit
+  // (an additive mask's 128-query tiles at head dim 64), written once both
+  // consumers are done with the last (kDsFree).
+  static constexpr int kDsBuffers = kSmemBytesBeforeDs + 2 * kDsBytes <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = kSmemBytesBeforeDs + kDsBuffers * kDsBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
   static_assert(kHeadDim % kSwizzleCols == 0 && kBlockM % kSwizzleCols == 0, "whole 64-column blocks");
   static_assert(kDqRowBlocks * (kHeadDim / kDqAccumSliceCols) == kConsumers, "one dQ block a consumer");
@@ -182,7 +187,8 @@ struct BwdSplitTileConfig {
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
-  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 32;  // and dropout's state
+  // The mbarriers, the stages' query tiles (12 bytes each, 16 kept) and dropout's state (BwdBarriers).
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 16 * kStages + 32;
   // K, V, the stages of Q and dO, P^T, the dS^T buffers, the stats, the barriers; slack to align the base.
   static constexpr int kSmemBytes = 2 * kKVBytes + kStages * 2 * kQBytes + (1 + kDsBuffers) * kDsBytes +
                                     kStatsBytes + kBarrierBytes + 1024;
