@@ -1,6 +1,7 @@
-// What the Hopper backward kernels share (flash_bwd_sm90.cu: head dims up to
-// 128; flash_bwd_sm90_hdim256.cu: head dim 256): the kernel parameters, the
-// block's place in the grid, the producer's loads of K and V and of the
+// What the Hopper backward kernels share (flash_bwd_sm90_kernel.cuh: head dims
+// up to 128; flash_bwd_sm90_hdim256.cu: head dim 256): the kernel parameters,
+// the block's place in the grid and its walk over the query tiles (past those
+// an attn_mask's block map hides), the producer's loads of K and V and of the
 // streamed Q and dO tiles, the final stores of dK and dV, and the launch.
 #pragma once
 
