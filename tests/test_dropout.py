@@ -142,10 +142,13 @@ def test_backward_draws_what_its_forward_drew(device):
         assert relative_error(g, w) < (1e-12 if dtype == torch.float64 else 2e-2), name
 
 
-def reference_with_mask(q, k, v, keep, dropout_p, grad_out, **kwargs):
-    """torch's math SDPA in float64 given the dropout mask (its testing hook): out and gradients."""
+def reference_with_mask(q, k, v, keep, dropout_p, grad_out, attn_mask=None, **kwargs):
+    """torch's math SDPA in float64 given the dropout mask (its testing hook): out and gradients
+    (a float attn_mask in float64 too)."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    out = math_with_dropout_mask(*leaves, keep, dropout_p, **kwargs)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point():
+        attn_mask = attn_mask.double()
+    out = math_with_dropout_mask(*leaves, keep, dropout_p, attn_mask=attn_mask, **kwargs)
     return (out.detach(), *torch.autograd.grad(out, leaves, grad_out.double()))
 
 

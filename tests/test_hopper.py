@@ -19,7 +19,7 @@ import flashattn_ext
 from helpers import CUDA_REASON, ERROR_FLOOR, draw_rng_state, math_with_dropout_mask, naive_attention
 from helpers import poison_cuda_allocator, relative_error
 from helpers import dropout_bits  # noqa: F401  (a fixture)
-from test_dropout import check_against_mask_reference, ours_and_mask, reference_with_mask
+from test_dropout import check_against_mask_reference
 
 pytestmark = [
     pytest.mark.cuda,
@@ -377,19 +377,8 @@ def test_dropout_with_attn_mask_matches_reference_built_from_its_mask(shape, cas
         *leaves, attn_mask=mask, dropout_p=0.2, **kwargs).sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
     assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
-    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], device="cuda", dtype=dtype)
     poison_cuda_allocator(POISON_BYTES)
-    got, keep = ours_and_mask(q, k, v, 0.2, grad_out, 13, attn_mask=mask, **kwargs)
-    want = reference_with_mask(q, k, v, keep, 0.2, grad_out, attn_mask=mask if mask.dtype == torch.bool
-                               else mask.double(), **kwargs)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    base_out = math_with_dropout_mask(*leaves, keep, 0.2, attn_mask=mask, **kwargs)
-    base = (base_out.detach(), *torch.autograd.grad(base_out, leaves, grad_out))
-    scale = max(w.abs().max().item() for w in want)
-    for name, g, b, w in zip(("out", "dq", "dk", "dv"), got, base, want):
-        assert torch.isfinite(g).all(), f"{name}: not every element written, or not finite"
-        error, base_error = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
-        assert error <= 2 * base_error + ERROR_FLOOR[dtype], f"{name}: {error:.3g} vs torch's {base_error:.3g}"
+    check_against_mask_reference(q, k, v, 0.2, seed=13, attn_mask=mask, **kwargs)
 
 
 # The Hopper backward with a mask: head dims 128 and 64 (64-query tiles and 128-query ones), 112

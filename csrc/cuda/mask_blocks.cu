@@ -135,8 +135,8 @@ MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const
   MaskBlockMap blocks;
   blocks.visibility = map;
   blocks.stride_rows = dims.rows ? shape.key_blocks : 0;
-  blocks.stride_head = shape.heads > 1 ? shape.row_blocks * shape.key_blocks : 0;
-  blocks.stride_batch = shape.batches > 1 ? shape.heads * shape.row_blocks * shape.key_blocks : 0;
+  blocks.stride_head = dims.heads ? shape.row_blocks * shape.key_blocks : 0;
+  blocks.stride_batch = dims.batch ? shape.heads * shape.row_blocks * shape.key_blocks : 0;
   return blocks;
 }
 
