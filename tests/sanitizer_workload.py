@@ -199,8 +199,8 @@ def run_varlen_bad_bounds(dtype):
 def run_decode(dtype):
     """Decoding steps: contiguous and paged caches (blocks of 16 and 256 keys, and of 4: the mma.sync
     kernel's) whose sequences end inside tiles and blocks, one with no key, len_q 1 and 3 (causal),
-    and two new tokens appended; head dims 64 and 128 (the Hopper kernel's) and 32; and more key heads
-    than SMs."""
+    and two new tokens appended; head dims 64 and 128 (the Hopper kernel's) and 32; one sequence of
+    8 key heads, 1 and 8 tokens; and more key heads than SMs."""
     lengths = torch.tensor([0, 37, 300], device="cuda")
     for dim, block_size, len_q in ((128, None, 1), (64, 16, 3), (128, 256, 1), (32, 4, 1)):
         capacity = 320
@@ -219,6 +219,16 @@ def run_decode(dtype):
         torch.cuda.synchronize()
         if not torch.isfinite(out).all():
             raise RuntimeError(f"decode out is not finite at head dim {dim}, block size {block_size} in {dtype}")
+    # One sequence of 8 key heads: the Hopper kernel splits each head's keys over a cluster of blocks;
+    # 1 and 8 query tokens (4 and 32 query rows a key head: one and two row groups).
+    for len_q in (1, 8):
+        k_cache, v_cache = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(1, 32, len_q, 128, device="cuda", dtype=dtype)
+        out = flashattn_ext.decode_attention(q, k_cache, v_cache, torch.tensor([4000], device="cuda"),
+                                             is_causal=True)
+        torch.cuda.synchronize()
+        if not torch.isfinite(out).all():
+            raise RuntimeError(f"decode out is not finite for one sequence, {len_q} tokens, in {dtype}")
     # More (sequence, key head) units than SMs: the Hopper kernel splits those left over into chunks,
     # merged by the last to finish.
     batch = torch.cuda.get_device_properties(0).multi_processor_count // 2 + 1

@@ -338,6 +338,30 @@ def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
 
 
 @cuda_test
+@pytest.mark.parametrize("batch, len_q, lengths", [(1, 1, [8192]), (1, 8, [6000]), (2, 6, [8192, 0]),
+                                                   (4, 1, [8192, 700, 1, 5000])], ids=str)
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+def test_small_batches_on_cuda(batch, len_q, lengths, block_size):
+    """A few sequences of GQA 32:8 against long caches: on Hopper, each key head's keys split over a
+    cluster of blocks that merge their chunks in shared memory; 6 and 8 query tokens (24 and 32 query
+    rows a key head) take two row groups of warps. Lengths that leave chunks empty, and an empty cache
+    (out 0, lse -inf)."""
+    gen = torch.Generator().manual_seed(batch * 10 + len_q)
+    dtype, capacity, dim = torch.bfloat16, 8192, 128
+    key_cache, value_cache, table = make_cache(batch, 8, capacity, dim, dim, dtype, block_size, gen)
+    query = torch.randn(batch, 32, len_q, dim, generator=gen).to(dtype)
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
+                                              block_table=None if table is None else table.cuda(), return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    finite = want_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), finite)
+    assert (lse.cpu().double() - want_lse)[finite].abs().max().item() <= 1e-4
+    assert torch.equal(out.cpu()[~finite], torch.zeros_like(out.cpu()[~finite]))
+
+
+@cuda_test
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
 def test_more_key_heads_than_sms_on_cuda(block_size):
     """More (sequence, key head) units than the GPU has SMs, a few left over: the Hopper kernel takes

@@ -1,4 +1,4 @@
-"""Dense calls with a decoding step's shape (a key/value head's query rows fit one 16-row tile) run the
+"""Dense calls with a decoding step's shape (a key/value head's query rows fit two 16-row tiles) run the
 decode kernels on CUDA: results and gradients against the float64 reference, with the options the route
 takes (GQA, bottom-right causal, windows, softcap, ALiBi) and those it leaves to the dense kernels."""
 import pytest
@@ -20,7 +20,7 @@ def decode_kernels_ran(fn):
 
 # (batch, query heads, key heads, query tokens, keys, head dim)
 SHAPES = [(3, 32, 8, 1, 1000, 128), (2, 8, 2, 4, 700, 64), (2, 4, 4, 1, 300, 256), (1, 2, 2, 8, 2048, 128),
-          (2, 16, 1, 1, 129, 64), (2, 4, 2, 2, 5, 80)]
+          (2, 16, 1, 1, 129, 64), (2, 4, 2, 2, 5, 80), (1, 32, 8, 8, 3000, 128), (2, 12, 2, 5, 900, 64)]
 OPTIONS = [dict(), dict(is_causal=True, causal_lower_right=True), dict(window=(100, 0), causal_lower_right=True),
            dict(softcap=30.0), dict(alibi=True, causal_lower_right=True)]
 
@@ -60,7 +60,7 @@ def test_decode_shaped_calls_match_float64(dtype, shape, options):
 
 @cuda_test
 def test_route_leaves_what_the_decode_kernels_lack():
-    """A mask, dropout, top-left causal alignment with fewer queries than keys, more than 16 query rows a
+    """A mask, dropout, top-left causal alignment with fewer queries than keys, more than 32 query rows a
     key head, and FLASHATTN_EXT_KERNELS=dense keep the dense kernels."""
     q = torch.randn(2, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -69,7 +69,7 @@ def test_route_leaves_what_the_decode_kernels_lack():
     for call in (lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
                  lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.2, enable_gqa=True),
                  lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                 lambda: flashattn_ext.scaled_dot_product_attention(q.repeat(1, 1, 3, 1), k, v, enable_gqa=True)):
+                 lambda: flashattn_ext.scaled_dot_product_attention(q.repeat(1, 1, 5, 1), k, v, enable_gqa=True)):
         assert not decode_kernels_ran(call)
 
 

@@ -984,7 +984,8 @@ def test_decode_kernel_cache_layouts(block_size):
     (None, 32, 16, 4, 1, False),  # head dim 32
     (4, 64, 4, 1, 1, False),  # blocks of 4 keys of one key head at head dim 64: boxes of 512 bytes
     (24, 128, 16, 4, 1, False),  # blocks that neither divide the tile's 16 keys nor are a multiple of them
-    (None, 128, 16, 4, 5, False),  # 4 query heads x 5 tokens: 20 rows a key head
+    (None, 128, 16, 4, 5, True),  # 4 query heads x 5 tokens: 20 rows a key head, two row groups
+    (None, 128, 16, 4, 9, False),  # 4 query heads x 9 tokens: 36 rows a key head
 ])
 def test_decode_kernel_choice(block_size, dim, heads_q, heads_kv, len_q, hopper, monkeypatch):
     """The Hopper decode kernel runs where it takes the call, the mma.sync one elsewhere and under

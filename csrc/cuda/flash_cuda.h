@@ -18,6 +18,10 @@ constexpr int kMaxHeadDim = 256;
 // Query rows of a decode kernel's block (a key/value head's group of query
 // heads times the query tokens): one mma tile.
 constexpr int kDecodeTileRows = 16;
+// The most query rows of a key/value head that the dense calls' decode route
+// takes (route.cpp): two tiles, which the Hopper decode kernel takes at once
+// (8 tokens of speculative decoding with GQA 4).
+constexpr int kDecodeRouteRows = 2 * kDecodeTileRows;
 
 // Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
 // delta = rowsum(dO * O) per query row, into params.delta (kOneKeyRowDelta

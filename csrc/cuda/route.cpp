@@ -28,7 +28,7 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
 
 // Whether a dense forward has a decoding step's shape, which the decode
 // kernels take: the query rows of a key/value head (its group's heads times
-// the query tokens) fit one mma tile, and the call has nothing they lack (a
+// the query tokens) fit kDecodeRouteRows, and the call has nothing they lack (a
 // mask, dropout; a causal mask, window or ALiBi aligned top-left where
 // len_q != len_k, since theirs align bottom-right). They read each key/value
 // head's keys once for its whole group and split long ones over the SMs
@@ -43,7 +43,7 @@ bool takes_decode_kernels(const FwdParams& params) {
                        (!p.is_causal && !p.has_window() && p.alibi_slopes == nullptr);
   constexpr int64_t kLimit = int64_t{1} << 31;  // (the decode kernels' 32-bit indices)
   return params.mask_kind == MaskKind::kNone && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
-         p.heads_q / p.heads_kv * p.len_q <= kDecodeTileRows && p.len_k < kLimit && p.batch < kLimit;
+         p.heads_q / p.heads_kv * p.len_q <= kDecodeRouteRows && p.len_k < kLimit && p.batch < kLimit;
 }
 
 // Why a call that the Hopper kernels do not take runs the sm80 ones.
@@ -101,7 +101,7 @@ std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
 Route route_forward(const at::Tensor& q, const FwdParams& params) {
   if (auto gap = kernel_gap(q, params.problem)) return {Family::kAten, *gap};
   if (takes_decode_kernels(params)) {
-    return {Family::kDecode, "a decoding step's shape: a key/value head's query rows fit one 16-row tile"};
+    return {Family::kDecode, "a decoding step's shape: a key/value head's query rows fit two 16-row tiles"};
   }
   if (use_sm90_kernels(q) && sm90::forward_covers(params)) return {Family::kSm90, "the Hopper forward covers it"};
   return without_sm90(q, params.problem, "forward");

@@ -33,7 +33,7 @@ struct Route {
 //   1. the ATen fallback where the kernels lack the call's dtype or head dims,
 //      or FLASHATTN_EXT_KERNELS=aten asks for it;
 //   2. (forward) the decode kernels for a decoding step's shape: the query
-//      rows of a key/value head fit one 16-row tile, no mask or dropout, the
+//      rows of a key/value head fit two 16-row tiles, no mask or dropout, the
 //      diagonal aligned bottom-right where it matters (FLASHATTN_EXT_KERNELS=dense
 //      turns this row off, for comparisons);
 //   3. (backward) in deterministic mode, the sm80 kernels' separate dQ pass;

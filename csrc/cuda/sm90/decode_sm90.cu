@@ -16,8 +16,8 @@
 // (StageLayout). Four consumer warps each take 16 pairs of every tile: Q K^T,
 // the online softmax and P V on the tensor cores (mma.sync m16n8k16 from the
 // 128-byte swizzled stages), for the item's query rows (the heads' GQA groups
-// times the query tokens: one mma tile), the scores of pairs of another head
-// than a row's masked. Blocks are persistent, so the ring runs on from one item
+// times the query tokens: one mma tile, or two with a second row group of
+// four warps), the scores of pairs of another head than a row's masked. Blocks are persistent, so the ring runs on from one item
 // into the next. The consumers' results of an item (each one's softmax over its
 // own pairs) merge in shared memory: into the rows' out and lse where the item
 // is a sequence's keys, else into the chunk's partial result, and the last of a
@@ -38,29 +38,44 @@ namespace {
 using decoding::LaneRows;
 using decoding::QueryRow;
 
-template <int kHeadDim_>
+template <int kHeadDim_, int kRowGroups_>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // of keys and values
-  static constexpr int kConsumers = 4;
+  // The item's query rows: one 16-row mma tile a row group of consumer warps
+  // (two for several query tokens of a GQA group: 8 tokens of 4 heads).
+  static constexpr int kRowGroups = kRowGroups_;
+  static constexpr int kRows = kRowGroups * decoding::kRows;
+  static constexpr int kKeyWarps = 4;  // a row group's warps, 16 pairs of every tile each
+  static constexpr int kConsumers = kKeyWarps * kRowGroups;
   static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
-  // (key, key/value head) pairs of a stage: 16 a consumer (keys of the
+  // (key, key/value head) pairs of a stage: 16 a key warp (keys of the
   // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
-  static constexpr int kBlockN = kConsumers * 16;
+  static constexpr int kBlockN = kKeyWarps * 16;
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
   static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
-  // About 192 KiB of stages: the bytes in flight that keep an SM's share of
-  // the memory's bandwidth busy, with one block an SM.
-  static constexpr int kStages = (192 << 10) / (2 * kTileBytes);
   // The consumers' results of an item, merged in the block: each one's rows'
-  // normalized outputs and log-sum-exps, in float. Rows 4 floats apart beyond
-  // the head dim (4 banks), so that a consumer's writes of 8 rows' column
-  // pairs and the merge's reads of 4 rows' 16-byte pieces take the fewest
-  // shared-memory wavefronts (2 and 4; rows a head dim apart took 8 and 16).
+  // normalized outputs and log-sum-exps, in float (merge_slot). Rows 4 floats
+  // apart beyond the head dim (4 banks), so that a consumer's writes of 8
+  // rows' column pairs and the merge's reads of 4 rows' 16-byte pieces take
+  // the fewest shared-memory wavefronts (2 and 4; rows a head dim apart took 8
+  // and 16).
   static constexpr int kMergeRowFloats = kHeadDim + 4;
-  // (and a word that tells the consumers whether their item's chunk is its unit's last to finish)
+  // (and a word that tells the consumers whether their item's chunk is its
+  // unit's last to finish)
   static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kMergeRowFloats + 1) * 4 + 16;
+  // About 192 KiB of stages, the bytes in flight that keep an SM's share of
+  // the memory's bandwidth busy with one block an SM, or what the merge's
+  // buffers leave of the shared memory.
+  static constexpr int kStages =
+      std::min(192 << 10, 227 * 1024 - kMergeBytes - kSwizzleAtomBytes - 256) / (2 * kTileBytes);
   static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
+
+  // Where the result of query row r of the item from key warp `key_warp` of
+  // its row group lies among the merge's rows.
+  static __device__ __forceinline__ int merge_slot(int key_warp, int r) {
+    return (r / decoding::kRows * kKeyWarps + key_warp) * decoding::kRows + r % decoding::kRows;
+  }
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
@@ -241,46 +256,61 @@ __device__ __forceinline__ int64_t partial_index(const DecodeKernelParams& kp, i
   return (int64_t{split} * kp.rows + r) * kp.chunks + chunk;
 }
 
-// Query row r of a split unit, 4 columns from col0 every kRowStep: out and lse
-// from its chunks' partial results (written by other blocks: read from L2).
+// A split unit's out and lse from its chunks' partial results (written by
+// other blocks: read from L2). The rows' 4-column pieces are dealt out over
+// the consumer threads, and each reads its piece of 8 chunks at once, merging
+// them as the online softmax does. (Read a chunk after another, each read's
+// wait for L2 in turn, the merge of 16 chunks took 10 of the 26 us a call of
+// B = 1, 8 key heads, 8k keys.)
 template <typename Elem, typename Cfg>
-__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item, int r, int col0) {
-  constexpr int kHeadDim = Cfg::kHeadDim;
-  constexpr int kRowStep = 4 * Cfg::kConsumers * kWarpSize / decoding::kRows, kPieces = kHeadDim / kRowStep;
+__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kPieces = kHeadDim / 4, kBatch = 8;
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
   const DecodeParams& params = kp.call;
   const AttentionProblem& p = params.problem;
-  const QueryRow row = decoding::query_row(item.h_kv, static_cast<int>(p.heads_q / p.heads_kv),
-                                           static_cast<int>(p.len_q), r);
-  const int64_t first = partial_index(kp, item.split, r, 0);
-  const float* lse = kp.lse_partial + first;
-  const float* partial = kp.out_partial + first * kHeadDim + col0;
-  float lse_max = -INFINITY;
-  for (int c = 0; c < kp.chunks; ++c) lse_max = fmaxf(lse_max, __ldcg(lse + c));
-  float total = 0.f;
-  float4 value[kPieces] = {};
-  for (int c = 0; c < kp.chunks; ++c) {
-    const float chunk_lse = __ldcg(lse + c);
-    if (chunk_lse == -INFINITY) continue;
-    const float weight = __expf(chunk_lse - lse_max);
-    total += weight;
+  for (int piece = threadIdx.x; piece < kp.rows * kPieces; piece += kConsumerThreads) {
+    const int r = piece / kPieces, col0 = piece % kPieces * 4;
+    const int64_t first = partial_index(kp, item.split, r, 0);
+    const float* lse = kp.lse_partial + first;
+    const float* partial = kp.out_partial + first * kHeadDim + col0;
+    float lse_max = -INFINITY, total = 0.f;
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < kp.chunks; c0 += kBatch) {
+      float chunk_lse[kBatch];
+      float4 x[kBatch];
 #pragma unroll
-    for (int i = 0; i < kPieces; ++i) {
-      const float4 x = __ldcg(reinterpret_cast<const float4*>(partial + c * kHeadDim + i * kRowStep));
-      value[i] = make_float4(value[i].x + weight * x.x, value[i].y + weight * x.y, value[i].z + weight * x.z,
-                             value[i].w + weight * x.w);
+      for (int i = 0; i < kBatch; ++i) {
+        const bool valid = c0 + i < kp.chunks;  // (a chunk without keys: lse -inf, zeros)
+        chunk_lse[i] = valid ? __ldcg(lse + c0 + i) : -INFINITY;
+        x[i] = valid ? __ldcg(reinterpret_cast<const float4*>(partial + (c0 + i) * kHeadDim))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float new_max = lse_max;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) new_max = fmaxf(new_max, chunk_lse[i]);
+      if (new_max == -INFINITY) continue;
+      const float rescale = __expf(lse_max - new_max);
+      total *= rescale;
+      value = make_float4(value.x * rescale, value.y * rescale, value.z * rescale, value.w * rescale);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const float weight = __expf(chunk_lse[i] - new_max);
+        total += weight;
+        value = make_float4(value.x + weight * x[i].x, value.y + weight * x[i].y, value.z + weight * x[i].z,
+                            value.w + weight * x[i].w);
+      }
+      lse_max = new_max;
     }
-  }
-  const float inverse = total > 0.f ? 1.f / total : 0.f;
-  Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
-                  row.head * params.out.stride_head + row.token * params.out.stride_row + col0;
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    store_out4(out_row + i * kRowStep, make_float4(value[i].x * inverse, value[i].y * inverse,
-                                                   value[i].z * inverse, value[i].w * inverse));
-  }
-  if (col0 == 0) {
-    const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
-    static_cast<float*>(params.lse)[row_index] = total > 0.f ? lse_max + logf(total) : -INFINITY;
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    const QueryRow row = decoding::query_row(item.h_kv, static_cast<int>(p.heads_q / p.heads_kv),
+                                             static_cast<int>(p.len_q), r);
+    Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
+                    row.head * params.out.stride_head + row.token * params.out.stride_row + col0;
+    store_out4(out_row, make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse));
+    if (col0 == 0) {
+      const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
+      static_cast<float*>(params.lse)[row_index] = total > 0.f ? lse_max + logf(total) : -INFINITY;
+    }
   }
 }
 
@@ -314,13 +344,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
   const int heads_log2 = kp.heads_log2;
-  const int rows = kp.rows;  // (at most 16: takes_call)
+  const int rows = kp.rows;  // (at most Cfg::kRows)
+  // This warp's 16 pairs of every tile, for 16 query rows from row0.
+  const int key_warp = warp % Cfg::kKeyWarps, row0 = warp / Cfg::kKeyWarps * decoding::kRows;
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
   // 0-7 for matrices 0 and 1, 8-15 for 2 and 3; pieces alternate), V's for
   // P V (transposed: pairs alternate, pieces 0 for matrices 0 and 1).
-  const int matrix = lane / 8, pair0 = warp * 16;
+  const int matrix = lane / 8, pair0 = key_warp * 16;
   const StageLayout<Cfg> layout{heads_log2, kp.box_rows, kp.heads_inner};
   const int k_line = layout.line(pair0 + (matrix / 2) * 8 + lane % 8), k_piece = matrix % 2;
   const int v_line = layout.line(pair0 + (matrix % 2) * 8 + lane % 8), v_piece = matrix / 2;
@@ -329,15 +361,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
     const DecodeItem item = decode_item<Cfg>(kp, index);
     const Visibility vis(p, p.len_q, item.length);
-    const LaneRows<kAlibi> lane_rows(params, vis, item.b, item.h_kv, 0, rows, item.key_end, lane);
+    const LaneRows<kAlibi> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
 
-    // Q as mma A fragments: rows lane / 4 (registers 0, 2) and + 8 (1, 3),
-    // columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past the
-    // item's are zeros.
+    // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
+    // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past
+    // the item's are zeros.
     uint32_t q_frag[kHeadDim / 16][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int r = lane / 4 + i * 8;
+      const int r = row0 + lane / 4 + i * 8;
       const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
       const Elem* q_row = static_cast<const Elem*>(params.q.data) + item.b * params.q.stride_batch +
                           row.head * params.q.stride_head + row.token * params.q.stride_row;
@@ -365,7 +397,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         if (key0 + last_key >= item.key_end) {
           // Pairs past the keys hold whatever the cache or an earlier tile left
           // (0 * NaN would poison P V): zeros, seen by the copy engine's next
-          // write of the stage only after the fence.
+          // write of the stage only after the fence. (With two row groups, the
+          // other group's warp of these pairs writes the same zeros.)
           unsigned char* v_stage = stages + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
           const int first = max(static_cast<int>(item.key_end - key0) << heads_log2, pair0) - pair0;
           for (int i = lane; i < (16 - first) * kHeadDim / 8; i += kWarpSize) {
@@ -409,34 +442,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
     // the log-sum-exp in log2 units (-inf and zeros where a row saw no key).
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = lane / 4 + half * 8;
+      const int r = row0 + lane / 4 + half * 8;
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const float inverse = sum > 0.f ? 1.f / sum : 0.f;
-      float* out = merge_out + (warp * decoding::kRows + r) * Cfg::kMergeRowFloats;
+      float* out = merge_out + Cfg::merge_slot(key_warp, r) * Cfg::kMergeRowFloats;
 #pragma unroll
       for (int dt = 0; dt < kDimTiles; ++dt) {
         *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
             make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
       }
-      if (lane % 4 == 0) merge_lse[warp * decoding::kRows + r] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
+      if (lane % 4 == 0) merge_lse[Cfg::merge_slot(key_warp, r)] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
     }
     constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
     ptx::named_barrier_sync(1, kConsumerThreads);
-    // The consumers' results merged: each thread 4 columns of a row at a time,
+    // The key warps' results merged: each thread 4 columns of a row at a time,
     // a row's threads side by side. With one chunk they are the row's out and
     // lse (rows of out contiguous and 8-byte aligned: prepare_launch); else
     // the chunk's partial.
-    constexpr int kThreadsPerRow = kConsumerThreads / decoding::kRows, kRowStep = 4 * kThreadsPerRow;
+    constexpr int kThreadsPerRow = kConsumerThreads / Cfg::kRows, kRowStep = 4 * kThreadsPerRow;
     const int r = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow * 4;
     if (r < rows) {
-      float weight[Cfg::kConsumers], lse_max = -INFINITY, total = 0.f;
+      float weight[Cfg::kKeyWarps], lse_max = -INFINITY, total = 0.f;
 #pragma unroll
-      for (int w = 0; w < Cfg::kConsumers; ++w) lse_max = fmaxf(lse_max, merge_lse[w * decoding::kRows + r]);
+      for (int w = 0; w < Cfg::kKeyWarps; ++w) lse_max = fmaxf(lse_max, merge_lse[Cfg::merge_slot(w, r)]);
 #pragma unroll
-      for (int w = 0; w < Cfg::kConsumers; ++w) {
-        const float lse = merge_lse[w * decoding::kRows + r];
+      for (int w = 0; w < Cfg::kKeyWarps; ++w) {
+        const float lse = merge_lse[Cfg::merge_slot(w, r)];
         weight[w] = lse == -INFINITY ? 0.f : ptx::exp2_approx(lse - lse_max);
         total += weight[w];
       }
@@ -452,9 +485,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       for (int c = col0; c < kHeadDim; c += kRowStep) {
         float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < Cfg::kConsumers; ++w) {
+        for (int w = 0; w < Cfg::kKeyWarps; ++w) {
           const float4 x =
-              *reinterpret_cast<const float4*>(merge_out + (w * decoding::kRows + r) * Cfg::kMergeRowFloats + c);
+              *reinterpret_cast<const float4*>(merge_out + Cfg::merge_slot(w, r) * Cfg::kMergeRowFloats + c);
           value.x += weight[w] * x.x;
           value.y += weight[w] * x.y;
           value.z += weight[w] * x.z;
@@ -486,7 +519,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         __threadfence();
       }
       ptx::named_barrier_sync(1, kConsumerThreads);
-      if (*unit_arrival == kp.chunks - 1 && r < rows) merge_chunks<Elem, Cfg>(kp, item, r, col0);
+      if (*unit_arrival == kp.chunks - 1) merge_chunks<Elem, Cfg>(kp, item);
     }
     ptx::named_barrier_sync(1, kConsumerThreads);  // (the buffers are the next item's)
   }
@@ -494,9 +527,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
 }
 
 // The kernel's launch, or false where it does not take the call.
-template <int kHeadDim>
+template <typename Cfg>
 bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelParams& kp) {
-  using Cfg = DecodeTileConfig<kHeadDim>;
+  constexpr int kHeadDim = Cfg::kHeadDim;
   const AttentionProblem& p = params.problem;
   const bool paged = params.block_table.data != nullptr;
   // (The merge writes 4 columns of out at once: 8 bytes, aligned where the
@@ -510,18 +543,24 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   kp.heads_inner = params.k_cache.stride_head < params.k_cache.stride_row;
   if (kp.heads_inner != (params.v_cache.stride_head < params.v_cache.stride_row)) return false;
   // Key/value heads an item takes: a power of two dividing them whose query
-  // rows fit one mma tile. Where a cache row holds the heads side by side, the
-  // most (one copy reads their rows together); where each head's rows lie
-  // apart, the fewest whose box fills the swizzle's 8 lines (each head's keys
-  // then one stream: at 8k-32k keys, B = 64, 8 key heads, 0.2-0.6% faster on
-  // an H100 and 1-1.6% on an H200).
+  // rows fit the item's (Cfg::kRows). Where a cache row holds the heads side
+  // by side, the most (one copy reads their rows together) that leave units
+  // enough to cover the SMs in chunks (at B = 1, 8 key heads and 8k keys, 8
+  // units of one head in 16 chunks, not 2 units of 4 heads, which left 100
+  // SMs idle: 1.3x the time); where each head's rows lie apart, the fewest
+  // whose box fills the swizzle's 8 lines (each head's keys then one stream:
+  // at 8k-32k keys, B = 64, 8 key heads, 0.2-0.6% faster on an H100 and
+  // 1-1.6% on an H200).
+  constexpr int64_t kMinKeysPerChunk = 512;
   const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
+  const int64_t sms = multiprocessor_count(), most_chunks = std::max<int64_t>(p.len_k / kMinKeysPerChunk, 1);
   const int64_t block_size = paged ? params.block_size : Cfg::kBlockN;  // (a contiguous cache's tile: one box)
   auto box_rows = [&](int heads_log2) { return std::min(block_size, int64_t{Cfg::kBlockN >> heads_log2}); };
   auto box_fills_swizzle = [&](int heads_log2) { return (box_rows(heads_log2) << heads_log2) * Cfg::kColBlocks >= 8; };
   kp.heads_log2 = 0;
-  while (p.heads_kv % (int64_t{2} << kp.heads_log2) == 0 && rows_per_head << (kp.heads_log2 + 1) <= decoding::kRows &&
-         (kp.heads_inner || !box_fills_swizzle(kp.heads_log2))) {
+  while (p.heads_kv % (int64_t{2} << kp.heads_log2) == 0 && rows_per_head << (kp.heads_log2 + 1) <= Cfg::kRows &&
+         (kp.heads_inner ? p.batch * (p.heads_kv >> (kp.heads_log2 + 1)) * most_chunks >= sms
+                         : !box_fills_swizzle(kp.heads_log2))) {
     ++kp.heads_log2;
   }
   // A paged cache's blocks tile the tile or the other way round, and each copy
@@ -550,12 +589,11 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // 70 (32 of 560) 5%. (All units split alike cost more than they balanced, 2%
   // at 2 chunks and 7-16% at 4: a chunk's partial result and its arrival cost
   // its SM about 4 us.)
-  constexpr int64_t kMinKeysPerChunk = 512;
-  const int64_t sms = multiprocessor_count(), units = p.batch * (p.heads_kv >> kp.heads_log2);
+  const int64_t units = p.batch * (p.heads_kv >> kp.heads_log2);
   const int64_t left_over = units % sms;
   int64_t chunks = 1;
   if (left_over > 0) {
-    const int64_t most = std::clamp<int64_t>(p.len_k / kMinKeysPerChunk, 1, ceil_div(4 * sms, left_over));
+    const int64_t most = std::min(most_chunks, ceil_div(4 * sms, left_over));
     chunks = decoding::evenest_chunks(left_over, sms, most);
   }
   const int64_t split_units = chunks > 1 ? left_over : 0, items = units + split_units * (chunks - 1);
@@ -569,16 +607,21 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   return true;
 }
 
+// The tile config of a call: its head dim (64 or 128), and one row group
+// where a key/value head's query rows fit one mma tile, else two.
 template <typename Fn>
-bool dispatch_decode_head_dim(const AttentionProblem& p, Fn&& fn) {
-  if (p.head_dim != p.head_dim_v) return false;
-  if (p.head_dim == 64) return fn(std::integral_constant<int, 64>{});
-  if (p.head_dim == 128) return fn(std::integral_constant<int, 128>{});
+bool dispatch_tile_config(const AttentionProblem& p, Fn&& fn) {
+  if (p.head_dim != p.head_dim_v || p.batch <= 0 || p.heads_kv <= 0 || p.len_q <= 0) return false;
+  const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
+  auto with_rows = [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    if (rows_per_head <= decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 1>{});
+    if (rows_per_head <= 2 * decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 2>{});
+    return false;
+  };
+  if (p.head_dim == 64) return with_rows(std::integral_constant<int, 64>{});
+  if (p.head_dim == 128) return with_rows(std::integral_constant<int, 128>{});
   return false;
-}
-
-bool takes_call(const AttentionProblem& p) {
-  return p.batch > 0 && p.heads_kv > 0 && p.len_q > 0 && p.heads_q / p.heads_kv * p.len_q <= decoding::kRows;
 }
 
 }  // namespace
@@ -586,14 +629,13 @@ bool takes_call(const AttentionProblem& p) {
 bool decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
                       cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  if (!takes_call(p)) return false;
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_decode_head_dim(p, [&](auto head_dim) {
-      using Cfg = DecodeTileConfig<decltype(head_dim)::value>;
+    dispatch_tile_config(p, [&](auto config) {
+      using Cfg = decltype(config);
       DecodeKernelParams kp;
-      if (!prepare_launch<Cfg::kHeadDim>(params, type, kp)) return false;
+      if (!prepare_launch<Cfg>(params, type, kp)) return false;
       const DecodePartials buffers = kp.split_units > 0 ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks,
                                                                    kp.split_units)
                                                         : DecodePartials{};
