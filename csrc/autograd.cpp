@@ -1,7 +1,10 @@
 // Autograd for the flashattn_ext ops: a torch::autograd::Function that saves
 // q, k, v, out, the log-sum-exp and dropout's rng_state (never the
 // probabilities or a dropout mask) and calls the backward op. Registered for
-// the Autograd key, so every device shares it.
+// the Autograd key, so every device shares it. With attention sinks, the
+// out and log-sum-exp it saves are those with the sinks (merge_sinks in
+// ops.h), the backward op is told of them, and the sinks' own gradient is
+// computed here.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -50,13 +53,14 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                                bool causal_lower_right, double scale, int64_t window_left, int64_t window_right,
-                               double softcap, const std::optional<Tensor>& alibi_slopes) {
+                               double softcap, const std::optional<Tensor>& alibi_slopes,
+                               const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, lse, rng_state] = attention_forward_op().call(q, k, v, attn_mask, dropout_p, is_causal,
                                                              causal_lower_right, scale, window_left, window_right,
-                                                             softcap, alibi_slopes);
-    ctx->save_for_backward(
-        {q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
+                                                             softcap, alibi_slopes, sinks);
+    ctx->save_for_backward({q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()),
+                            alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
     ctx->mark_non_differentiable({lse, rng_state});
     // lse and rng_state get no gradient: without this the engine would fill
@@ -66,7 +70,7 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(12);  // no gradient reached out: none for the inputs
+    if (!grads[0].defined()) return variable_list(13);  // no gradient reached out: none for the inputs
     const variable_list saved = ctx->get_saved_variables();
     const Tensor& q = saved[0];
     const Tensor& k = saved[1];
@@ -75,17 +79,33 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     const Tensor& lse = saved[4];
     const Tensor& rng_state = saved[5];
     const std::optional<Tensor> attn_mask = optional_saved(saved[6]), alibi_slopes = optional_saved(saved[7]);
+    const std::optional<Tensor> sinks = optional_saved(saved[8]);
     const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
+    // (The backward op's own autograd recomputes attention without the sinks.)
+    TORCH_CHECK_NOT_IMPLEMENTED(!sinks.has_value() || !at::GradMode::is_enabled(),
+                                "flashattn_ext: double backward of attention with sinks is not supported");
 
     const SavedOptions o = SavedOptions::load(ctx);
     auto [dq, dk, dv, dmask] =
         attention_backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
                                      o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left,
-                                     o.window_right, o.softcap, alibi_slopes);
+                                     o.window_right, o.softcap, alibi_slopes, sinks);
+    Tensor dsinks;
+    // (needs_input_grad counts the tensor arguments given: q, k, v, then those
+    // of attn_mask, alibi_slopes and sinks that are.)
+    if (sinks.has_value() && ctx->needs_input_grad(3 + attn_mask.has_value() + alibi_slopes.has_value())) {
+      // d sink = -sum over its rows of p_sink * rowsum(dout * out), p_sink =
+      // exp(sink - lse) (0 where both are -inf): the softmax's gradient, for a
+      // key of value 0.
+      const at::ScalarType type = lse.scalar_type();
+      const Tensor delta = (grads[0].to(type) * out.to(type)).sum(-1);
+      const Tensor p_sink = (sinks->to(type).view({1, -1, 1}) - lse).exp().nan_to_num(0.0);
+      dsinks = (-(p_sink * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());
+    }
     // One gradient per forward argument; undefined for the non-tensor ones and
     // for alibi_slopes (not differentiable).
     return {dq,       dk,       dv,       grad_attn_mask_needed ? dmask : Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), dsinks};
   }
 };
 
@@ -95,10 +115,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_forward_autograd(const Tensor& q, c
                                                               bool causal_lower_right, double scale,
                                                               int64_t window_left, int64_t window_right,
                                                               double softcap,
-                                                              const std::optional<Tensor>& alibi_slopes) {
+                                                              const std::optional<Tensor>& alibi_slopes,
+                                                              const std::optional<Tensor>& sinks) {
   const variable_list outputs = FlashAttentionFunction::apply(q, k, v, attn_mask, dropout_p, is_causal,
                                                               causal_lower_right, scale, window_left, window_right,
-                                                              softcap, alibi_slopes);
+                                                              softcap, alibi_slopes, sinks);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
@@ -113,12 +134,14 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
                                const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
                                bool causal_lower_right, double scale, bool compute_grad_attn_mask,
                                int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<Tensor>& alibi_slopes) {
+                               const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // (With sinks, FlashAttentionFunction refuses the double backward that
+    // would differentiate this: attention_for_double_backward has none.)
     auto [dq, dk, dv, dmask] =
         attention_backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
                                      causal_lower_right, scale, compute_grad_attn_mask, window_left, window_right,
-                                     softcap, alibi_slopes);
+                                     softcap, alibi_slopes, sinks);
     ctx->save_for_backward(
         {dout, q, k, v, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
     SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
@@ -162,11 +185,11 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
       second = torch::autograd::grad(outputs, leaves, grad_outputs, /*retain_graph=*/create_graph, create_graph,
                                      /*allow_unused=*/true);
     }
-    // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options
-    // and alibi_slopes.
+    // One gradient per forward argument: dout, q, k, v, out, lse, rng_state, attn_mask, then the options,
+    // alibi_slopes and sinks.
     return {second[0], second[1], second[2], second[3], Tensor(), Tensor(), Tensor(),
             float_mask ? second[4] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor()};
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -174,10 +197,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> attention_backward_autograd(
     const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& rng_state, const std::optional<Tensor>& attn_mask, double dropout_p, bool is_causal,
     bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left, int64_t window_right,
-    double softcap, const std::optional<Tensor>& alibi_slopes) {
+    double softcap, const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
   const variable_list grads = FlashAttentionBackwardFunction::apply(
       dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-      compute_grad_attn_mask, window_left, window_right, softcap, alibi_slopes);
+      compute_grad_attn_mask, window_left, window_right, softcap, alibi_slopes, sinks);
   return {grads[0], grads[1], grads[2], grads[3]};
 }
 

@@ -82,8 +82,14 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
 }
 
 // P = softmax(s) by rows, with the row max subtracted (more accurate in float32
-// than exp(s - lse)); 0 on rows that see no key.
-at::Tensor probabilities(const at::Tensor& s) { return at::_safe_softmax(s, -1); }
+// than exp(s - lse)); 0 on rows that see no key. With attention sinks, each
+// row's softmax spans its head's sink too, as one more score (of value 0:
+// its column is dropped).
+at::Tensor probabilities(const at::Tensor& s, const std::optional<at::Tensor>& sinks = std::nullopt) {
+  if (!sinks.has_value()) return at::_safe_softmax(s, -1);
+  const at::Tensor column = sinks->to(s.scalar_type()).view({1, -1, 1, 1}).expand({s.size(0), s.size(1), s.size(2), 1});
+  return at::_safe_softmax(at::cat({s, column}, -1), -1).narrow(-1, 0, s.size(-1));
+}
 
 // Dropout's factor Z of query rows [r0, r0 + rows), (batch, heads_q, rows,
 // len_k) in the accumulation type: 0 where dropped, 1 / (1 - p) where kept,
@@ -145,7 +151,7 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
                        const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                       at::Tensor& grad_attn_mask) {
+                       at::Tensor& grad_attn_mask, const std::optional<at::Tensor>& sinks) {
   const at::ScalarType acc = accumulation_type(q);
   const at::Tensor k_acc = k.to(acc), v_acc = v.to(acc);
   at::Tensor dk_acc = at::zeros(k_acc.sizes(), k_acc.options());
@@ -155,7 +161,7 @@ void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Te
     const int64_t rows = std::min(chunk, p.len_q - r0);
     const at::Tensor q_rows = grouped_rows(q, p, r0, rows, acc);
     at::Tensor softcap_grad;
-    const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows, &softcap_grad));
+    const at::Tensor prob = probabilities(chunk_scores(q_rows, k_acc, attn_mask, p, r0, rows, &softcap_grad), sinks);
     const at::Tensor dout_rows = grouped_rows(dout, p, r0, rows, acc);
     // With dropout, the output used P * Z: dV = (P * Z)^T dO and dP = Z * dO V^T.
     const at::Tensor factor = dropout_p > 0.0 ? dropout_factor(rng_state, dropout_p, p, r0, rows, acc) : at::Tensor();

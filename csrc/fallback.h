@@ -35,11 +35,12 @@ void fallback_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const AttentionProblem& p, at::Tensor& out, at::Tensor& lse);
 
 // Fills dq, dk, dv and, where it is not empty, grad_attn_mask, as allocated by
-// prepare_backward (it recomputes the probabilities: no out or lse needed).
+// prepare_backward (it recomputes the probabilities: no out or lse needed),
+// with the forward's attention sinks where it had any.
 void fallback_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& attn_mask, const at::Tensor& rng_state, double dropout_p,
                        const AttentionProblem& p, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                       at::Tensor& grad_attn_mask);
+                       at::Tensor& grad_attn_mask, const std::optional<at::Tensor>& sinks);
 
 // The output of attention over all query rows at once, from the same ATen
 // operations with autograd tracking them (the whole score matrix in memory, as

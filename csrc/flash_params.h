@@ -160,6 +160,11 @@ struct BwdParams {
   TensorView4d mask, dmask;
   MaskBlockMap mask_blocks;  // (CUDA) as in FwdParams
   DropoutParams dropout;   // the forward's, with the same rng_state
+  // The forward's attention sinks (heads_q, float64, on the tensors' device),
+  // which out and lse include (merge_sinks in ops.h); null if none. The CPU
+  // kernels read them; on CUDA they send the backward to the fallback
+  // (cuda/route.h).
+  const double* sinks = nullptr;
   // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
   // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta
   // (heads_q, total_q), dq_accum laid out by packed_dq_accum_start

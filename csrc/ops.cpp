@@ -193,6 +193,26 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype) {
   return input_dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+void check_sinks(const at::Tensor& q, const std::optional<at::Tensor>& sinks) {
+  if (!sinks.has_value()) return;
+  const at::Tensor& s = *sinks;
+  TORCH_CHECK(s.device() == q.device(), "flashattn_ext: sinks is on ", s.device(), " but query is on ", q.device());
+  TORCH_CHECK(at::isFloatingType(s.scalar_type()), "flashattn_ext: sinks must be a floating-point tensor, got ",
+              s.scalar_type());
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == q.size(1), "flashattn_ext: sinks must have shape (", q.size(1),
+              ",), one logit a query head, got ", s.sizes());
+}
+
+// (In lse's dtype, float32 or float64, from ATen operations: about one more
+// read and write of out.)
+void merge_sinks(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse) {
+  const at::Tensor merged = at::logaddexp(lse, sinks.to(lse.scalar_type()).view({1, -1, 1}));
+  // (Where the sink is -inf too, the row's lse stays -inf: a scale of 0, not exp(NaN).)
+  const at::Tensor kept = at::where(merged == -INFINITY, 0.0, at::exp(lse - merged));
+  out.mul_(kept.unsqueeze(-1));
+  lse.copy_(merged);
+}
+
 FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& options, at::Tensor& out, at::Tensor& lse) {
   FwdParams params;

@@ -39,6 +39,17 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype);
 FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const AttentionOptions& options, at::Tensor& out, at::Tensor& lse);
 
+// Attention sinks (gpt-oss's learned logit of each query head): each query
+// row's softmax also spans one more key, of score sinks[head] (the scaled,
+// capped and biased scores sit beside it as they are) and of value 0.
+// merge_sinks makes a forward's out and lse without them those with them, in
+// place: lse' = logaddexp(lse, sink), out * exp(lse - lse') (a row that sees
+// no key: out 0, lse' the sink). A backward given out and lse' (and the
+// sinks, for the CPU kernels and the fallback) gives the gradients with them.
+// check_sinks checks sinks against q (4-d), naming the argument.
+void check_sinks(const at::Tensor& q, const std::optional<at::Tensor>& sinks);
+void merge_sinks(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse);
+
 // Checks the saved tensors and dout; allocates dq, dk, dv and, with
 // compute_grad_attn_mask, the mask's gradient (else an empty tensor); returns
 // the kernel params (params.delta unset: a workspace of the CUDA kernels).
@@ -140,11 +151,11 @@ BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& gr
 // calls them through the dispatcher (autograd.cpp, varlen.cpp).
 using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,
-    double, int64_t, int64_t, double, const std::optional<at::Tensor>&);
+    double, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 using AttentionBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool, double, bool, int64_t, int64_t, double,
-    const std::optional<at::Tensor>&);
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
 c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op();
 c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op();
 

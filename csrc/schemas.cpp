@@ -28,7 +28,10 @@ int dropout_bits() { return dropout_bits_setting; }
 // have fewer heads than query (GQA) as long as they divide its count.
 // alibi_slopes (float32, (batch, query heads), any strides: an expanded (query
 // heads,) vector is fine) adds ALiBi's -slope * |i + d - j| to the scores (see
-// AttentionProblem); it gets no gradient.
+// AttentionProblem); it gets no gradient. sinks (query heads,), any float
+// dtype, are attention sinks (merge_sinks in ops.h): the forward's out and lse
+// include them, and the backward takes the forward's (the gradient of the
+// sinks themselves is autograd.cpp's).
 // With dropout_p > 0 the forward draws from torch's default generator of the
 // inputs' device and returns what it drew as rng_state ({seed, offset, bits},
 // int64; empty without dropout), so the backward regenerates the same dropout
@@ -39,13 +42,15 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
       "bool is_causal, bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, "
-      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor rng_state)",
+      "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor out, Tensor lse, "
+      "Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "attention_backward(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor rng_state, Tensor? attn_mask, float dropout_p, bool is_causal, bool causal_lower_right, float scale, "
       "bool compute_grad_attn_mask, int window_left=-1, int window_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_attn_mask)");
+      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
+      "Tensor grad_attn_mask)");
   // A packed batch (varlen): query (total_q, heads, head_dim), key and value
   // (total_k, heads_kv, ...), sequence b in rows cu_seqlens_q[b] to
   // cu_seqlens_q[b + 1] (and cu_seqlens_k's) of each; max_seqlen_* at least

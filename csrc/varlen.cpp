@@ -57,7 +57,7 @@ std::tuple<Tensor, Tensor> varlen_forward_by_sequence(const PackedBatch& batch) 
     const auto [seq_out, seq_lse, rng_state] = attention_forward_op().call(
         rows_of(q, bounds.q, b), rows_of(batch.k, bounds.k, b), rows_of(batch.v, bounds.k, b),
         std::nullopt, 0.0, o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
-        slopes_of(o.alibi_slopes, b));
+        slopes_of(o.alibi_slopes, b), std::nullopt);
     rows_of(heads_first(out), bounds.q, b).copy_(seq_out);
     rows_of(lse.unsqueeze(0).unsqueeze(3), bounds.q, b).copy_(seq_lse.unsqueeze(3));
   }
@@ -85,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_by_sequence(const PackedBatch
         rows_of(heads_first(out), bounds.q, b),
         rows_of(lse.unsqueeze(0).unsqueeze(3), bounds.q, b).squeeze(3).contiguous(), no_rng_state,
         std::nullopt, 0.0, o.is_causal, o.causal_lower_right, o.scale, false, o.window_left, o.window_right,
-        o.softcap, slopes_of(o.alibi_slopes, b));
+        o.softcap, slopes_of(o.alibi_slopes, b), std::nullopt);
     rows_of(heads_first(dq), bounds.q, b).copy_(seq_dq);
     rows_of(heads_first(dk), bounds.k, b).copy_(seq_dk);
     rows_of(heads_first(dv), bounds.k, b).copy_(seq_dv);

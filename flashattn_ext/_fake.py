@@ -23,8 +23,11 @@ def _check_devices(query, **tensors):
 
 @torch.library.register_fake("flashattn_ext::attention_forward")
 def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_lower_right, scale,
-                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
-    _check_devices(query, key=key, value=value, attn_mask=attn_mask, alibi_slopes=alibi_slopes)
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+    _check_devices(query, key=key, value=value, attn_mask=attn_mask, alibi_slopes=alibi_slopes, sinks=sinks)
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise RuntimeError(f"flashattn_ext: sinks must have shape ({query.shape[1]},), one logit a query head, "
+                           f"got {tuple(sinks.shape)}")
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))
@@ -35,9 +38,9 @@ def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, 
 @torch.library.register_fake("flashattn_ext::attention_backward")
 def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal,
                              causal_lower_right, scale, compute_grad_attn_mask, window_left=-1, window_right=-1,
-                             softcap=0.0, alibi_slopes=None):
+                             softcap=0.0, alibi_slopes=None, sinks=None):
     _check_devices(query, grad_out=grad_out, key=key, value=value, out=out, lse=lse, attn_mask=attn_mask,
-                   alibi_slopes=alibi_slopes, rng_state=rng_state if dropout_p > 0 else None)
+                   alibi_slopes=alibi_slopes, rng_state=rng_state if dropout_p > 0 else None, sinks=sinks)
     grad_attn_mask = query.new_empty(attn_mask.shape if compute_grad_attn_mask else (0,))
     return (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), grad_attn_mask)
 

@@ -84,6 +84,7 @@ def attention_with_lse(
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """Like scaled_dot_product_attention, but also returns the log-sum-exp of
     each query row's scaled scores, shape (N, ..., Hq, L): float32, or float64
@@ -107,9 +108,16 @@ def attention_with_lse(
     scaled (and capped) scores of query i and key j, before attn_mask, d the
     diagonal's offset as for window (flash-attn's bias with causal_lower_right).
     The slopes get no gradient.
+
+    sinks: attention sinks (gpt-oss), a floating-point tensor (Hq,) on query's
+    device: each query row's softmax also spans one more key, whose score is
+    sinks[h] (beside the scaled, capped and biased scores) and whose value is
+    0, so rows weigh their keys less. lse includes it; a row that sees no key
+    gets out = 0 and lse = sinks[h]. The sinks get a gradient (no double
+    backward).
     """
     if _is_plain_4d(query, key, value, attn_mask, enable_gqa) and window is None and softcap is None and \
-            alibi_slopes is None:
+            alibi_slopes is None and sinks is None:
         # The op checks dtypes, devices and sizes itself: a decoding step's host time shows in its latency.
         out, lse, _ = torch.ops.flashattn_ext.attention_forward(
             query, key, value, attn_mask, float(dropout_p), bool(is_causal), bool(causal_lower_right),
@@ -117,7 +125,9 @@ def attention_with_lse(
         return out, lse
     args, lead, len_q, head_dim_v = _op_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                   enable_gqa, causal_lower_right, window, softcap, alibi_slopes)
-    out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args)
+    if sinks is not None and not isinstance(sinks, Tensor):
+        raise TypeError(f"flashattn_ext: sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
     return _reshaped(out, (*lead, len_q, head_dim_v)), _reshaped(lse, (*lead, len_q))
 
 

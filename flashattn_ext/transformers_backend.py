@@ -11,7 +11,8 @@ The backend takes the calls that transformers' "sdpa" backend takes, with the sa
 causal and sliding-window masks reach it as the boolean masks transformers builds for SDPA, or as
 is_causal when none is needed), and runs them through flashattn_ext.attention_with_lse: GQA
 without repeating the key/value heads, dropout, an explicit scale, and logit softcapping (Gemma 2),
-which SDPA lacks. Attention sinks and T5's position bias raise NotImplementedError.
+which SDPA lacks, and attention sinks (gpt-oss's `s_aux`). T5's position bias raises
+NotImplementedError.
 
 An encoder's padded batch (a bidirectional mask, queries and keys the same tokens) gets a mask that
 hides the padding tokens' query rows as well as their keys: the kernels then skip every tile of
@@ -42,12 +43,11 @@ def attention_forward(
 ) -> Tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query (B, Hq, L, E), key and value (B, Hkv, S, E);
     returns the output as (B, L, Hq, Ev) and no attention weights."""
-    for name in ("s_aux", "position_bias"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"flashattn_ext: the transformers backend does not support `{name}` yet; "
-                f'use attn_implementation="eager" for this model'
-            )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            "flashattn_ext: the transformers backend does not support `position_bias` yet; "
+            'use attn_implementation="eager" for this model'
+        )
     # As transformers' sdpa backend: causal through the flag only when no mask is given and more
     # than one query token is new (a single new token sees the whole cache).
     q_length, kv_length = query.shape[2], key.shape[2]
@@ -67,6 +67,7 @@ def attention_forward(
         scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],
         softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
     return out.transpose(1, 2).contiguous(), None
 

@@ -26,14 +26,22 @@ def small_config(family):
         return transformers.MistralConfig(sliding_window=8, **common)
     if family == "gemma2":  # logit softcapping (scores of a few units: a cap of 2 bends them) and a window
         return transformers.Gemma2Config(sliding_window=8, attn_logit_softcapping=2.0, head_dim=16, **common)
+    if family == "gpt_oss":  # attention sinks (s_aux), windowed and full layers; both experts of 2 always
+        # chosen, so that no routing decision can flip between two roundings
+        return transformers.GptOssConfig(sliding_window=8, head_dim=16, num_local_experts=2, num_experts_per_tok=2,
+                                         **common)
     raise ValueError(family)
 
 
+# transformers' own attention for each family: SDPA, or eager where its SDPA path lacks the family's
+# scores (Gemma 2's softcapping, gpt-oss's sinks).
+THEIRS = {"llama": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss": "eager"}
+
+
 def twin_models(family, device, dtype):
-    """The same random weights under transformers' own attention (SDPA; eager for Gemma 2's
-    softcapping, which SDPA lacks) and under flashattn_ext."""
+    """The same random weights under transformers' own attention (THEIRS) and under flashattn_ext."""
     torch.manual_seed(0)
-    theirs = "eager" if family == "gemma2" else "sdpa"
+    theirs = THEIRS[family]
     # A config each: a model keeps its config, and from_config sets the implementation on it.
     sdpa = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=theirs, dtype=dtype)
     ours = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=NAME, dtype=dtype)
@@ -44,7 +52,7 @@ def twin_models(family, device, dtype):
 
 @pytest.mark.parametrize("device, dtype", device_dtype_params({"cpu": [torch.float32], "cuda": [torch.bfloat16]}))
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right_padded"])
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", list(THEIRS))
 def test_training_step_matches_sdpa(family, padded, device, dtype):
     sdpa, ours = twin_models(family, device, dtype)
     gen = torch.Generator().manual_seed(1)
@@ -66,7 +74,7 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
         assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", list(THEIRS))
 def test_generation_matches_sdpa(family):
     """Prefill and one-token steps against a growing cache, greedy: the same tokens."""
     sdpa, ours = twin_models(family, "cpu", torch.float32)
@@ -75,11 +83,12 @@ def test_generation_matches_sdpa(family):
     assert torch.equal(ours.generate(ids, **settings), sdpa.generate(ids, **settings))
 
 
-def test_attention_sinks_are_refused_by_name():
+def test_position_bias_is_refused_by_name():
     module = torch.nn.Module()
     q = k = v = torch.randn(1, 2, 4, 8)
-    with pytest.raises(NotImplementedError, match="`s_aux`"):
-        flashattn_ext.transformers_backend.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="`position_bias`"):
+        flashattn_ext.transformers_backend.attention_forward(module, q, k, v, None,
+                                                             position_bias=torch.zeros(1, 2, 4, 4))
 
 
 def test_names_with_flash_are_refused():

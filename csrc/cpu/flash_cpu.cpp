@@ -1800,12 +1800,13 @@ void attention_backward(const BwdParams& params) {
   if constexpr (std::is_same_v<Lse<T>, A>) {
     backward_tiles<T>(params, static_cast<const A*>(params.lse), /*renormalize=*/false,
                       /*scores_as_forward=*/takes_reduced_products<T>());
-  } else if (backward_keeps_tiles<float>(p)) {
+  } else if (params.sinks == nullptr && backward_keeps_tiles<float>(p)) {
     // float32 where the tiles are kept: all in float, as torch's backward runs. The saved lse's
     // rounding is a factor common to a row's P, which renormalizing removes (see backward_tiles).
     backward_tiles<T, float>(params, static_cast<const float*>(params.lse), /*renormalize=*/true);
   } else {
-    // Otherwise P = exp(S - lse) with lse computed again in A (see Acc).
+    // Otherwise P = exp(S - lse) with lse computed again in A (see Acc), the forward's sinks merged
+    // in (renormalizing, the path above would drop them).
     std::vector<A> lse(rows);
     FwdParams lse_pass;
     lse_pass.problem = p;
@@ -1814,6 +1815,12 @@ void attention_backward(const BwdParams& params) {
     lse_pass.mask_kind = params.mask_kind;
     lse_pass.mask = params.mask;
     forward_tiles<T, /*kWithOutput=*/false>(lse_pass, lse.data());
+    if (params.sinks != nullptr) {  // (rows ordered (batch, head, query), as the op's lse)
+      for (int64_t row = 0; row < rows; ++row) {
+        const A sink = static_cast<A>(params.sinks[row / p.len_q % p.heads_q]), high = std::max(lse[row], sink);
+        if (high != kNegInf<A>) lse[row] = high + std::log(std::exp(lse[row] - high) + std::exp(sink - high));
+      }
+    }
     backward_tiles<T>(params, lse.data());
   }
 }

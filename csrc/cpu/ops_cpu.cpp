@@ -26,27 +26,26 @@ at::Tensor draw_rng_state(double dropout_p) {
   return at::tensor({static_cast<int64_t>(seed), int64_t(0), int64_t(dropout_bits())}, at::kLong);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                                     const at::Tensor& v,
-                                                                     const std::optional<at::Tensor>& attn_mask,
-                                                                     double dropout_p, bool is_causal,
-                                                                     bool causal_lower_right, double scale,
-                                                                     int64_t window_left, int64_t window_right,
-                                                                     double softcap,
-                                                                     const std::optional<at::Tensor>& alibi_slopes) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cpu(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& attn_mask,
+    double dropout_p, bool is_causal, bool causal_lower_right, double scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
   at::Tensor out, lse;
   FwdParams params = prepare_forward(
       q, k, v,
       {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes},
       out, lse);
+  check_sinks(q, sinks);
   const at::Tensor rng_state = draw_rng_state(dropout_p);
   if (fallback_requested()) {
     fallback_forward(q, k, v, attn_mask, rng_state, dropout_p, params.problem, out, lse);
-    return {out, lse, rng_state};
+  } else {
+    if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward_cpu",
+                                    [&] { cpu::attention_forward<scalar_t>(params); });
   }
-  if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_forward_cpu",
-                                  [&] { cpu::attention_forward<scalar_t>(params); });
+  if (sinks.has_value()) merge_sinks(*sinks, out, lse);
   return {out, lse, rng_state};
 }
 
@@ -54,16 +53,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
-    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
   at::Tensor dq, dk, dv, dmask;
-  const BwdParams params = prepare_backward(
+  BwdParams params = prepare_backward(
       dout, q, k, v, out, lse, rng_state,
       {attn_mask, dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes},
       compute_grad_attn_mask, dq, dk, dv, dmask);
+  check_sinks(q, sinks);
   if (fallback_requested()) {
-    fallback_backward(dout, q, k, v, attn_mask, rng_state, dropout_p, params.problem, dq, dk, dv, dmask);
+    fallback_backward(dout, q, k, v, attn_mask, rng_state, dropout_p, params.problem, dq, dk, dv, dmask, sinks);
     return {dq, dk, dv, dmask};
   }
+  const at::Tensor sinks_double = sinks.has_value() ? sinks->to(at::kDouble).contiguous() : at::Tensor();
+  if (sinks.has_value()) params.sinks = sinks_double.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attention_backward_cpu",
                                   [&] { cpu::attention_backward<scalar_t>(params); });
   return {dq, dk, dv, dmask};

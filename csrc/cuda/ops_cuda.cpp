@@ -133,7 +133,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
                                                                       bool causal_lower_right, double scale,
                                                                       int64_t window_left, int64_t window_right,
                                                                       double softcap,
-                                                                      const std::optional<at::Tensor>& alibi_slopes) {
+                                                                      const std::optional<at::Tensor>& alibi_slopes,
+                                                                      const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor out, lse;
@@ -141,18 +142,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
                                  window_left, window_right, softcap,   alibi_slopes};
   const at::Tensor q_rows = with_aligned_rows(q), k_rows = with_aligned_rows(k), v_rows = with_aligned_rows(v);
   FwdParams params = prepare_forward(q_rows, k_rows, v_rows, options, out, lse);
+  check_sinks(q, sinks);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
+  auto finish = [&] {
+    if (sinks.has_value()) merge_sinks(*sinks, out, lse);
+    return std::make_tuple(out, lse, rng_state);
+  };
   auto run_fallback = [&](const std::string& gap) {
     warn_fallback(gap);
     fallback_forward(q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, out, lse);
-    return std::make_tuple(out, lse, rng_state);
+    return finish();
   };
   const cuda::Route route = cuda::route_forward(q, params);
   if (route.family == cuda::Family::kAten) return run_fallback(route.reason);
   if (route.family == cuda::Family::kDecode) {
     run_decode_kernels(as_decoding_step(params), q, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {out, lse, rng_state};
+    return finish();
   }
   if (dropout_p > 0.0) params.dropout.rng_state = rng_state.data_ptr<int64_t>();
   // No tile counter to fill for calls the Hopper forward does not take.
@@ -171,14 +177,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     cuda::sm80::attention_forward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse, rng_state};
+  return finish();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& rng_state, const std::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, bool causal_lower_right, double scale, bool compute_grad_attn_mask, int64_t window_left,
-    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   at::Tensor dq, dk, dv, dmask;
   const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
@@ -187,10 +194,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
                    v_rows = with_aligned_rows(v), out_rows = with_aligned_rows(out);
   BwdParams params = prepare_backward(dout_rows, q_rows, k_rows, v_rows, out_rows, lse, rng_state, options,
                                       compute_grad_attn_mask, dq, dk, dv, dmask);
+  check_sinks(q, sinks);
+  const at::Tensor sinks_double = sinks.has_value() ? sinks->to(at::kDouble) : at::Tensor();
+  if (sinks.has_value()) params.sinks = sinks_double.data_ptr<double>();
   auto run_fallback = [&](const std::string& gap) {
     warn_fallback(gap);
     fallback_backward(dout_rows, q_rows, k_rows, v_rows, attn_mask, rng_state, dropout_p, params.problem, dq, dk,
-                      dv, dmask);
+                      dv, dmask, sinks);
     return std::make_tuple(dq, dk, dv, dmask);
   };
   const cuda::Route route = cuda::route_backward(q, params);

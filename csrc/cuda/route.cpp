@@ -109,6 +109,10 @@ Route route_forward(const at::Tensor& q, const FwdParams& params) {
 
 Route route_backward(const at::Tensor& q, const BwdParams& params) {
   if (auto gap = kernel_gap(q, params.problem)) return {Family::kAten, *gap};
+  if (params.sinks != nullptr) {
+    return {Family::kAten, "attention sinks: the kernels' backward zeroes the score gradients of rows that see one "
+                           "key, which a sink's softmax does not make 0"};
+  }
   if (at::globalContext().deterministicAlgorithms()) {
     if (auto feature = hopper_only_feature(params.problem)) return {Family::kAten, *feature};
     return {Family::kSm80, "deterministic mode: the sm80 kernels' separate dQ pass"};

@@ -1,0 +1,151 @@
+"""Attention sinks (gpt-oss's learned per-head logit, `sinks=` of attention_with_lse): out, lse and the
+gradients of q, k, v and the sinks against a float64 reference that appends the sink as one more
+column of scores with a value of 0, with the options that shape the scores beside it."""
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import DEVICES, relative_error
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def reference(q, k, v, sinks, attn_mask=None, is_causal=False, window=None, softcap=None):
+    """(out, lse) in float64 with the sinks as an extra score column: q (B, Hq, L, E), k and v
+    (B, Hkv, S, E) with Hkv dividing Hq; attn_mask bool (True takes part) or float, broadcasting to
+    (B, Hq, L, S); is_causal and window aligned top-left."""
+    q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    rows, cols = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+    hidden = torch.zeros(q.shape[2], k.shape[2], dtype=torch.bool)
+    if is_causal:
+        hidden |= cols > rows
+    if window is not None:
+        hidden |= (cols < rows - window[0]) | (cols > rows + window[1])
+    scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.double())
+    sink_column = sinks.view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    logits = torch.cat([scores, sink_column], dim=-1)
+    probabilities = torch.softmax(logits, dim=-1)[..., :-1]
+    return probabilities @ v, torch.logsumexp(logits, dim=-1)
+
+
+CASES = {
+    "plain": dict(),
+    "causal_gqa": dict(is_causal=True, heads_kv=2),
+    "bool_mask": dict(mask="bool"),
+    "float_mask": dict(mask="float"),
+    "window_softcap": dict(window=(5, 3), softcap=3.0),
+}
+
+
+def inputs(device, dtype, heads_kv=4, mask=None, seed=0, len_q=37, len_k=45):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, len_q, 32, generator=gen)
+    k = torch.randn(2, heads_kv, len_k, 32, generator=gen)
+    v = torch.randn(2, heads_kv, len_k, 32, generator=gen)
+    # Sinks of the scores' size, and one far above them: that head's rows weigh their keys little.
+    sinks = torch.tensor([0.5, -1.0, 2.0, 6.0])
+    attn_mask = None
+    if mask == "bool":
+        attn_mask = torch.rand(2, 1, len_q, len_k, generator=gen) > 0.3
+        attn_mask[0, 0, 3] = False  # a row that sees no key: out 0, lse the sink
+    elif mask == "float":
+        attn_mask = torch.randn(2, 4, len_q, len_k, generator=gen)
+    tensors = [t.to(device, dtype) for t in (q, k, v, sinks)]  # (sinks in the model's dtype, as its parameter)
+    if attn_mask is not None:
+        attn_mask = attn_mask.to(device, dtype if attn_mask.is_floating_point() else torch.bool)
+    return tensors, attn_mask
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_and_gradients_match_float64(device, dtype, case):
+    options = dict(CASES[case])
+    heads_kv, mask = options.pop("heads_kv", 4), options.pop("mask", None)
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("the CUDA kernels take 16-bit types (float64 runs the ATen fallback, tested on the CPU)")
+    if device == "cuda" and dtype == torch.float32:
+        dtype = torch.float16
+    (q, k, v, sinks), attn_mask = inputs(device, dtype, heads_kv, mask)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = flashattn_ext.attention_with_lse(*leaves[:3], attn_mask=attn_mask, enable_gqa=heads_kv != 4,
+                                                sinks=leaves[3], **options)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(device, dtype)
+    out.backward(grad)
+
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, sinks)]
+    want_out, want_lse = reference(*reference_leaves, attn_mask=None if attn_mask is None else attn_mask.cpu(),
+                                   **options)
+    want_out.backward(grad.cpu().double())
+    assert relative_error(out.detach().cpu(), want_out.detach()) <= TOLERANCE[dtype]
+    assert (lse.detach().cpu().double() - want_lse.detach()).abs().max().item() <= 1e-4
+    for name, got, want in zip(("q", "k", "v", "sinks"), leaves, reference_leaves):
+        assert relative_error(got.grad.cpu(), want.grad) <= 2 * TOLERANCE[dtype], name
+    assert leaves[3].grad.dtype == sinks.dtype
+    if mask == "bool":  # the row that sees no key
+        assert torch.all(out[0, :, 3].detach() == 0)
+        assert torch.allclose(lse[0, :, 3].detach().cpu().double(), sinks.cpu().double())
+
+
+def test_gradcheck_in_float64():
+    (q, k, v, sinks), _ = inputs("cpu", torch.float64, heads_kv=2, len_q=5, len_k=7)
+    leaves = [t.detach().requires_grad_() for t in (q[:1, :, :, :8], k[:1, :, :, :8], v[:1, :, :, :8], sinks)]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, s: flashattn_ext.attention_with_lse(q, k, v, is_causal=True, enable_gqa=True, sinks=s)[0],
+        leaves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_sink_is_plain_attention(device):
+    """Sinks of -inf take no weight: the same out and lse as without sinks."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    (q, k, v, _), _ = inputs(device, dtype)
+    out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True,
+                                                sinks=torch.full((4,), float("-inf"), device=device))
+    want_out, want_lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("sinks, message", [
+    (torch.zeros(3), r"sinks must have shape \(4,\)"),
+    (torch.zeros(1, 4), r"sinks must have shape \(4,\)"),
+    (torch.zeros(4, dtype=torch.int64), "sinks must be a floating-point tensor"),
+    (torch.zeros(4, device="meta"), "sinks is on meta"),
+    ([0.0] * 4, "sinks must be a torch.Tensor"),
+])
+def test_bad_sinks_are_named(sinks, message):
+    q = k = v = torch.randn(1, 4, 6, 8)
+    with pytest.raises((RuntimeError, TypeError), match=message):
+        flashattn_ext.attention_with_lse(q, k, v, sinks=sinks)
+
+
+def test_double_backward_is_refused():
+    (q, k, v, sinks), _ = inputs("cpu", torch.float64, len_q=5, len_k=7)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    out, _ = flashattn_ext.attention_with_lse(*leaves[:3], sinks=leaves[3])
+    with pytest.raises(NotImplementedError, match="double backward of attention with sinks"):
+        torch.autograd.grad(out.sum(), leaves, create_graph=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_sinks(device):
+    """The ops' schemas, fake kernels and autograd registration agree with sinks given."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    (q, k, v, sinks), _ = inputs(device, dtype, heads_kv=2, len_q=9, len_k=11)
+    sinks = sinks.detach().requires_grad_()
+    args = (q.requires_grad_(), k, v, None, 0.0, True, False, 0.3)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_forward.default, args, {"sinks": sinks})
+    out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
+    torch.library.opcheck(
+        torch.ops.flashattn_ext.attention_backward.default,
+        (torch.randn_like(out), q.detach(), k, v, out.detach(), lse, rng_state, None, 0.0, True, False, 0.3, False),
+        {"sinks": sinks.detach()},
+    )
