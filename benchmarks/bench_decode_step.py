@@ -24,7 +24,7 @@ CASES = [
     (16, 32, 8, 128, 4096, 1),  # issue 44's call: transformers' decode step, GQA 32:8, 4k cache
     (16, 32, 8, 128, 4096, 2),
     (16, 32, 8, 128, 4096, 4),
-    (16, 32, 8, 128, 4096, 8),  # 64 rows a key head: the mma.sync decode kernel, several row blocks
+    (16, 32, 8, 128, 4096, 8),  # 32 rows a key head: the Hopper decode kernel's two row groups
     (16, 32, 8, 128, 512, 1),
     (64, 32, 8, 128, 4096, 1),
     (1, 32, 8, 128, 8192, 1),

@@ -81,9 +81,10 @@ struct DecodeTileConfig {
 
 // What the kernel reads: the call, tensor maps of the caches
 // (encode_cache_tensor_map), and its split into work items. An item takes
-// 2^heads_log2 key/value heads at once (as many as their query rows fit one
-// mma tile): a tile of a paged cache is then a box of rows that each hold
-// those heads side by side (vLLM's layout), not one 256-byte piece a row.
+// 2^heads_log2 key/value heads at once (as many as their query rows fit the
+// item's rows, prepare_launch): a tile of a paged cache is then a box of rows
+// that each hold those heads side by side (vLLM's layout), not one 256-byte
+// piece a row.
 struct DecodeKernelParams {
   DecodeParams call;
   CUtensorMap k_map, v_map;
