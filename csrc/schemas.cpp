@@ -84,7 +84,8 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def(
       "decode_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cache_seqlens, "
       "Tensor? block_table, Tensor? key_new, Tensor? value_new, bool is_causal, float scale, int window_left=-1, "
-      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor out, "
+      "Tensor lse)");
 }
 
 }  // namespace flashattn_ext

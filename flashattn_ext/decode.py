@@ -22,6 +22,7 @@ def decode_attention(
     window: Optional[Tuple[Optional[int], Optional[int]]] = None,
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
@@ -39,9 +40,10 @@ def decode_attention(
     each sequence (query i of Sq sees keys up to cache_seqlens[b] + S_new - Sq + i), as for several
     new tokens in speculative decoding. window, softcap and alibi_slopes ((Hq,) or (B, Hq)) mean what
     they mean for attention_with_lse, the window and ALiBi's distance taken from that bottom-right
-    diagonal. With return_lse, also returns the log-sum-exp of
+    diagonal, and so do sinks (attention sinks, (Hq,): one more score a row, of value 0). With
+    return_lse, also returns the log-sum-exp of
     each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no
-    key gets out = 0 and lse = -inf.
+    key gets out = 0 and lse = -inf (with sinks, its head's sink).
 
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
     whose partial results merge through their log-sum-exps (flash-decoding). cache_seqlens and the
@@ -53,7 +55,7 @@ def decode_attention(
     reads them to the host first.
     """
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cache_seqlens": cache_seqlens,
-               "block_table": block_table, "key_new": key_new, "value_new": value_new}
+               "block_table": block_table, "key_new": key_new, "value_new": value_new, "sinks": sinks}
     for name, tensor in tensors.items():
         if tensor is not None and not isinstance(tensor, Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -68,6 +70,6 @@ def decode_attention(
     slopes = per_head_slopes(alibi_slopes, tuple(query.shape[:1]), query.shape[1]) if query.dim() == 4 else alibi_slopes
     out, lse = torch.ops.flashattn_ext.decode_attention(
         query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale),
-        window_left, window_right, softcap_value(softcap), slopes,
+        window_left, window_right, softcap_value(softcap), slopes, sinks,
     )
     return (out, lse) if return_lse else out

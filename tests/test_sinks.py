@@ -10,10 +10,10 @@ from helpers import DEVICES, relative_error
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def reference(q, k, v, sinks, attn_mask=None, is_causal=False, window=None, softcap=None):
+def reference(q, k, v, sinks, attn_mask=None, is_causal=False, window=None, softcap=None, bottom_right=False):
     """(out, lse) in float64 with the sinks as an extra score column: q (B, Hq, L, E), k and v
     (B, Hkv, S, E) with Hkv dividing Hq; attn_mask bool (True takes part) or float, broadcasting to
-    (B, Hq, L, S); is_causal and window aligned top-left."""
+    (B, Hq, L, S); is_causal and window aligned top-left (bottom_right: bottom-right)."""
     q, k, v, sinks = (t.double() for t in (q, k, v, sinks))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -21,6 +21,8 @@ def reference(q, k, v, sinks, attn_mask=None, is_causal=False, window=None, soft
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     rows, cols = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])[None, :]
+    if bottom_right:
+        rows = rows + k.shape[2] - q.shape[2]
     hidden = torch.zeros(q.shape[2], k.shape[2], dtype=torch.bool)
     if is_causal:
         hidden |= cols > rows
@@ -149,3 +151,30 @@ def test_opcheck_with_sinks(device):
         (torch.randn_like(out), q.detach(), k, v, out.detach(), lse, rng_state, None, 0.0, True, False, 0.3, False),
         {"sinks": sinks.detach()},
     )
+
+
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_with_sinks(device, block_size):
+    """decode_attention's sinks: 3 new tokens a sequence (causal, bottom-right) against caches of
+    different lengths, one empty (out 0, lse the sink), against the float64 reference."""
+    from test_decode import make_cache
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    key_cache, value_cache, table = make_cache(3, 2, 64, 32, 32, dtype, block_size, gen)
+    lengths = [64, 0, 29]
+    query = torch.randn(3, 8, 3, 32, generator=gen).to(dtype)
+    sinks = torch.randn(8, generator=gen).to(dtype)
+    on = lambda t: None if t is None else t.to(device)  # noqa: E731
+    out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
+                                              block_table=on(table), is_causal=True, sinks=on(sinks),
+                                              return_lse=True)
+    for b, length in enumerate(lengths):
+        if block_size is None:
+            k, v = key_cache[b : b + 1, :, :length], value_cache[b : b + 1, :, :length]
+        else:
+            rows = table[b, torch.arange(length) // block_size].long(), torch.arange(length) % block_size
+            k, v = (cache[rows].transpose(0, 1)[None] for cache in (key_cache, value_cache))
+        want_out, want_lse = reference(query[b : b + 1], k, v, sinks, is_causal=True, bottom_right=True)
+        assert relative_error(out[b : b + 1].cpu(), want_out, zero_scale=1.0) <= TOLERANCE[dtype]
+        assert (lse[b : b + 1].cpu().double() - want_lse).abs().max().item() <= 1e-4

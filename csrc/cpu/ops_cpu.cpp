@@ -87,15 +87,18 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& k_new,
                                                         const std::optional<at::Tensor>& v_new, bool is_causal,
                                                         double scale, int64_t window_left, int64_t window_right,
-                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                                                        double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                        const std::optional<at::Tensor>& sinks) {
   at::Tensor out, lse;
   const DecodeParams params = prepare_decode(
       {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, is_causal, scale, window_left, window_right,
        softcap, alibi_slopes},
       out, lse);
   check_decode_values_on_host(params);
+  check_sinks(q, sinks);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention_cpu",
                                   [&] { cpu::decode_attention<scalar_t>(params); });
+  if (sinks.has_value()) merge_sinks(*sinks, out, lse);
   return {out, lse};
 }
 

@@ -324,7 +324,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                                                          const std::optional<at::Tensor>& v_new, bool is_causal,
                                                          double scale, int64_t window_left, int64_t window_right,
                                                          double softcap,
-                                                         const std::optional<at::Tensor>& alibi_slopes) {
+                                                         const std::optional<at::Tensor>& alibi_slopes,
+                                                         const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
@@ -333,6 +334,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                              is_causal, scale, window_left, window_right, softcap, alibi_slopes};
   const DecodeParams params = prepare_decode(args, out, lse);
   if (input_checks_requested()) check_decode_values(args, params);
+  check_sinks(q, sinks);
   const AttentionProblem& p = params.problem;
   TORCH_CHECK(p.head_dim <= cuda::kMaxHeadDim && p.head_dim_v <= cuda::kMaxHeadDim,
               "flashattn_ext: decode_attention on CUDA takes head dims up to ", cuda::kMaxHeadDim, ", got ",
@@ -347,6 +349,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   run_decode_kernels(params, q, stream);
   cuda::decode_poison(params, element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (sinks.has_value()) merge_sinks(*sinks, out, lse);  // (a poisoned row stays NaN)
   return {out, lse};
 }
 
