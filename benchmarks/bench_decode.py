@@ -35,6 +35,19 @@ def copy_gbps(nbytes=2 << 30):
     return 2 * nbytes / ms / 1e6  # read and written
 
 
+def paged_caches(caches, block_size):
+    """(B, H, L, D) caches as vLLM-layout blocks (num_blocks, block_size, H, D) in a shuffled order, with
+    their (B, L // block_size) int32 block table: block order[i] holds the i-th block of the sequences laid
+    end to end."""
+    batch, heads, length, dim = caches[0].shape
+    per_sequence = length // block_size
+    order = torch.randperm(batch * per_sequence, device=caches[0].device)
+    paged = tuple(torch.empty(batch * per_sequence, block_size, heads, dim, device=t.device, dtype=t.dtype).index_copy_(
+        0, order, t.view(batch, heads, per_sequence, block_size, dim).permute(0, 2, 3, 1, 4)
+        .reshape(batch * per_sequence, block_size, heads, dim)) for t in caches)
+    return paged, order.view(batch, per_sequence).to(torch.int32)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -63,14 +76,7 @@ def main():
             if block is None:
                 caches, table = (keys, values), None
             else:
-                per_sequence = length // block
-                order = torch.randperm(batch * per_sequence, device="cuda")
-                table = order.view(batch, per_sequence).to(torch.int32)
-                # Block order[i] holds the i-th block of the sequences laid end to end.
-                caches = tuple(torch.empty(batch * per_sequence, block, HEADS_KV, DIM, device="cuda",
-                                           dtype=torch.bfloat16).index_copy_(
-                    0, order, t.view(batch, HEADS_KV, per_sequence, block, DIM).permute(0, 2, 3, 1, 4)
-                    .reshape(batch * per_sequence, block, HEADS_KV, DIM)) for t in (keys, values))
+                caches, table = paged_caches((keys, values), block)
             ours = flashattn_ext.decode_attention(query, *caches, lengths, block_table=table)
             assert (ours.float() - sdpa().float()).abs().max().item() < 3e-2, "decode_attention disagrees with SDPA"
             fns = [lambda: flashattn_ext.decode_attention(query, *caches, lengths, block_table=table), sdpa]

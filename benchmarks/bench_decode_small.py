@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import bench_attention  # noqa: F401  (puts this checkout's flashattn_ext first on sys.path)
+from bench_decode import paged_caches  # (bench_attention, which it imports, puts this checkout first on sys.path)
 import flashattn_ext
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
@@ -66,14 +66,6 @@ def reference(q, k, v):
     return (weights @ v.double()).reshape(q.shape)
 
 
-def paged(cache, block_size, table):
-    """cache (B, H, L, D) as vLLM-layout blocks (num_blocks, block_size, H, D) placed by table (B, L // block_size)."""
-    batch, heads, length, dim = cache.shape
-    blocks = torch.empty(table.numel(), block_size, heads, dim, device=cache.device, dtype=cache.dtype)
-    blocks[table.reshape(-1).long()] = cache.transpose(1, 2).reshape(-1, block_size, heads, dim)
-    return blocks
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -88,8 +80,7 @@ def main():
         for keys in (8192, 32768, 131072):
             k, v = (torch.randn(batch, HEADS_KV, keys, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             lengths = torch.full((batch,), keys, device="cuda", dtype=torch.int32)
-            table = torch.randperm(batch * keys // 16, device="cuda").view(batch, -1).to(torch.int32)
-            k_paged, v_paged = paged(k, 16, table), paged(v, 16, table)
+            (k_paged, v_paged), table = paged_caches((k, v), 16)
             one_token = None
             for tokens, cache in ((1, "contiguous"), (1, "paged 16"), (2, "contiguous"), (4, "contiguous"),
                                   (8, "contiguous")):

@@ -219,7 +219,7 @@ def run_decode(dtype):
         torch.cuda.synchronize()
         if not torch.isfinite(out).all():
             raise RuntimeError(f"decode out is not finite at head dim {dim}, block size {block_size} in {dtype}")
-    # One sequence of 8 key heads: the Hopper kernel splits each head's keys over a cluster of blocks;
+    # One sequence of 8 key heads: the Hopper kernel splits each head's keys into chunks over the SMs;
     # 1 and 8 query tokens (4 and 32 query rows a key head: one and two row groups).
     for len_q in (1, 8):
         k_cache, v_cache = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=dtype) for _ in range(2))

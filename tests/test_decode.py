@@ -318,6 +318,22 @@ def test_bad_arguments(call, exception, message):
     assert message in str(info.value)
 
 
+def check_on_cuda(query, key_cache, value_cache, lengths, table, is_causal):
+    """decode_attention of the CPU tensors on CUDA against the float64 reference: out, which rows see a key
+    (finite lse) and their lse. Returns out (on the CPU) and that mask."""
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=is_causal,
+                                              block_table=None if table is None else table.cuda(), return_lse=True)
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, is_causal,
+                                   1 / math.sqrt(query.shape[-1]))
+    out, lse = out.cpu(), lse.cpu()
+    assert relative_error(out, want_out) <= TOLERANCE[query.dtype]
+    finite = want_lse.isfinite()
+    assert torch.equal(lse.isfinite(), finite)
+    assert (lse.double() - want_lse)[finite].abs().max().item() <= 1e-4
+    return out, finite
+
+
 @cuda_test
 @pytest.mark.parametrize("block_size, dim, len_q", [(None, 128, 1), (16, 128, 1), (256, 128, 1), (None, 128, 5),
                                                     (16, 64, 2), (None, 80, 1), (256, 256, 3)])
@@ -329,12 +345,8 @@ def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
     key_cache, value_cache, table = make_cache(2, 8, capacity, dim, dim, dtype, block_size, gen)
     lengths = [4096, 1500]
     query = torch.randn(2, 32, len_q, dim, generator=gen).to(dtype)
-    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
-                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
-                                              block_table=None if table is None else table.cuda(), return_lse=True)
-    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
-    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
-    assert (lse.cpu().double() - want_lse).abs().max().item() <= 1e-4
+    _, finite = check_on_cuda(query, key_cache, value_cache, lengths, table, is_causal=len_q > 1)
+    assert finite.all()
 
 
 @cuda_test
@@ -342,23 +354,15 @@ def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
                                                    (4, 1, [8192, 700, 1, 5000])], ids=str)
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
 def test_small_batches_on_cuda(batch, len_q, lengths, block_size):
-    """A few sequences of GQA 32:8 against long caches: on Hopper, each key head's keys split over a
-    cluster of blocks that merge their chunks in shared memory; 6 and 8 query tokens (24 and 32 query
-    rows a key head) take two row groups of warps. Lengths that leave chunks empty, and an empty cache
-    (out 0, lse -inf)."""
+    """A few sequences of GQA 32:8 against long caches: on Hopper, each key head's keys split into up to
+    16 chunks, merged by the last to finish; 6 and 8 query tokens (24 and 32 query rows a key head) take
+    two row groups of warps. Lengths that leave chunks empty, and an empty cache (out 0, lse -inf)."""
     gen = torch.Generator().manual_seed(batch * 10 + len_q)
     dtype, capacity, dim = torch.bfloat16, 8192, 128
     key_cache, value_cache, table = make_cache(batch, 8, capacity, dim, dim, dtype, block_size, gen)
     query = torch.randn(batch, 32, len_q, dim, generator=gen).to(dtype)
-    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
-                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
-                                              block_table=None if table is None else table.cuda(), return_lse=True)
-    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
-    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
-    finite = want_lse.isfinite()
-    assert torch.equal(lse.cpu().isfinite(), finite)
-    assert (lse.cpu().double() - want_lse)[finite].abs().max().item() <= 1e-4
-    assert torch.equal(out.cpu()[~finite], torch.zeros_like(out.cpu()[~finite]))
+    out, finite = check_on_cuda(query, key_cache, value_cache, lengths, table, is_causal=len_q > 1)
+    assert torch.equal(out[~finite], torch.zeros_like(out[~finite]))
 
 
 @cuda_test
@@ -374,13 +378,7 @@ def test_more_key_heads_than_sms_on_cuda(block_size):
     lengths = torch.randint(1, capacity + 1, (batch,), generator=gen)
     lengths[-1], lengths[-2], lengths[-3] = 0, 300, capacity
     query = torch.randn(batch, 4 * heads_kv, 1, dim, generator=gen).to(dtype)
-    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(), lengths.cuda(),
-                                              block_table=None if table is None else table.cuda(), return_lse=True)
-    want_out, want_lse = reference(query, key_cache, value_cache, lengths.tolist(), table, False, 1 / math.sqrt(dim))
-    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
-    finite = want_lse.isfinite()
-    assert torch.equal(lse.cpu().isfinite(), finite)
-    assert (lse.cpu().double() - want_lse)[finite].abs().max().item() <= 1e-4
+    check_on_cuda(query, key_cache, value_cache, lengths.tolist(), table, is_causal=False)
 
 
 @cuda_test

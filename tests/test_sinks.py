@@ -158,7 +158,7 @@ def test_opcheck_with_sinks(device):
 def test_decode_attention_with_sinks(device, block_size):
     """decode_attention's sinks: 3 new tokens a sequence (causal, bottom-right) against caches of
     different lengths, one empty (out 0, lse the sink), against the float64 reference."""
-    from test_decode import make_cache
+    from test_decode import make_cache, sequence_rows
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(4)
     key_cache, value_cache, table = make_cache(3, 2, 64, 32, 32, dtype, block_size, gen)
@@ -170,11 +170,7 @@ def test_decode_attention_with_sinks(device, block_size):
                                               block_table=on(table), is_causal=True, sinks=on(sinks),
                                               return_lse=True)
     for b, length in enumerate(lengths):
-        if block_size is None:
-            k, v = key_cache[b : b + 1, :, :length], value_cache[b : b + 1, :, :length]
-        else:
-            rows = table[b, torch.arange(length) // block_size].long(), torch.arange(length) % block_size
-            k, v = (cache[rows].transpose(0, 1)[None] for cache in (key_cache, value_cache))
+        k, v = (sequence_rows(cache, b, length, table)[None] for cache in (key_cache, value_cache))
         want_out, want_lse = reference(query[b : b + 1], k, v, sinks, is_causal=True, bottom_right=True)
         assert relative_error(out[b : b + 1].cpu(), want_out, zero_scale=1.0) <= TOLERANCE[dtype]
         assert (lse[b : b + 1].cpu().double() - want_lse).abs().max().item() <= 1e-4
