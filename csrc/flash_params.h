@@ -251,6 +251,10 @@ struct DecodeParams {
   int64_t block_size = 0;
   int64_t num_blocks = 0;  // paged: blocks in the cache
   int64_t len_new = 0;
+  // (A dense call that the decode kernels take, CUDA only) a bool attn_mask,
+  // seen as (batch, heads_q, len_q, len_k) as in FwdParams, its columns
+  // contiguous: it hides the pairs where it is false. data == nullptr: none.
+  TensorView4d mask;
 
   // Sequence b's cached keys: cache_seqlens.at(0, b), or the whole capacity
   // where cache_seqlens is absent (a dense call that the decode kernels take).

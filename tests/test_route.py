@@ -48,13 +48,14 @@ def test_cuda_routes(monkeypatch):
     assert family == "aten" and "float16 and bfloat16" in reason
     family, reason = route(*qkv("cuda", bf16, dim=36))
     assert family == "aten" and "multiples of 8" in reason
-    # Row 2: a decoding step's shape (4 query heads a key head, 1 token: 4 rows; 8 tokens: 32 rows), not
-    # with a mask or top-left causal alignment, nor with 9 tokens (36 rows).
+    # Row 2: a decoding step's shape (4 query heads a key head, 1 token: 4 rows; 8 tokens: 32 rows), also
+    # with a bool mask; not with an additive one or top-left causal alignment, nor with 9 tokens (36 rows).
     step = qkv("cuda", bf16, heads_q=16, len_q=1, len_k=3000)
     assert route(*step, enable_gqa=True)[0] == "decode"
     assert route(*step, enable_gqa=True, is_causal=True, causal_lower_right=True)[0] == "decode"
     assert route(*step, enable_gqa=True, is_causal=True)[0] == dense
-    assert route(*step, enable_gqa=True, attn_mask=torch.ones(1, 3000, dtype=torch.bool, device="cuda"))[0] == dense
+    assert route(*step, enable_gqa=True, attn_mask=torch.ones(1, 3000, dtype=torch.bool, device="cuda"))[0] == "decode"
+    assert route(*step, enable_gqa=True, attn_mask=torch.zeros(1, 3000, dtype=bf16, device="cuda"))[0] == dense
     assert route(*qkv("cuda", bf16, heads_q=16, len_q=8, len_k=3000), enable_gqa=True)[0] == "decode"
     assert route(*qkv("cuda", bf16, heads_q=16, len_q=9, len_k=3000), enable_gqa=True)[0] == dense
     # Row 3: deterministic mode.

@@ -139,19 +139,29 @@ def test_encoder_training_step_matches_sdpa_on_real_tokens(device, dtype):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("family", ["llama", "gpt_oss"])
 def test_compiled_static_cache_generation(family, device):
-    """generate() with a static cache and the model's forward under torch.compile(fullgraph=True): no
-    graph break (our ops trace through their fake kernels), and the same tokens as uncompiled (on the
-    CPU in float32 also transformers' own attention's). On CUDA the compiled steps run as CUDA graphs
-    (mode="reduce-overhead"), which a host sync inside the ops would break."""
+    """generate() with a static cache and its decoding steps under torch.compile(fullgraph=True): no graph
+    break (our ops trace through their fake kernels), and the same tokens as uncompiled (on the CPU in
+    float32 also transformers' own attention's). On CUDA, transformers' own compilation of the steps
+    (mode="reduce-overhead") runs them as CUDA graphs, which a host sync inside the ops would stop
+    (counted as a cudagraph skip)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from torch._dynamo.utils import counters
+
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     theirs, ours = twin_models(family, device, dtype)
     ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(3)).to(device)
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, cache_implementation="static")
-    uncompiled = ours.generate(ids, **settings)
+    uncompiled = ours.generate(ids, disable_compile=True, **settings)
     if device == "cpu":
-        assert torch.equal(uncompiled, theirs.generate(ids, **settings))
+        assert torch.equal(uncompiled, theirs.generate(ids, disable_compile=True, **settings))
     torch._dynamo.reset()
-    ours.forward = torch.compile(ours.forward, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
-    assert torch.equal(ours.generate(ids, **settings), uncompiled)
+    counters.clear()
+    if device == "cpu":
+        ours.forward = torch.compile(ours.forward, fullgraph=True)
+        compiled = ours.generate(ids, disable_compile=True, **settings)
+    else:
+        compiled = ours.generate(ids, compile_config=transformers.CompileConfig(fullgraph=True), **settings)
+        assert counters["inductor"]["cudagraph_skips"] == 0
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert torch.equal(compiled, uncompiled)

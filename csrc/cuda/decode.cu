@@ -113,7 +113,7 @@ struct TileRows {
 // out_partial (batch, heads_q, len_q, chunks, head_dim_v) and lse_partial
 // (batch, heads_q, len_q, chunks), float; a chunk that a row sees no key of
 // gets lse -inf.
-template <typename Elem, typename Cfg, bool kAlibi>
+template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
 __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const DecodeParams params, float* out_partial,
                                                                       float* lse_partial, int keys_per_chunk,
                                                                       int chunks) {
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     s_q[r * kStride + c] = x;
   }
 
-  const LaneRows<kAlibi> lane_rows(params, vis, b, h_kv, row0, rows, key_end, lane);
+  const LaneRows<kTerm> lane_rows(params, vis, b, h_kv, row0, rows, key_end, lane);
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t warp_keys = warp * Cfg::kKeysPerWarp * kStride * kElemBytes;
@@ -249,6 +249,8 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
   for (int t = 0; t < tiles; ++t) {
+    const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
+    const uint32_t visible = decoding::mask_bits(lane_rows, key0, 0, 0, lane);
     ptx::cp_async_wait<kStages - 2>();  // tile t has landed
     __syncthreads();                    // for every thread, and all are done with tile t - 1's stage
     if (t + kStages - 1 < tiles) {
@@ -266,8 +268,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     const uint32_t stage_offset = (t % kStages) * kTileBytes;
     float s[1][2][4] = {};
     mma_rows_by_rows<Elem, 1, 2, kHeadDim, kStride>(s, q_frag, k_frag + stage_offset);
-    const int64_t key0 = key_begin + int64_t(t) * kBlockN + warp * Cfg::kKeysPerWarp;
-    decoding::finish_scores(s[0], score_scale, lane_rows, vis, key0, 0, 0, lane);
+    decoding::finish_scores(s[0], score_scale, lane_rows, vis, key0, 0, 0, lane, visible);
     decoding::online_softmax(s[0], row_max, row_sum, acc[0]);
     // O += P V over the warp's 16 keys.
     mma_regs_by_rows<Elem, 1, Cfg::kKeysPerWarp, kHeadDim, kStride>(acc, s, v_frag + stage_offset);
@@ -378,7 +379,7 @@ __global__ void poison_kernel(const DecodeParams params) {
 template <typename Elem, typename Cfg>
 int blocks_per_multiprocessor() {
   static const int blocks = [] {
-    const auto kernel = decode_chunks_kernel<Elem, Cfg, false>;  // (the ALiBi kernel's count is the same)
+    const auto kernel = decode_chunks_kernel<Elem, Cfg, decoding::ScoreTerm::kNone>;  // (the others' count is the same)
     const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     int count = 0;
@@ -446,8 +447,8 @@ void decode_attention_partials(const DecodeParams& params, ElementType type, flo
       const int64_t keys_per_chunk = ceil_div(ceil_div(p.len_k, partials), Cfg::kBlockN) * Cfg::kBlockN;
       const int smem_bytes = Cfg::kSmemElems * sizeof(Elem);
       const int64_t blocks = partials * p.heads_kv * row_blocks(p) * p.batch;
-      dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
-        const auto kernel = decode_chunks_kernel<Elem, Cfg, decltype(alibi)::value>;
+      decoding::dispatch_score_term(params, [&](auto term) {
+        const auto kernel = decode_chunks_kernel<Elem, Cfg, decltype(term)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
         kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem_bytes, stream>>>(
             params, out_partial, lse_partial, static_cast<int>(keys_per_chunk), partials);

@@ -46,16 +46,23 @@ __device__ __forceinline__ QueryRow query_row(int64_t h_kv, int group, int len_q
   return {h_kv * group + index / len_q, index % len_q};
 }
 
+// What changes a pair's score besides the scale and softcap: nothing, ALiBi's
+// bias, or a bool attn_mask (a dense call's, cuda/route.cpp). A template
+// argument: ALiBi's 64-bit distances cost the kernels without it up to 23
+// registers, and the mask's row pointers 4.
+enum class ScoreTerm { kNone, kAlibi, kMask };
+
 // What a lane's two rows (lane / 4 and lane / 4 + 8 of a block of `rows` rows
 // from row0 of the query rows of key/value heads h_kv on) see: keys [begin,
 // end), bounded by key_end, of key/value head h_kv + head; rows past the
-// block's see none. kAlibi: each row's slope in log2 units (a template flag:
-// the 64-bit distances cost the kernels without ALiBi up to 23 registers).
-template <bool kAlibi>
+// block's see none. kAlibi: each row's slope in log2 units; kMask: each
+// row's row of the mask (its columns contiguous).
+template <ScoreTerm kTerm>
 struct LaneRows {
   int64_t begin[2], end[2], token[2];
   int head[2];
   float alibi_log2[2];
+  const uint8_t* mask_row[2];
 
   __device__ __forceinline__ LaneRows(const DecodeParams& params, const Visibility& vis, int64_t b, int64_t h_kv,
                                       int row0, int rows, int64_t key_end, int lane) {
@@ -69,10 +76,37 @@ struct LaneRows {
       head[half] = (row0 + r) / (group * len_q);
       begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
       end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
-      alibi_log2[half] = kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
+      alibi_log2[half] = kTerm == ScoreTerm::kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
+      mask_row[half] = kTerm == ScoreTerm::kMask
+                           ? static_cast<const uint8_t*>(params.mask.data) + b * params.mask.stride_batch +
+                                 row.head * params.mask.stride_head + row.token * params.mask.stride_row
+                           : nullptr;
     }
   }
 };
+
+// Bit i (i = nt * 4 + e, as the scores s[nt][e] of finish_scores) set where
+// the lane's pair i is visible by the mask (kMask; all set otherwise). Its
+// loads are issued before a tile's data is waited for, so that their latency
+// hides under that wait.
+template <ScoreTerm kTerm>
+__device__ __forceinline__ uint32_t mask_bits(const LaneRows<kTerm>& rows, int64_t key0, int pair0, int heads_log2,
+                                              int lane) {
+  if constexpr (kTerm != ScoreTerm::kMask) {
+    return 0xff;
+  } else {
+    uint32_t bits = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int pair = pair0 + (i / 4) * 8 + (lane % 4) * 2 + i % 2;
+      const int64_t j = key0 + (pair >> heads_log2);
+      const int half = (i % 4) / 2;
+      // (Only keys the row may see are read: the mask ends at the capacity.)
+      if (j >= rows.begin[half] && j < rows.end[half] && rows.mask_row[half][j] != 0) bits |= 1u << i;
+    }
+    return bits;
+  }
+}
 
 // How raw scores become log2-unit logits: scale * x, or with softcapping
 // softcap * tanh(scale * x / softcap).
@@ -89,13 +123,14 @@ struct ScoreScale {
 
 // A warp's scores of 16 (key, key/value head) pairs from pair0 of a tile
 // whose keys start at key0, in log2 units: scaled (or capped), -inf where a
-// row does not see the pair's key or the pair is another head's, less ALiBi's
-// bias where it counts. Pair i is key key0 + (i >> heads_log2) of head
-// i % 2^heads_log2 (one head: pair i is key key0 + i).
-template <bool kAlibi>
-__device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kAlibi>& rows,
+// row does not see the pair's key, the pair is another head's or the mask
+// hides it (visible: mask_bits), less ALiBi's bias where it counts. Pair i is
+// key key0 + (i >> heads_log2) of head i % 2^heads_log2 (one head: pair i is
+// key key0 + i).
+template <ScoreTerm kTerm>
+__device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kTerm>& rows,
                                               const Visibility& vis, int64_t key0, int pair0, int heads_log2,
-                                              int lane) {
+                                              int lane, uint32_t visible) {
   if (scale.softcapped) {  // one branch a tile, not one per score
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.cap_log2 * tanhf(s[i / 4][i % 4] * scale.scale_over_cap);
@@ -109,9 +144,10 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
     for (int e = 0; e < 4; ++e) {
       const int pair = pair0 + nt * 8 + (lane % 4) * 2 + e % 2;
       const int64_t j = key0 + (pair >> heads_log2);
-      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || j < rows.begin[e / 2] || j >= rows.end[e / 2]) {
+      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || j < rows.begin[e / 2] || j >= rows.end[e / 2] ||
+          !(visible >> (nt * 4 + e) & 1)) {
         s[nt][e] = -INFINITY;
-      } else if constexpr (kAlibi) {
+      } else if constexpr (kTerm == ScoreTerm::kAlibi) {
         s[nt][e] -= rows.alibi_log2[e / 2] * static_cast<float>(vis.distance(rows.token[e / 2], j));
       }
     }
@@ -151,6 +187,19 @@ __device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&row_max
       acc[dt][2 * half] *= rescale;
       acc[dt][2 * half + 1] *= rescale;
     }
+  }
+}
+
+// Calls fn with params' ScoreTerm as a std::integral_constant (a mask and
+// ALiBi together never reach the decode kernels: cuda/route.cpp).
+template <typename Fn>
+void dispatch_score_term(const DecodeParams& params, Fn&& fn) {
+  if (params.mask.data != nullptr) {
+    fn(std::integral_constant<ScoreTerm, ScoreTerm::kMask>{});
+  } else if (params.problem.alibi_slopes != nullptr) {
+    fn(std::integral_constant<ScoreTerm, ScoreTerm::kAlibi>{});
+  } else {
+    fn(std::integral_constant<ScoreTerm, ScoreTerm::kNone>{});
   }
 }
 

@@ -77,6 +77,14 @@ int64_t mask_block_map_bytes(MaskKind kind, const TensorView4d& mask, const Atte
 MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p,
                                   ElementType type, uint8_t* map, cudaStream_t stream);
 
+// A bool attn_mask's key extents (mask_blocks.cu), for a dense call that the
+// decode kernels take: extents[b] (zeros beforehand) becomes one past the last
+// key that the mask shows any row of batch b, for the mask_key_extent_batches
+// batches it has values of (1 where it repeats over them). Its columns are
+// contiguous.
+int64_t mask_key_extent_batches(const TensorView4d& mask, const AttentionProblem& p);
+void mask_key_extents(const TensorView4d& mask, const AttentionProblem& p, int32_t* extents, cudaStream_t stream);
+
 // Sets the delta of the query rows that params' attn_mask leaves exactly one
 // key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);

@@ -7,6 +7,10 @@
 //    GEMMs) and run the unmasked code on visible ones: FlexAttention's
 //    BlockMask, built without the user's help. One pass over the mask's own
 //    elements, before the forward and again before the backward.
+//  - Before a decoding step's forward that the decode kernels take (a dense
+//    call with a bool mask, cuda/route.cpp), each sequence's key extent: one
+//    past the last key that the mask leaves visible to any of its rows, so
+//    that the kernels read no further (a static cache's unused slots).
 //  - Before the backward, the query rows that the mask leaves exactly one key:
 //    their delta becomes kOneKeyRowDelta (flash_common.cuh), which the masked
 //    backward kernels read as dS = 0.
@@ -109,7 +113,56 @@ __global__ void __launch_bounds__(kOneKeyThreads)
   }
 }
 
+// A thread takes kExtentKeys consecutive keys of every row of its batch that
+// the mask has values of (a bool mask, its columns contiguous), from the last
+// down to the first visible one; the block's largest extent goes into
+// extents[batch] (zeros beforehand) with an atomic max. Grid: key blocks,
+// batches (a loop where they outnumber the grid's y).
+constexpr int kExtentThreads = 256, kExtentKeys = 16;
+
+__global__ void __launch_bounds__(kExtentThreads)
+    mask_key_extent_kernel(TensorView4d mask, int64_t batches, int64_t heads, int64_t rows, int64_t len_k,
+                           int32_t* extents) {
+  __shared__ int32_t block_extent;
+  const int64_t key0 = (int64_t(blockIdx.x) * kExtentThreads + threadIdx.x) * kExtentKeys;
+  for (int64_t batch = blockIdx.y; batch < batches; batch += gridDim.y) {
+    if (threadIdx.x == 0) block_extent = 0;
+    __syncthreads();
+    int32_t extent = 0;
+    for (int64_t row = 0; row < heads * rows && key0 < len_k; ++row) {
+      const uint8_t* keys = static_cast<const uint8_t*>(mask.data) + batch * mask.stride_batch +
+                            row / rows * mask.stride_head + row % rows * mask.stride_row;
+      // (Keys below the extent found so far cannot raise it.)
+      for (int64_t key = min(key0 + kExtentKeys, len_k) - 1; key >= max(key0, int64_t{extent}); --key) {
+        if (keys[key] != 0) {
+          extent = max(extent, static_cast<int32_t>(key + 1));
+          break;
+        }
+      }
+    }
+    extent = static_cast<int32_t>(__reduce_max_sync(0xffffffff, static_cast<unsigned>(extent)));
+    if (threadIdx.x % kWarpSize == 0 && extent > 0) atomicMax(&block_extent, extent);
+    __syncthreads();
+    if (threadIdx.x == 0 && block_extent > 0) atomicMax(&extents[batch], block_extent);
+  }
+}
+
 }  // namespace
+
+int64_t mask_key_extent_batches(const TensorView4d& mask, const AttentionProblem& p) {
+  return mask_dims(mask, p).batch ? p.batch : 1;
+}
+
+void mask_key_extents(const TensorView4d& mask, const AttentionProblem& p, int32_t* extents, cudaStream_t stream) {
+  const MaskDims own = mask_dims(mask, p);
+  const int64_t batches = mask_key_extent_batches(mask, p);
+  if (p.len_k == 0 || batches == 0) return;
+  constexpr int64_t kKeysPerBlock = int64_t{kExtentThreads} * kExtentKeys, kMaxGridY = 65535;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.len_k, kKeysPerBlock)),
+                  static_cast<unsigned>(std::min(batches, kMaxGridY)));
+  mask_key_extent_kernel<<<grid, kExtentThreads, 0, stream>>>(mask, batches, own.heads ? p.heads_q : 1,
+                                                               own.rows ? p.len_q : 1, p.len_k, extents);
+}
 
 int64_t mask_block_map_bytes(MaskKind kind, const TensorView4d& mask, const AttentionProblem& p) {
   if (kind == MaskKind::kNone) return 0;

@@ -113,8 +113,11 @@ void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStr
 }
 
 // The dense forward's params as a decoding step's: k and v its caches, every
-// sequence holding all len_k keys (no cache_seqlens).
-DecodeParams as_decoding_step(const FwdParams& params) {
+// sequence holding all len_k keys (no cache_seqlens), or with a bool mask
+// (which the route takes alone) the keys up to its key extents, computed into
+// `extents` (cuda::mask_key_extents).
+DecodeParams as_decoding_step(const FwdParams& params, const at::Tensor& q, at::Tensor& extents,
+                              cudaStream_t stream) {
   DecodeParams decode;
   decode.problem = params.problem;
   decode.problem.causal_lower_right = true;  // (the same visibility: see cuda::route_forward)
@@ -123,6 +126,14 @@ DecodeParams as_decoding_step(const FwdParams& params) {
   decode.lse = params.lse;
   decode.k_cache = params.k;
   decode.v_cache = params.v;
+  if (params.mask_kind == MaskKind::kBool) {
+    decode.mask = params.mask;
+    const int64_t batches = cuda::mask_key_extent_batches(params.mask, params.problem);
+    extents = at::empty({batches}, q.options().dtype(at::kInt));
+    C10_CUDA_CHECK(cudaMemsetAsync(extents.data_ptr<int32_t>(), 0, batches * sizeof(int32_t), stream));
+    cuda::mask_key_extents(params.mask, params.problem, extents.data_ptr<int32_t>(), stream);
+    decode.cache_seqlens = {extents.data_ptr<int32_t>(), /*int32=*/true, 0, batches > 1 ? 1 : 0};
+  }
   return decode;
 }
 
@@ -156,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   const cuda::Route route = cuda::route_forward(q, params);
   if (route.family == cuda::Family::kAten) return run_fallback(route.reason);
   if (route.family == cuda::Family::kDecode) {
-    run_decode_kernels(as_decoding_step(params), q, stream);
+    at::Tensor extents;
+    run_decode_kernels(as_decoding_step(params, q, extents, stream), q, stream);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return finish();
   }

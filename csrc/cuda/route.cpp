@@ -28,21 +28,27 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
 
 // Whether a dense forward has a decoding step's shape, which the decode
 // kernels take: the query rows of a key/value head (its group's heads times
-// the query tokens) fit kDecodeRouteRows, and the call has nothing they lack (a
-// mask, dropout; a causal mask, window or ALiBi aligned top-left where
-// len_q != len_k, since theirs align bottom-right). They read each key/value
-// head's keys once for its whole group and split long ones over the SMs
-// (flash-decoding), where the dense kernels read them once a query head into
-// mostly empty tiles: 2.9x faster for a one-token step of B = 16, GQA 32:8,
-// 4k keys (issue 44). The backward needs only out and lse, which these
-// kernels give as the dense ones do.
+// the query tokens) fit kDecodeRouteRows, and the call has nothing they lack
+// (dropout; an additive mask, or a bool one beside causal, a window or ALiBi;
+// a causal mask, window or ALiBi aligned top-left where len_q != len_k,
+// since theirs align bottom-right). They read each key/value head's keys once
+// for its whole group and split long ones over the SMs (flash-decoding),
+// where the dense kernels read them once a query head into mostly empty
+// tiles: 2.9x faster for a one-token step of B = 16, GQA 32:8, 4k keys (issue
+// 44). A bool mask (transformers' decoding steps with a static cache, or a
+// padded batch) is read a pair at a time, and keys past the last one it shows
+// are not read (mask_key_extents). The backward needs only out and lse, which
+// these kernels give as the dense ones do.
 bool takes_decode_kernels(const FwdParams& params) {
   const AttentionProblem& p = params.problem;
   if (kernels_requested("dense")) return false;
-  const bool aligned = p.causal_lower_right || p.len_q == p.len_k ||
-                       (!p.is_causal && !p.has_window() && p.alibi_slopes == nullptr);
+  const bool plain = !p.is_causal && !p.has_window() && p.alibi_slopes == nullptr;
+  const bool aligned = p.causal_lower_right || p.len_q == p.len_k || plain;
+  const bool mask_taken = params.mask_kind == MaskKind::kNone ||
+                          (params.mask_kind == MaskKind::kBool && plain &&
+                           (params.mask.stride_col == 1 || p.len_k <= 1));
   constexpr int64_t kLimit = int64_t{1} << 31;  // (the decode kernels' 32-bit indices)
-  return params.mask_kind == MaskKind::kNone && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
+  return mask_taken && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
          p.heads_q / p.heads_kv * p.len_q <= kDecodeRouteRows && p.len_k < kLimit && p.batch < kLimit;
 }
 

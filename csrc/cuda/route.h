@@ -33,9 +33,9 @@ struct Route {
 //   1. the ATen fallback where the kernels lack the call's dtype or head dims,
 //      or FLASHATTN_EXT_KERNELS=aten asks for it;
 //   2. (forward) the decode kernels for a decoding step's shape: the query
-//      rows of a key/value head fit two 16-row tiles, no mask or dropout, the
-//      diagonal aligned bottom-right where it matters (FLASHATTN_EXT_KERNELS=dense
-//      turns this row off, for comparisons);
+//      rows of a key/value head fit two 16-row tiles, no dropout, no mask or
+//      a bool one alone, the diagonal aligned bottom-right where it matters
+//      (FLASHATTN_EXT_KERNELS=dense turns this row off, for comparisons);
 //   2b. (backward) the ATen fallback for attention sinks (params.sinks);
 //   3. (backward) in deterministic mode, the sm80 kernels' separate dQ pass;
 //   4. the Hopper kernels on an H100 / H200 where they cover the call

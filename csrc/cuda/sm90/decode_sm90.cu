@@ -90,10 +90,10 @@ struct DecodeKernelParams {
   CUtensorMap k_map, v_map;
   // A unit is a group of key/value heads of a sequence (sequence-major). The
   // first whole_units units are an item each; the other split_units are
-  // split into `chunks` items of keys_per_chunk keys each (chunk-major: the
-  // SMs then read different units' chunks at a time, not one unit's, which
-  // was 7% faster at 4 chunks).
-  int items, whole_units, split_units, chunks, keys_per_chunk;
+  // split into `chunks` items each (chunk-major: the SMs then read different
+  // units' chunks at a time, not one unit's, which was 7% faster at 4
+  // chunks), which share the keys its queries see (decode_item).
+  int items, whole_units, split_units, chunks;
   int rows;            // query rows of an item: its heads' GQA groups times the query tokens
   int heads_log2;      // key/value heads of an item: 2^heads_log2
   int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
@@ -135,6 +135,9 @@ struct StageLayout {
 // tile_keys keys from tile0 (key_begin rounded down: a paged cache's blocks
 // then start a box). split is the unit's place among the split units (-1:
 // whole).
+// Fewer keys a chunk would spend more on its partial result than on them.
+constexpr int kMinKeysPerChunk = 512;
+
 struct DecodeItem {
   int64_t b, h_kv, length, key_begin, key_end, tile0;
   int split, chunk, tiles, tile_keys;
@@ -158,8 +161,19 @@ __device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, 
   item.b = unit / groups;
   item.length = decoding::sequence_length(kp.call, item.b);
   const Visibility vis(p, p.len_q, item.length);
-  const int64_t chunk_begin = int64_t{item.chunk} * kp.keys_per_chunk;
-  const int64_t chunk_end = item.split < 0 ? item.length : chunk_begin + kp.keys_per_chunk;
+  int64_t chunk_begin = 0, chunk_end = item.length;
+  if (item.split >= 0) {
+    // The keys its queries see (not the capacity: a cache of which cache_seqlens
+    // or a mask's key extent leaves 3/8 in use, or a window, still spreads over
+    // all its chunks), in chunks of whole tiles of at least kMinKeysPerChunk
+    // keys.
+    const int64_t first = vis.key_begin(0) / Cfg::kBlockN * Cfg::kBlockN;
+    const int64_t seen = max(min(vis.key_end(p.len_q - 1), item.length) - first, int64_t{0});
+    const int64_t keys_per_chunk =
+        max(ceil_div(seen, int64_t{kp.chunks} * Cfg::kBlockN) * Cfg::kBlockN, int64_t{kMinKeysPerChunk});
+    chunk_begin = first + int64_t{item.chunk} * keys_per_chunk;
+    chunk_end = chunk_begin + keys_per_chunk;
+  }
   item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
   item.key_end = max(item.key_begin, min(chunk_end, vis.key_end(p.len_q - 1)));
   item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
@@ -315,7 +329,7 @@ __device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const
   }
 }
 
-template <typename Elem, typename Cfg, bool kAlibi>
+template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages, kDimTiles = kHeadDim / 8;
@@ -362,7 +376,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
     const DecodeItem item = decode_item<Cfg>(kp, index);
     const Visibility vis(p, p.len_q, item.length);
-    const LaneRows<kAlibi> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
+    const LaneRows<kTerm> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
 
     // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
     // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past
@@ -389,8 +403,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
     float acc[kDimTiles][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     for (int t = 0; t < item.tiles; ++t) {
-      ptx::mbarrier_wait(&bars.full[stage], phase);
       const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
+      const uint32_t visible = decoding::mask_bits(lane_rows, key0, pair0, heads_log2, lane);
+      ptx::mbarrier_wait(&bars.full[stage], phase);
       // This warp's keys: [key0 + first_key, key0 + last_key].
       const int first_key = pair0 >> heads_log2, last_key = (pair0 + 15) >> heads_log2;
       if (key0 + first_key < item.key_end && key0 + last_key >= item.key_begin) {
@@ -418,7 +433,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
           ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
           ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
         }
-        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, pair0, heads_log2, lane);
+        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, pair0, heads_log2, lane, visible);
         decoding::online_softmax(s, row_max, row_sum, acc);
         // O += P V: P as A fragments straight from the scores' accumulators.
         const uint32_t p_frag[4] = {ptx::pack2<Elem>(s[0][0], s[0][1]), ptx::pack2<Elem>(s[0][2], s[0][3]),
@@ -552,7 +567,6 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   // whose box fills the swizzle's 8 lines (each head's keys then one stream:
   // at 8k-32k keys, B = 64, 8 key heads, 0.2-0.6% faster on an H100 and
   // 1-1.6% on an H200).
-  constexpr int64_t kMinKeysPerChunk = 512;
   const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
   const int64_t sms = multiprocessor_count(), most_chunks = std::max<int64_t>(p.len_k / kMinKeysPerChunk, 1);
   const int64_t block_size = paged ? params.block_size : Cfg::kBlockN;  // (a contiguous cache's tile: one box)
@@ -603,7 +617,6 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   kp.whole_units = static_cast<int>(units - split_units);
   kp.split_units = static_cast<int>(split_units);
   kp.chunks = static_cast<int>(chunks);
-  kp.keys_per_chunk = static_cast<int>(ceil_div(ceil_div(p.len_k, chunks), Cfg::kBlockN) * Cfg::kBlockN);
   kp.rows = static_cast<int>(rows_per_head << kp.heads_log2);
   return true;
 }
@@ -643,8 +656,8 @@ bool decode_attention(const DecodeParams& params, ElementType type, const Decode
       kp.out_partial = buffers.out;
       kp.lse_partial = buffers.lse;
       kp.arrivals = buffers.arrivals;
-      dispatch_flag(p.alibi_slopes != nullptr, [&](auto alibi) {
-        const auto kernel = decode_kernel<Elem, Cfg, decltype(alibi)::value>;
+      decoding::dispatch_score_term(params, [&](auto term) {
+        const auto kernel = decode_kernel<Elem, Cfg, decltype(term)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
         const int blocks = std::min(kp.items, multiprocessor_count());
         kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
