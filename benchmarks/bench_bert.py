@@ -3,6 +3,10 @@ flashattn_ext, through the drop-in swap and through the transformers backend (is
 
     python3 benchmarks/bench_bert.py --out benchmarks/results/bert.md
     python3 benchmarks/bench_bert.py --seqlens 2048 --steps 5     # quicker
+    python3 benchmarks/bench_bert.py --model llama                # a causal decoder of the same size
+
+--model llama: transformers' LlamaForCausalLM of the same sizes (12 heads of dim 64, MHA), the causal
+LM loss on the real tokens; transformers builds the causal (B, 1, N, N) mask with the padding in it.
 
 transformers' BertForMaskedLM, hidden 768, 12 heads (head dim 64), intermediate 3072, 4 layers,
 random init, bf16 weights and inputs, AdamW. A batch holds 4 sequences right-padded to N, their
@@ -53,13 +57,17 @@ def swapped_sdpa(active: bool):
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def build_models(n: int, layers: int, device):
-    from transformers import BertConfig, BertForMaskedLM
+def build_models(n: int, layers: int, device, model_kind: str = "bert"):
+    import transformers
 
-    config = BertConfig(hidden_size=768, num_attention_heads=12, num_hidden_layers=layers,
-                        intermediate_size=3072, max_position_embeddings=n)
+    sizes = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=layers, intermediate_size=3072,
+                 max_position_embeddings=n)
     torch.manual_seed(0)
-    base = BertForMaskedLM(config).to(device, torch.bfloat16)
+    if model_kind == "llama":
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=30522, **sizes))
+    else:
+        base = transformers.BertForMaskedLM(transformers.BertConfig(**sizes))
+    base = base.to(device, torch.bfloat16)
     models = {}
     for provider in PROVIDERS:
         model = copy.deepcopy(base)
@@ -88,7 +96,7 @@ def timed_steps(model, optimizer, batch, steps: int, swap: bool):
 
 
 def measure(n: int, args, device):
-    models = build_models(n, args.layers, device)
+    models = build_models(n, args.layers, device, args.model)
     optimizers = {p: torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=True) for p, m in models.items()}
     batch = make_batch(4, n, models["sdpa"].config.vocab_size, device)
     first_loss, times = {}, {p: [] for p in PROVIDERS}
@@ -112,18 +120,20 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="timed steps per provider and round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--model", choices=["bert", "llama"], default="bert")
     parser.add_argument("--out", type=Path, help="markdown table to write")
     args = parser.parse_args()
     device = torch.device("cuda")
     import transformers
 
     lines = [
-        "# BERT-base-shaped training step: stock SDPA against flashattn_ext",
+        f"# {'BERT-base' if args.model == 'bert' else 'Llama (BERT-base sizes)'}-shaped training step: stock SDPA "
+        "against flashattn_ext",
         "",
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"bf16, 4 right-padded sequences (lengths N to N/4), {args.layers} layers. Command: "
-        f"`python3 benchmarks/bench_bert.py --seqlens {' '.join(map(str, args.seqlens))} --steps {args.steps} "
-        f"--rounds {args.rounds}`. Median step time (ms) over {args.steps * args.rounds} steps; the ratio is "
+        f"`python3 benchmarks/bench_bert.py --model {args.model} --seqlens {' '.join(map(str, args.seqlens))} "
+        f"--steps {args.steps} --rounds {args.rounds}`. Median step time (ms) over {args.steps * args.rounds} steps; the ratio is "
         "to stock SDPA's; the first step's loss beside it.",
         "",
         "| N | sdpa | swap | backend | swap / sdpa | backend / sdpa | first loss (sdpa / swap / backend) |",

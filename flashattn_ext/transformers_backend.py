@@ -14,11 +14,11 @@ without repeating the key/value heads, dropout, an explicit scale, and logit sof
 which SDPA lacks, and attention sinks (gpt-oss's `s_aux`). T5's position bias raises
 NotImplementedError.
 
-An encoder's padded batch (a bidirectional mask, queries and keys the same tokens) gets a mask that
-hides the padding tokens' query rows as well as their keys: the kernels then skip every tile of
-padding, as an unpadded (varlen) call would, and the padding tokens' outputs are 0 (as with
-transformers' flash-attention unpadding; SDPA's are arbitrary there, and nothing real attends to
-them). The real tokens' outputs are unchanged.
+A padded batch whose queries are its keys (an encoder's bidirectional mask, or a decoder's causal one
+in training or in a prefill with no cache before it) gets a mask that hides the padding tokens' query
+rows as well as their keys: the kernels then skip every tile of padding, as an unpadded (varlen) call
+would, and the padding tokens' outputs are 0 (as with transformers' flash-attention unpadding; SDPA's
+are arbitrary there, and nothing real attends to them). The real tokens' outputs are unchanged.
 """
 import inspect
 from typing import Optional, Tuple
@@ -96,8 +96,9 @@ def register_with_transformers(name: str = NAME) -> str:
 
 def _mask_hiding_padding_queries(sdpa_mask):
     """transformers' sdpa_mask, with the padding tokens' query rows hidden too where the mask is
-    bidirectional and its queries are its keys (an encoder's forward: no cache, no offsets)."""
-    from transformers.masking_utils import and_masks, bidirectional_mask_function
+    bidirectional or causal (its own mask functions, nothing composed with them) and its queries are
+    its keys (no cache before them, no offsets)."""
+    from transformers.masking_utils import and_masks, bidirectional_mask_function, causal_mask_function
 
     signature = inspect.signature(sdpa_mask)
 
@@ -110,14 +111,14 @@ def _mask_hiding_padding_queries(sdpa_mask):
         positions = given.get("cache_position")
         q_length = given.get("q_length", positions.shape[0] if positions is not None else None)
         same_tokens = (
-            given.get("mask_function") is bidirectional_mask_function
+            given.get("mask_function") in (bidirectional_mask_function, causal_mask_function)
             and isinstance(padding, torch.Tensor)
             and padding.dim() == 2
             and q_length == given.get("kv_length") == padding.shape[1]
             and not given.get("q_offset") and not given.get("kv_offset")
         )
         if same_tokens:
-            given["mask_function"] = and_masks(bidirectional_mask_function, _query_padding_function(padding))
+            given["mask_function"] = and_masks(given["mask_function"], _query_padding_function(padding))
         return sdpa_mask(*call.args, **call.kwargs)
 
     return build

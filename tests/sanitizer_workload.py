@@ -240,6 +240,27 @@ def run_decode(dtype):
         raise RuntimeError(f"decode out is not finite with more key heads than SMs in {dtype}")
 
 
+def run_masked_decode(dtype):
+    """Dense decoding steps with a bool mask (the decode kernels read it a pair at a time, and no key past
+    each sequence's key extent): a static cache's mask with one sequence that sees no key, with the
+    Hopper kernel's split units (one sequence of 8 key heads) and at head dim 32 (the mma.sync kernel);
+    a per-head mask of 8 tokens."""
+    for batch, dim, keys in ((3, 128, 5000), (1, 128, 9000), (3, 32, 700)):
+        q = torch.randn(batch, 32, 1, dim, device="cuda", dtype=dtype)
+        k, v = (torch.randn(batch, 8, keys, dim, device="cuda", dtype=dtype) for _ in range(2))
+        lengths = torch.randint(1, keys, (batch,), device="cuda")
+        lengths[0] = 0
+        mask = (torch.arange(keys, device="cuda") < lengths[:, None])[:, None, None]
+        flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    q = torch.randn(2, 8, 8, 64, device="cuda", dtype=dtype)
+    k, v = (torch.randn(2, 2, 3001, 64, device="cuda", dtype=dtype) for _ in range(2))
+    mask = torch.rand(2, 8, 8, 3001, device="cuda") > 0.5
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.cuda.synchronize()
+    if not torch.isfinite(out).all():
+        raise RuntimeError(f"masked decode out is not finite in {dtype}")
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("sanitizer_workload.py needs a CUDA GPU")
@@ -275,6 +296,8 @@ def main():
         print(f"ok packed batch, bad bounds {dtype}", flush=True)
         run_decode(dtype)
         print(f"ok decode {dtype}", flush=True)
+        run_masked_decode(dtype)
+        print(f"ok masked decode {dtype}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,9 +60,12 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
     mask = torch.ones(2, 24, dtype=torch.long, device=device)
     if padded:
         mask[1, 17:] = 0  # a padded batch: the mask reaches attention as a tensor
+    # (No loss on the padding tokens, as in training: their outputs are SDPA's arbitrary ones, and 0
+    # through the backend, whose mask hides their query rows.)
+    labels = ids.masked_fill(mask == 0, -100)
     results = []
     for model in (sdpa, ours):
-        out = model(ids, attention_mask=mask, labels=ids)
+        out = model(ids, attention_mask=mask, labels=labels)
         out.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters()}
         results.append((out.loss.detach(), out.logits.detach(), grads))
@@ -74,12 +77,18 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
         assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 @pytest.mark.parametrize("family", list(THEIRS))
-def test_generation_matches_sdpa(family):
-    """Prefill and one-token steps against a growing cache, greedy: the same tokens."""
+def test_generation_matches_sdpa(family, padded):
+    """Prefill and one-token steps against a growing cache, greedy: the same tokens, also for a
+    left-padded batch (its prefill hides the padding tokens' query rows)."""
     sdpa, ours = twin_models(family, "cpu", torch.float32)
-    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(2))
-    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ids = torch.randint(1, 96, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+        ids[1, :4] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(ours.generate(ids, **settings), sdpa.generate(ids, **settings))
 
 

@@ -410,19 +410,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       const int first_key = pair0 >> heads_log2, last_key = (pair0 + 15) >> heads_log2;
       if (key0 + first_key < item.key_end && key0 + last_key >= item.key_begin) {
         const uint32_t k_base = stages_addr + stage * 2 * Cfg::kTileBytes, v_base = k_base + Cfg::kTileBytes;
+        // V's rows of pairs past the keys hold whatever the cache or an earlier
+        // tile left, and 0 * NaN would poison P V: this lane's V fragments keep
+        // only the halves of pairs within the keys (its pairs (lane % 4) * 2 and
+        // the next in registers 0 and 2, those 8 on in 1 and 3). (Zeroing the
+        // rows in shared memory instead raced with the other row group's reads.)
+        uint32_t v_keep[2] = {~0u, ~0u};
         if (key0 + last_key >= item.key_end) {
-          // Pairs past the keys hold whatever the cache or an earlier tile left
-          // (0 * NaN would poison P V): zeros, seen by the copy engine's next
-          // write of the stage only after the fence. (With two row groups, the
-          // other group's warp of these pairs writes the same zeros.)
-          unsigned char* v_stage = stages + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
-          const int first = max(static_cast<int>(item.key_end - key0) << heads_log2, pair0) - pair0;
-          for (int i = lane; i < (16 - first) * kHeadDim / 8; i += kWarpSize) {
-            const int pair = pair0 + first + i / (kHeadDim / 8), piece = i % (kHeadDim / 8);
-            *reinterpret_cast<uint4*>(v_stage + swizzled(0, layout.line(pair), piece)) = make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int pair = pair0 + (i / 2) * 8 + (lane % 4) * 2 + i % 2;
+            if (key0 + (pair >> heads_log2) >= item.key_end) v_keep[i / 2] &= i % 2 ? 0x0000ffffu : 0xffff0000u;
           }
-          ptx::fence_proxy_async();
-          __syncwarp();
         }
         // S = Q K^T over the warp's 16 pairs.
         float s[2][4] = {};
@@ -442,6 +441,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         for (int dp = 0; dp < kHeadDim / 16; ++dp) {
           uint32_t v_frag[4];
           ptx::ldmatrix_x4_trans(v_frag, swizzled(v_base, v_line, 2 * dp + v_piece));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v_frag[i] &= v_keep[i % 2];
           ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
           ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
         }
