@@ -133,8 +133,8 @@ def main():
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}, "
         f"bf16, 4 right-padded sequences (lengths N to N/4), {args.layers} layers. Command: "
         f"`python3 benchmarks/bench_bert.py --model {args.model} --seqlens {' '.join(map(str, args.seqlens))} "
-        f"--steps {args.steps} --rounds {args.rounds}`. Median step time (ms) over {args.steps * args.rounds} steps; the ratio is "
-        "to stock SDPA's; the first step's loss beside it.",
+        f"--steps {args.steps} --rounds {args.rounds}`. Median step time (ms) over {args.steps * args.rounds} "
+        "steps; the ratio is to stock SDPA's; the first step's loss beside it.",
         "",
         "| N | sdpa | swap | backend | swap / sdpa | backend / sdpa | first loss (sdpa / swap / backend) |",
         "|---|---|---|---|---|---|---|",

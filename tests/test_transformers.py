@@ -77,6 +77,75 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
         assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
 
 
+@pytest.mark.parametrize("padding", ["none", "ones", "right_padded"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_window_layers_pass_the_window(family, padding, monkeypatch):
+    """A sliding-window layer's call whose queries are its keys gets the window as the kernels' window
+    (and the attention mask, if given, as a (B, 1, 1, S) key mask: whether it hides any key is not
+    asked, which would wait for the device), not transformers' (B, 1, L, S) mask; full layers keep
+    theirs. The results are SDPA's / eager's (test_training_step_matches_sdpa)."""
+    calls = []
+
+    def recording(*args, **kwargs):
+        mask = kwargs.get("attn_mask")
+        calls.append((kwargs.get("window"), None if mask is None else tuple(mask.shape), kwargs.get("is_causal")))
+        return attention_with_lse(*args, **kwargs)
+
+    from flashattn_ext import transformers_backend
+    from flashattn_ext.attention import attention_with_lse
+
+    monkeypatch.setattr(transformers_backend, "attention_with_lse", recording)
+    _, ours = twin_models(family, "cpu", torch.float32)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = None if padding == "none" else torch.ones(2, 24, dtype=torch.long)
+    if padding == "right_padded":
+        mask[1, 17:] = 0
+    ours(ids, attention_mask=mask)
+    layer_types = getattr(ours.config, "layer_types", None) or ["sliding_attention"] * 2
+    assert len(calls) == len(layer_types)
+    for (window, mask_shape, is_causal), layer_type in zip(calls, layer_types):
+        if layer_type == "sliding_attention":
+            assert window == (7, 0)
+            assert (mask_shape, is_causal) == ((None, True) if mask is None else ((2, 1, 1, 24), False))
+        else:
+            assert window is None
+
+
+def test_wide_heads_keep_the_window_in_the_mask(monkeypatch):
+    """Above head dim 128 a mask runs the sm80 kernels on CUDA, which have no window: a padded sliding-window
+    batch keeps transformers' mask, window and all."""
+    calls = []
+    from flashattn_ext import transformers_backend
+    from flashattn_ext.attention import attention_with_lse
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs.get("window"), tuple(kwargs["attn_mask"].shape)))
+        return attention_with_lse(*args, **kwargs)
+
+    monkeypatch.setattr(transformers_backend, "attention_with_lse", recording)
+    config = small_config("mistral")
+    config.head_dim = 160
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    model(torch.randint(0, 96, (2, 24)), attention_mask=mask)
+    assert calls == [(None, (2, 1, 24, 24))] * 2
+
+
+def test_compiled_forward_of_a_padded_sliding_window_batch():
+    """Under torch.compile(fullgraph=True) the mask builder keeps transformers' masks (it cannot read the
+    mask functions' closures there): no graph break, and the real tokens' logits are SDPA's."""
+    sdpa, ours = twin_models("mistral", "cpu", torch.float32)
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    want = sdpa(ids, attention_mask=mask, use_cache=False).logits
+    torch._dynamo.reset()
+    got = torch.compile(ours.forward, fullgraph=True)(ids, attention_mask=mask, use_cache=False).logits
+    assert relative_error(got[mask.bool()], want[mask.bool()]) <= TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 @pytest.mark.parametrize("family", list(THEIRS))
 def test_generation_matches_sdpa(family, padded):
