@@ -86,7 +86,7 @@ struct LaneRows {
 };
 
 // Bit i (i = nt * 4 + e, as the scores s[nt][e] of finish_scores) set where
-// the lane's pair i is visible by the mask (kMask; all set otherwise). Its
+// the mask shows the lane's pair i (kMask; all set otherwise). Its
 // loads are issued before a tile's data is waited for, so that their latency
 // hides under that wait.
 template <ScoreTerm kTerm>
