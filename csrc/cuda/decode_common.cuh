@@ -1,5 +1,5 @@
 // Device code of both decode kernels: decode.cu's (mma.sync fed by cp.async,
-// any GPU from Ampere on) and sm90/decode_sm90.cu's (fed by the copy engine).
+// any GPU from Ampere on) and sm90/decode_sm90_kernel.cuh's (fed by the copy engine).
 // Both compute, per warp, the online softmax of a 16-row block of query rows
 // (the GQA group's heads times the query tokens of one key/value head) over
 // 16 keys at a time, as m16n8k16 accumulators: a lane holds rows lane / 4 and

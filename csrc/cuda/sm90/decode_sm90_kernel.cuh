@@ -1,0 +1,548 @@
+// Decoding on Hopper, the kernel (decode_sm90.cu plans and launches it):
+// decode.cu's chunk and merge steps in one kernel, fed by the
+// copy engine. Reading the cache is the whole cost, and the mma.sync kernel
+// spent its time computing where each row of a tile lies (a block-table lookup
+// a row for paged caches) and starting blocks, not waiting for memory: on an
+// H200 it read a contiguous cache at 0.64-0.68 of a device-to-device copy's
+// rate and a paged one at 0.47-0.50, random or sequential block tables alike.
+//
+// Here one producer warp walks the block's work items (a sequence's keys, or
+// a chunk of them, for one or more key/value heads whose query rows fit 16:
+// prepare_launch) and their tiles of 64 (key, head) pairs, and has the copy
+// engine load each tile's K and V into a ring of stages: one copy a box of
+// whole rows of all the item's heads (in vLLM's paged layout a block's rows
+// hold the heads side by side, so a block of 16 keys is one copy, not 16 pieces
+// of 256 bytes a head), the block table read 32 boxes at a time; a copy of
+// whole rows streams faster than copies of each row's 64-column halves
+// (StageLayout). Four consumer warps each take 16 pairs of every tile: Q K^T,
+// the online softmax and P V on the tensor cores (mma.sync m16n8k16 from the
+// 128-byte swizzled stages), for the item's query rows (the heads' GQA groups
+// times the query tokens: one mma tile, or two with a second row group of
+// four warps), the scores of pairs of another head than a row's masked. Blocks are persistent, so the ring runs on from one item
+// into the next. The consumers' results of an item (each one's softmax over its
+// own pairs) merge in shared memory: into the rows' out and lse where the item
+// is a sequence's keys, else into the chunk's partial result, and the last of a
+// sequence's chunks to finish merges them (no merge kernel: one took 10 us of
+// 0.72 ms at 8k keys, B = 64, H100).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/decode_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
+
+namespace flashattn_ext::cuda::sm90::decode_kernel_code {
+
+using decoding::LaneRows;
+using decoding::QueryRow;
+
+template <int kHeadDim_, int kRowGroups_>
+struct DecodeTileConfig {
+  static constexpr int kHeadDim = kHeadDim_;  // of keys and values
+  // The item's query rows: one 16-row mma tile a row group of consumer warps
+  // (two for several query tokens of a GQA group: 8 tokens of 4 heads).
+  static constexpr int kRowGroups = kRowGroups_;
+  static constexpr int kRows = kRowGroups * decoding::kRows;
+  static constexpr int kKeyWarps = 4;  // a row group's warps, 16 pairs of every tile each
+  static constexpr int kConsumers = kKeyWarps * kRowGroups;
+  static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
+  // (key, key/value head) pairs of a stage: 16 a key warp (keys of the
+  // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
+  static constexpr int kBlockN = kKeyWarps * 16;
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
+  static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
+  // The consumers' results of an item, merged in the block: each one's rows'
+  // normalized outputs and log-sum-exps, in float (merge_slot). Rows 4 floats
+  // apart beyond the head dim (4 banks), so that a consumer's writes of 8
+  // rows' column pairs and the merge's reads of 4 rows' 16-byte pieces take
+  // the fewest shared-memory wavefronts (2 and 4; rows a head dim apart took 8
+  // and 16).
+  static constexpr int kMergeRowFloats = kHeadDim + 4;
+  // (and a word that tells the consumers whether their item's chunk is its
+  // unit's last to finish)
+  static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kMergeRowFloats + 1) * 4 + 16;
+  // About 192 KiB of stages, the bytes in flight that keep an SM's share of
+  // the memory's bandwidth busy with one block an SM, or what the merge's
+  // buffers leave of the shared memory.
+  static constexpr int kStages =
+      std::min(192 << 10, 227 * 1024 - kMergeBytes - kSwizzleAtomBytes - 256) / (2 * kTileBytes);
+  static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
+
+  // Where the result of query row r of the item from key warp `key_warp` of
+  // its row group lies among the merge's rows.
+  static __device__ __forceinline__ int merge_slot(int key_warp, int r) {
+    return (r / decoding::kRows * kKeyWarps + key_warp) * decoding::kRows + r % decoding::kRows;
+  }
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+};
+
+// What the kernel reads: the call, tensor maps of the caches
+// (encode_cache_tensor_map), and its split into work items. An item takes
+// 2^heads_log2 key/value heads at once (as many as their query rows fit the
+// item's rows, prepare_launch): a tile of a paged cache is then a box of rows
+// that each hold those heads side by side (vLLM's layout), not one 256-byte
+// piece a row.
+struct DecodeKernelParams {
+  DecodeParams call;
+  CUtensorMap k_map, v_map;
+  // A unit is a group of key/value heads of a sequence (sequence-major). The
+  // first whole_units units are an item each; the other split_units are
+  // split into `chunks` items each (chunk-major: the SMs then read different
+  // units' chunks at a time, not one unit's, which was 7% faster at 4
+  // chunks), which share the keys its queries see (decode_item).
+  int items, whole_units, split_units, chunks;
+  int rows;            // query rows of an item: its heads' GQA groups times the query tokens
+  int heads_log2;      // key/value heads of an item: 2^heads_log2
+  int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
+  bool heads_inner;    // a copy's box holds each row's heads together (else each head's rows)
+  // A whole unit's item writes its rows' out and lse. A split unit's chunks
+  // write their rows' partial results to out_partial and lse_partial
+  // ((split unit, row, chunk)-major), and the last of them to finish (counted
+  // in arrivals, one a split unit, zeros at the launch) merges them into out
+  // and lse.
+  float* out_partial;
+  float* lse_partial;
+  int* arrivals;
+};
+
+// Where a (key, head) pair's row lies in a stage: the copies' boxes follow
+// one another, and each holds box_rows keys of the item's heads, row by row
+// and within a row head by head (heads_inner: the order in memory of a paged
+// cache's blocks, whose rows hold the heads side by side) or head by head and
+// within a head row by row (a cache whose heads lie apart), each row as its
+// kColBlocks 64-column lines. A copy reads its box in that order, so it reads
+// whole rows of the cache.
+template <typename Cfg>
+struct StageLayout {
+  int heads_log2, box_rows;
+  bool heads_inner;
+
+  // The stage's first 128-byte line of pair `pair` (key pair >> heads_log2,
+  // head pair % 2^heads_log2).
+  __device__ __forceinline__ int line(int pair) const {
+    if (heads_inner) return pair * Cfg::kColBlocks;
+    const int key = pair >> heads_log2, head = pair & ((1 << heads_log2) - 1);
+    const int box = key / box_rows, row = key % box_rows;
+    return (((box << heads_log2) + head) * box_rows + row) * Cfg::kColBlocks;
+  }
+};
+
+// One work item: the keys [key_begin, key_end) of sequence b that some query
+// row of key/value heads h_kv, h_kv + 1, ... sees in the chunk, in tiles of
+// tile_keys keys from tile0 (key_begin rounded down: a paged cache's blocks
+// then start a box). split is the unit's place among the split units (-1:
+// whole).
+// Fewer keys a chunk would spend more on its partial result than on them.
+constexpr int kMinKeysPerChunk = 512;
+
+struct DecodeItem {
+  int64_t b, h_kv, length, key_begin, key_end, tile0;
+  int split, chunk, tiles, tile_keys;
+};
+
+template <typename Cfg>
+__device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, int index) {
+  const AttentionProblem& p = kp.call.problem;
+  DecodeItem item;
+  item.split = -1;
+  item.chunk = 0;
+  int unit = index;
+  if (index >= kp.whole_units) {
+    const int split_index = index - kp.whole_units;
+    item.split = split_index % kp.split_units;
+    item.chunk = split_index / kp.split_units;
+    unit = kp.whole_units + item.split;
+  }
+  const int groups = static_cast<int>(p.heads_kv) >> kp.heads_log2;
+  item.h_kv = (unit % groups) << kp.heads_log2;
+  item.b = unit / groups;
+  item.length = decoding::sequence_length(kp.call, item.b);
+  const Visibility vis(p, p.len_q, item.length);
+  int64_t chunk_begin = 0, chunk_end = item.length;
+  if (item.split >= 0) {
+    // The keys its queries see (not the capacity: a cache of which cache_seqlens
+    // or a mask's key extent leaves 3/8 in use, or a window, still spreads over
+    // all its chunks), in chunks of whole tiles of at least kMinKeysPerChunk
+    // keys.
+    const int64_t first = vis.key_begin(0) / Cfg::kBlockN * Cfg::kBlockN;
+    const int64_t seen = max(min(vis.key_end(p.len_q - 1), item.length) - first, int64_t{0});
+    const int64_t keys_per_chunk =
+        max(ceil_div(seen, int64_t{kp.chunks} * Cfg::kBlockN) * Cfg::kBlockN, int64_t{kMinKeysPerChunk});
+    chunk_begin = first + int64_t{item.chunk} * keys_per_chunk;
+    chunk_end = chunk_begin + keys_per_chunk;
+  }
+  item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
+  item.key_end = max(item.key_begin, min(chunk_end, vis.key_end(p.len_q - 1)));
+  item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
+  item.tile0 = item.key_begin / item.tile_keys * item.tile_keys;
+  item.tiles =
+      item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, item.tile_keys)) : 0;
+  return item;
+}
+
+struct DecodeBarriers {
+  uint64_t* full;   // [kStages]: a tile's K and V have landed
+  uint64_t* empty;  // [kStages]: every consumer is done with the stage
+};
+
+// The producer warp: the block's items' tiles into the ring, in order, the
+// copies issued by lane 0. Boxes whose first key is past the item's keys are
+// not loaded (a paged cache's block table may end before them); the consumers
+// zero what those rows hold. A paged cache's blocks are looked up 32 boxes at
+// a time, one a lane (a lookup is a load from memory: one after another, they
+// would leave the copy engine idle).
+template <typename Cfg>
+__device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigned char* stages, DecodeBarriers bars,
+                                           int lane) {
+  const DecodeParams& params = kp.call;
+  const bool paged = params.block_table.data != nullptr;
+  const int block_size = static_cast<int>(params.block_size), box_rows = kp.box_rows;
+  if (lane == 0) {
+    ptx::prefetch_tensor_map(&kp.k_map);
+    ptx::prefetch_tensor_map(&kp.v_map);
+  }
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
+    const DecodeItem item = decode_item<Cfg>(kp, index);
+    // Box `box` of the item holds keys from tile0 + box * box_rows; lane i
+    // holds the cache block of box first_looked_up + i.
+    int box = 0, first_looked_up = 0, lane_block = 0;
+    for (int t = 0; t < item.tiles; ++t) {
+      const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
+      const int boxes =
+          static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      const int box_bytes = (box_rows << kp.heads_log2) * Cfg::kColBlocks * kSwizzleRowBytes;
+      if (lane == 0) {
+        ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&bars.full[stage], boxes * box_bytes * 2);
+      }
+      unsigned char* k_stage = stages + stage * 2 * Cfg::kTileBytes;
+      unsigned char* v_stage = k_stage + Cfg::kTileBytes;
+      for (int i = 0; i < boxes; ++i, ++box) {
+        const int key = static_cast<int>(item.tile0) + box * box_rows;
+        int outer = static_cast<int>(item.b), row = key;
+        if (paged) {
+          if (box == 0 || box - first_looked_up == kWarpSize) {  // (uniform across the warp)
+            first_looked_up = box;
+            const int64_t lane_key = item.tile0 + int64_t(box + lane) * box_rows;
+            // (The same clamp as decode.cu's cache_position.)
+            const int64_t block = lane_key < item.key_end ? params.block_table.at(item.b, lane_key / block_size) : 0;
+            lane_block = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
+          }
+          outer = __shfl_sync(0xffffffff, lane_block, box - first_looked_up);
+          row = key % block_size;
+        }
+        if (lane != 0) continue;
+        const int offset = i * box_bytes, head = static_cast<int>(item.h_kv);
+        const int c2 = kp.heads_inner ? head : row, c3 = kp.heads_inner ? row : head;
+        ptx::tma_load_5d(k_stage + offset, &kp.k_map, &bars.full[stage], 0, 0, c2, c3, outer);
+        ptx::tma_load_5d(v_stage + offset, &kp.v_map, &bars.full[stage], 0, 0, c2, c3, outer);
+      }
+      if (++stage == Cfg::kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// Where a lane's ldmatrix row lies in a stage's K or V: 16-byte piece `piece`
+// of the head dim (8 columns) of the pair whose first line is `line`
+// (StageLayout), in the copy engine's 128-byte swizzle (a line's pieces
+// permuted by the line's place in its 8).
+__device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece) {
+  line += piece / 8;
+  return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
+}
+
+// Four columns of an out row, from float.
+template <typename Elem>
+__device__ __forceinline__ void store_out4(Elem* out, float4 value) {
+  *reinterpret_cast<uint2*>(out) = make_uint2(ptx::pack2<Elem>(value.x, value.y), ptx::pack2<Elem>(value.z, value.w));
+}
+
+// Where chunk `chunk`'s partial result of row r of split unit `split` lies
+// (in lse_partial; times the head dim in out_partial).
+__device__ __forceinline__ int64_t partial_index(const DecodeKernelParams& kp, int split, int r, int chunk) {
+  return (int64_t{split} * kp.rows + r) * kp.chunks + chunk;
+}
+
+// A split unit's out and lse from its chunks' partial results (written by
+// other blocks: read from L2). The rows' 4-column pieces are dealt out over
+// the consumer threads, and each reads its piece of 8 chunks at once, merging
+// them as the online softmax does. (Read a chunk after another, each read's
+// wait for L2 in turn, the merge of 16 chunks took 10 of the 26 us a call of
+// B = 1, 8 key heads, 8k keys.)
+template <typename Elem, typename Cfg>
+__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kPieces = kHeadDim / 4, kBatch = 8;
+  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+  const DecodeParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  for (int piece = threadIdx.x; piece < kp.rows * kPieces; piece += kConsumerThreads) {
+    const int r = piece / kPieces, col0 = piece % kPieces * 4;
+    const int64_t first = partial_index(kp, item.split, r, 0);
+    const float* lse = kp.lse_partial + first;
+    const float* partial = kp.out_partial + first * kHeadDim + col0;
+    float lse_max = -INFINITY, total = 0.f;
+    float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c0 = 0; c0 < kp.chunks; c0 += kBatch) {
+      float chunk_lse[kBatch];
+      float4 x[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const bool valid = c0 + i < kp.chunks;  // (a chunk without keys: lse -inf, zeros)
+        chunk_lse[i] = valid ? __ldcg(lse + c0 + i) : -INFINITY;
+        x[i] = valid ? __ldcg(reinterpret_cast<const float4*>(partial + (c0 + i) * kHeadDim))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      float new_max = lse_max;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) new_max = fmaxf(new_max, chunk_lse[i]);
+      if (new_max == -INFINITY) continue;
+      const float rescale = __expf(lse_max - new_max);
+      total *= rescale;
+      value = make_float4(value.x * rescale, value.y * rescale, value.z * rescale, value.w * rescale);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const float weight = __expf(chunk_lse[i] - new_max);
+        total += weight;
+        value = make_float4(value.x + weight * x[i].x, value.y + weight * x[i].y, value.z + weight * x[i].z,
+                            value.w + weight * x[i].w);
+      }
+      lse_max = new_max;
+    }
+    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    const QueryRow row = decoding::query_row(item.h_kv, static_cast<int>(p.heads_q / p.heads_kv),
+                                             static_cast<int>(p.len_q), r);
+    Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
+                    row.head * params.out.stride_head + row.token * params.out.stride_row + col0;
+    store_out4(out_row, make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse));
+    if (col0 == 0) {
+      const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
+      static_cast<float*>(params.lse)[row_index] = total > 0.f ? lse_max + logf(total) : -INFINITY;
+    }
+  }
+}
+
+template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages, kDimTiles = kHeadDim / 8;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* stages = swizzle_aligned(smem_raw);
+  uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
+  const DecodeBarriers bars{barrier_words, barrier_words + kStages};
+  // [consumer][row][col] and [consumer][row]
+  float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
+  float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * Cfg::kMergeRowFloats;
+  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kConsumers * decoding::kRows);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&bars.full[s], 1);
+      ptx::mbarrier_init(&bars.empty[s], Cfg::kConsumers);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp == Cfg::kConsumers) {
+    load_tiles<Cfg>(kp, stages, bars, lane);
+    return;
+  }
+
+  const DecodeParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
+  const int heads_log2 = kp.heads_log2;
+  const int rows = kp.rows;  // (at most Cfg::kRows)
+  // This warp's 16 pairs of every tile, for 16 query rows from row0.
+  const int key_warp = warp % Cfg::kKeyWarps, row0 = warp / Cfg::kKeyWarps * decoding::kRows;
+  const decoding::ScoreScale score_scale(p);
+  const uint32_t stages_addr = ptx::smem_addr(stages);
+  // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
+  // 0-7 for matrices 0 and 1, 8-15 for 2 and 3; pieces alternate), V's for
+  // P V (transposed: pairs alternate, pieces 0 for matrices 0 and 1).
+  const int matrix = lane / 8, pair0 = key_warp * 16;
+  const StageLayout<Cfg> layout{heads_log2, kp.box_rows, kp.heads_inner};
+  const int k_line = layout.line(pair0 + (matrix / 2) * 8 + lane % 8), k_piece = matrix % 2;
+  const int v_line = layout.line(pair0 + (matrix % 2) * 8 + lane % 8), v_piece = matrix / 2;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
+    const DecodeItem item = decode_item<Cfg>(kp, index);
+    const Visibility vis(p, p.len_q, item.length);
+    const LaneRows<kTerm> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
+
+    // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
+    // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past
+    // the item's are zeros.
+    uint32_t q_frag[kHeadDim / 16][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + lane / 4 + i * 8;
+      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
+      const Elem* q_row = static_cast<const Elem*>(params.q.data) + item.b * params.q.stride_batch +
+                          row.head * params.q.stride_head + row.token * params.q.stride_row;
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t col = ks * 16 + half * 8 + (lane % 4) * 2;
+          const float x0 = r < rows ? ptx::to_float(q_row[col * params.q.stride_col]) : 0.f;
+          const float x1 = r < rows ? ptx::to_float(q_row[(col + 1) * params.q.stride_col]) : 0.f;
+          q_frag[ks][i + 2 * half] = ptx::pack2<Elem>(x0, x1);
+        }
+      }
+    }
+
+    float acc[kDimTiles][4] = {};
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    for (int t = 0; t < item.tiles; ++t) {
+      const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
+      const uint32_t visible = decoding::mask_bits(lane_rows, key0, pair0, heads_log2, lane);
+      ptx::mbarrier_wait(&bars.full[stage], phase);
+      // This warp's keys: [key0 + first_key, key0 + last_key].
+      const int first_key = pair0 >> heads_log2, last_key = (pair0 + 15) >> heads_log2;
+      if (key0 + first_key < item.key_end && key0 + last_key >= item.key_begin) {
+        const uint32_t k_base = stages_addr + stage * 2 * Cfg::kTileBytes, v_base = k_base + Cfg::kTileBytes;
+        // V's rows of pairs past the keys hold whatever the cache or an earlier
+        // tile left, and 0 * NaN would poison P V: this lane's V fragments keep
+        // only the halves of pairs within the keys (its pairs (lane % 4) * 2 and
+        // the next in registers 0 and 2, those 8 on in 1 and 3). (Zeroing the
+        // rows in shared memory instead raced with the other row group's reads.)
+        uint32_t v_keep[2] = {~0u, ~0u};
+        if (key0 + last_key >= item.key_end) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int pair = pair0 + (i / 2) * 8 + (lane % 4) * 2 + i % 2;
+            if (key0 + (pair >> heads_log2) >= item.key_end) v_keep[i / 2] &= i % 2 ? 0x0000ffffu : 0xffff0000u;
+          }
+        }
+        // S = Q K^T over the warp's 16 pairs.
+        float s[2][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+          uint32_t k_frag[4];
+          ptx::ldmatrix_x4(k_frag, swizzled(k_base, k_line, 2 * ks + k_piece));
+          ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
+          ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
+        }
+        decoding::finish_scores(s, score_scale, lane_rows, vis, key0, pair0, heads_log2, lane, visible);
+        decoding::online_softmax(s, row_max, row_sum, acc);
+        // O += P V: P as A fragments straight from the scores' accumulators.
+        const uint32_t p_frag[4] = {ptx::pack2<Elem>(s[0][0], s[0][1]), ptx::pack2<Elem>(s[0][2], s[0][3]),
+                                    ptx::pack2<Elem>(s[1][0], s[1][1]), ptx::pack2<Elem>(s[1][2], s[1][3])};
+#pragma unroll
+        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+          uint32_t v_frag[4];
+          ptx::ldmatrix_x4_trans(v_frag, swizzled(v_base, v_line, 2 * dp + v_piece));
+#pragma unroll
+          for (int i = 0; i < 4; ++i) v_frag[i] &= v_keep[i % 2];
+          ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
+          ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
+        }
+      }
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) ptx::mbarrier_arrive(&bars.empty[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+
+    // This warp's result of the item's rows to shared memory: out normalized,
+    // the log-sum-exp in log2 units (-inf and zeros where a row saw no key).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row0 + lane / 4 + half * 8;
+      float sum = row_sum[half];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+      float* out = merge_out + Cfg::merge_slot(key_warp, r) * Cfg::kMergeRowFloats;
+#pragma unroll
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
+            make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
+      }
+      if (lane % 4 == 0) merge_lse[Cfg::merge_slot(key_warp, r)] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
+    }
+    constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+    ptx::named_barrier_sync(1, kConsumerThreads);
+    // The key warps' results merged: each thread 4 columns of a row at a time,
+    // a row's threads side by side. With one chunk they are the row's out and
+    // lse (rows of out contiguous and 8-byte aligned: prepare_launch); else
+    // the chunk's partial.
+    constexpr int kThreadsPerRow = kConsumerThreads / Cfg::kRows, kRowStep = 4 * kThreadsPerRow;
+    const int r = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow * 4;
+    if (r < rows) {
+      float weight[Cfg::kKeyWarps], lse_max = -INFINITY, total = 0.f;
+#pragma unroll
+      for (int w = 0; w < Cfg::kKeyWarps; ++w) lse_max = fmaxf(lse_max, merge_lse[Cfg::merge_slot(w, r)]);
+#pragma unroll
+      for (int w = 0; w < Cfg::kKeyWarps; ++w) {
+        const float lse = merge_lse[Cfg::merge_slot(w, r)];
+        weight[w] = lse == -INFINITY ? 0.f : ptx::exp2_approx(lse - lse_max);
+        total += weight[w];
+      }
+      const float inverse = total > 0.f ? 1.f / total : 0.f;
+      const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
+      const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
+      Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
+                      row.head * params.out.stride_head + row.token * params.out.stride_row;
+      const bool whole = item.split < 0;
+      const int64_t partial = whole ? 0 : partial_index(kp, item.split, r, item.chunk);
+      float* partial_row = kp.out_partial + partial * kHeadDim;
+#pragma unroll
+      for (int c = col0; c < kHeadDim; c += kRowStep) {
+        float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < Cfg::kKeyWarps; ++w) {
+          const float4 x =
+              *reinterpret_cast<const float4*>(merge_out + Cfg::merge_slot(w, r) * Cfg::kMergeRowFloats + c);
+          value.x += weight[w] * x.x;
+          value.y += weight[w] * x.y;
+          value.z += weight[w] * x.z;
+          value.w += weight[w] * x.w;
+        }
+        value = make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse);
+        if (whole) {
+          store_out4(out_row + c, value);
+        } else {
+          *reinterpret_cast<float4*>(partial_row + c) = value;
+        }
+      }
+      if (col0 == 0) {
+        const float lse = total > 0.f ? (lse_max + log2f(total)) * float(M_LN2) : -INFINITY;
+        if (whole) {
+          static_cast<float*>(params.lse)[row_index] = lse;
+        } else {
+          kp.lse_partial[partial] = lse;
+        }
+      }
+    }
+    if (item.split >= 0) {
+      // The unit's last chunk to finish merges its chunks' partial results
+      // (the others' are in memory before their arrivals: the fences).
+      __threadfence();
+      ptx::named_barrier_sync(1, kConsumerThreads);
+      if (threadIdx.x == 0) {
+        *unit_arrival = atomicAdd(kp.arrivals + item.split, 1);
+        __threadfence();
+      }
+      ptx::named_barrier_sync(1, kConsumerThreads);
+      if (*unit_arrival == kp.chunks - 1) merge_chunks<Elem, Cfg>(kp, item);
+    }
+    ptx::named_barrier_sync(1, kConsumerThreads);  // (the buffers are the next item's)
+  }
+#endif
+}
+
+}  // namespace flashattn_ext::cuda::sm90::decode_kernel_code
