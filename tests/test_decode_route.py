@@ -61,12 +61,23 @@ def test_decode_shaped_calls_match_float64(dtype, shape, options):
         assert decode_kernels_ran(call)
 
 
+def assert_matches_reference(out, lse, want_out, want_lse, dtype):
+    """out within dtype's tolerance of the float64 reference; lse -inf exactly where the reference's is
+    (rows that see no key, whose out is 0) and within 1e-3 elsewhere."""
+    assert relative_error(out.detach().cpu(), want_out.detach().cpu()) <= TOLERANCE[dtype]
+    lse, want_lse = lse.detach().cpu().double(), want_lse.detach().cpu()
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    if finite.any():
+        assert (lse[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+
+
 def bool_mask(kind, batch, heads_q, tokens, keys, gen):
     """A bool attn_mask of a decoding step: "static_cache" (transformers' static cache: each sequence's
     first keys, (B, 1, L, S) with every row materialized, causal among the new tokens; in a batch, one
-    sequence with no key at all), "left_padded" ((B, 1, 1, S), keys hidden at the front and at random), "per_head"
-    ((B, Hq, L, S) at random, some rows seeing no key) or "shared" ((1, 1, 1, S), a random tail
-    hidden)."""
+    sequence with no key at all), "left_padded" ((B, 1, 1, S), keys hidden at the front and at
+    random), "per_head" ((B, Hq, L, S) at random, some rows seeing no key) or "shared" ((1, 1, 1, S), a
+    random tail hidden)."""
     if kind == "static_cache":
         lengths = torch.randint(tokens, keys // 2, (batch,), generator=gen)
         if batch > 1:
@@ -110,11 +121,7 @@ def test_masked_decode_shaped_calls_match_float64(dtype, shape, mask_kind):
     reference = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, want_lse = naive_attention(*reference, attn_mask=mask, enable_gqa=heads_q != heads_kv)
     want_out.backward(grad)
-    assert relative_error(out.detach().cpu(), want_out.detach()) <= TOLERANCE[dtype]
-    lse, want_lse = lse.cpu().double(), want_lse.detach()
-    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))  # rows that see no key: -inf, out 0
-    finite = torch.isfinite(want_lse)
-    assert (lse[finite] - want_lse[finite]).abs().max().item() <= 1e-3
+    assert_matches_reference(out, lse, want_out, want_lse, dtype)
     for got, want in zip(inputs, reference):
         assert relative_error(got.grad.cpu(), want.grad) <= 2 * TOLERANCE[dtype]
     assert flashattn_ext.kernel_route(*inputs, attn_mask=mask.cuda(), enable_gqa=heads_q != heads_kv)[0] == "decode"
@@ -133,11 +140,7 @@ def test_masked_decode_reads_the_mask_in_place():
                  torch.zeros(1, 1, 1, 5000, dtype=torch.bool, device="cuda")):
         out, lse = flashattn_ext.attention_with_lse(q, k, v, attn_mask=mask, enable_gqa=True)
         want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), attn_mask=mask, enable_gqa=True)
-        assert relative_error(out.double(), want_out) <= TOLERANCE[torch.bfloat16]
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
-        finite = torch.isfinite(want_lse)
-        if finite.any():  # (the mask that hides every key: out 0 and lse -inf everywhere)
-            assert (lse[finite].double() - want_lse[finite]).abs().max().item() <= 1e-3
+        assert_matches_reference(out, lse, want_out, want_lse, torch.bfloat16)
 
 
 @cuda_test

@@ -77,13 +77,12 @@ def test_training_step_matches_sdpa(family, padded, device, dtype):
         assert relative_error(grads_b[name], grad) <= TOLERANCE[dtype], name
 
 
-@pytest.mark.parametrize("padding", ["none", "ones", "right_padded"])
-@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
-def test_sliding_window_layers_pass_the_window(family, padding, monkeypatch):
-    """A sliding-window layer's call whose queries are its keys gets the window as the kernels' window
-    (and the attention mask, if given, as a (B, 1, 1, S) key mask: whether it hides any key is not
-    asked, which would wait for the device), not transformers' (B, 1, L, S) mask; full layers keep
-    theirs. The results are SDPA's / eager's (test_training_step_matches_sdpa)."""
+def record_kernel_calls(monkeypatch):
+    """The (window, attn_mask's shape or None, is_causal) of each call the backend makes to
+    attention_with_lse from now on, in order."""
+    from flashattn_ext import transformers_backend
+    from flashattn_ext.attention import attention_with_lse
+
     calls = []
 
     def recording(*args, **kwargs):
@@ -91,10 +90,18 @@ def test_sliding_window_layers_pass_the_window(family, padding, monkeypatch):
         calls.append((kwargs.get("window"), None if mask is None else tuple(mask.shape), kwargs.get("is_causal")))
         return attention_with_lse(*args, **kwargs)
 
-    from flashattn_ext import transformers_backend
-    from flashattn_ext.attention import attention_with_lse
-
     monkeypatch.setattr(transformers_backend, "attention_with_lse", recording)
+    return calls
+
+
+@pytest.mark.parametrize("padding", ["none", "ones", "right_padded"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
+def test_sliding_window_layers_pass_the_window(family, padding, monkeypatch):
+    """A sliding-window layer's call whose queries are its keys gets the window as the kernels' window
+    (and the attention mask, if given, as a (B, 1, 1, S) key mask: whether it hides any key is not
+    asked, which would wait for the device), not transformers' (B, 1, L, S) mask; full layers keep
+    theirs. The results are SDPA's / eager's (test_training_step_matches_sdpa)."""
+    calls = record_kernel_calls(monkeypatch)
     _, ours = twin_models(family, "cpu", torch.float32)
     ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     mask = None if padding == "none" else torch.ones(2, 24, dtype=torch.long)
@@ -114,15 +121,7 @@ def test_sliding_window_layers_pass_the_window(family, padding, monkeypatch):
 def test_wide_heads_keep_the_window_in_the_mask(monkeypatch):
     """Above head dim 128 a mask runs the sm80 kernels on CUDA, which have no window: a padded sliding-window
     batch keeps transformers' mask, window and all."""
-    calls = []
-    from flashattn_ext import transformers_backend
-    from flashattn_ext.attention import attention_with_lse
-
-    def recording(*args, **kwargs):
-        calls.append((kwargs.get("window"), tuple(kwargs["attn_mask"].shape)))
-        return attention_with_lse(*args, **kwargs)
-
-    monkeypatch.setattr(transformers_backend, "attention_with_lse", recording)
+    calls = record_kernel_calls(monkeypatch)
     config = small_config("mistral")
     config.head_dim = 160
     torch.manual_seed(0)
@@ -130,7 +129,7 @@ def test_wide_heads_keep_the_window_in_the_mask(monkeypatch):
     mask = torch.ones(2, 24, dtype=torch.long)
     mask[1, 17:] = 0
     model(torch.randint(0, 96, (2, 24)), attention_mask=mask)
-    assert calls == [(None, (2, 1, 24, 24))] * 2
+    assert calls == [(None, (2, 1, 24, 24), False)] * 2
 
 
 def test_compiled_forward_of_a_padded_sliding_window_batch():
