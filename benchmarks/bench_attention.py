@@ -28,7 +28,8 @@ With --dropout, every (D, N, causal) row is measured once per dropout_p, one aft
 tables gain a dropout column (the plot shows the first value's rows only). --masks does the same with
 attn_mask (non-causal rows only: SDPA takes no mask with is_causal): "padding", a bool (B, 1, 1, N)
 key-padding mask that hides nothing; "padding_half", the same hiding each sequence's second half of
-keys; "float", a float (N, N) mask of normal noise in the inputs' dtype; "padding_spread", right
+keys; "padding_half_lowest", the same as an additive mask of the dtype's lowest value (finfo.min, as
+some transformers versions build); "float", a float (N, N) mask of normal noise in the inputs' dtype; "padding_spread", right
 padding with the batch's lengths spread from N down to N / 4; "padding_rows", the same as a
 (B, 1, N, N) mask with every row materialized (transformers' BERT passes this form). A masked cell counts the
 unmasked call's FLOPs, so that its TFLOP/s compare as speed: work a mask lets a kernel skip shows.
@@ -233,13 +234,17 @@ def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torc
     return [torch.randn(b, h, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
 
 
-MASKS = ("none", "padding", "padding_half", "float", "padding_spread", "padding_rows")
+MASKS = ("none", "padding", "padding_half", "padding_half_lowest", "float", "padding_spread", "padding_rows")
 
 
 def make_mask(kind: str, b: int, n: int, dtype: torch.dtype, device: torch.device) -> Optional[torch.Tensor]:
     """The attn_mask that --masks names (see the module docstring); None for "none"."""
     if kind == "float":
         return torch.randn(n, n, dtype=dtype, device=device)
+    if kind == "padding_half_lowest":  # padding_half as an additive mask of finfo(dtype).min, as some transformers build
+        bias = torch.zeros(b, 1, 1, n, dtype=dtype, device=device)
+        bias[..., n // 2:] = torch.finfo(dtype).min
+        return bias
     if kind.startswith("padding"):
         keep = torch.ones(b, 1, 1, n, dtype=torch.bool, device=device)
         if kind == "padding_half":
@@ -302,7 +307,8 @@ def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal
     """One cell per provider: setup.rounds rounds over the providers, each in the opposite order of the
     round before (the GPU's clock drifts over a cell's seconds: whoever ran last ran slower, up to 10% a
     cell), with the budget split between them; a cell is the mean of its rounds' medians."""
-    b, h = max(1, setup.tokens // n), setup.heads[d]
+    # (A padded head dim takes the heads of the one it runs padded to.)
+    b, h = max(1, setup.tokens // n), setup.heads[min(x for x in setup.heads if x >= d)]
     q, k, v = make_inputs(b, h, n, d, DTYPES[dtype], device)
     mask = make_mask(mask_kind, b, n, DTYPES[dtype], device)
     flops = forward_flops(b, h, n, d, causal)
@@ -574,7 +580,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--quick", action="store_true", help="bf16, D=128, N in {4096, 16384}")
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default: bf16 fp16")
-    parser.add_argument("--dims", nargs="+", type=int, choices=[64, 128, 256], help="head dims; default: 64 128")
+    parser.add_argument("--dims", nargs="+", type=int,
+                        help="head dims, multiples of 8 up to 256 (80 and 96 run padded kernels); default: 64 128")
     parser.add_argument("--seqlens", nargs="+", type=int, help="sequence lengths N")
     parser.add_argument("--causal", choices=["off", "on", "both"], default="both")
     parser.add_argument("--providers", nargs="+", choices=sorted({p.key for p in GPU_PROVIDERS + CPU_PROVIDERS}),

@@ -162,8 +162,8 @@ struct BwdParams {
   DropoutParams dropout;   // the forward's, with the same rng_state
   // The forward's attention sinks (heads_q, float64, on the tensors' device),
   // which out and lse include (merge_sinks in ops.h); null if none. The CPU
-  // kernels read them; on CUDA they send the backward to the fallback
-  // (cuda/route.h).
+  // kernels read them; the CUDA kernels need only know of them: a row that
+  // sees one key then gives it less than all the weight, so its dS is not 0.
   const double* sinks = nullptr;
   // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
   // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta

@@ -252,15 +252,18 @@ def test_hopper_kernels_run_by_default_and_can_be_turned_off(head_dim, monkeypat
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim): the forward's 176-key tiles with a narrow
 # last one (112 and 48 keys), 128-key tiles (causal), three consumers (head dim 64), GQA, more
-# tiles than SMs, the backward's 128-query tiles (head dim 64), a padded head dim, head dim 256's
-# 80-key tiles (a forward only: with dropout its backward is the mma.sync kernels').
+# tiles than SMs, the backward's 128-query tiles (head dim 64), padded head dims (112 and 80 in
+# the kernels of 128), head dim 256's 80-key tiles and its backward's split consumers (both draw
+# the same numbers), 192 padded to it.
 DROPOUT_SHAPES = [
     (1, 4, 2, 333, 2048, 128),
     (1, 2, 1, 64, 4096, 128),
     (2, 4, 2, 200, 517, 64),
     (2, 24, 8, 520, 520, 128),
     (1, 2, 2, 300, 300, 112),
+    (2, 3, 1, 250, 333, 80),
     (1, 4, 2, 300, 700, 256),
+    (1, 2, 2, 129, 200, 192),
 ]
 
 
@@ -276,8 +279,7 @@ def test_dropout_matches_reference_built_from_its_mask(shape, mode, dropout_bits
     names = kernel_names(
         lambda: flashattn_ext.scaled_dot_product_attention(*leaves, dropout_p=0.2, **kwargs).sum().backward())
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    hopper_backward = any("sm90" in n and "attention_backward_kernel" in n for n in names)
-    assert hopper_backward == (dim <= 128), names
+    assert any("sm90" in n and "attention_backward" in n for n in names), names
     _, keep = check_against_mask_reference(q, k, v, 0.2, seed=11, **kwargs)
     assert 0.75 < keep.float().mean().item() < 0.85
 
@@ -556,6 +558,45 @@ def test_backward_skips_the_tiles_a_mask_hides(shape, kind, mask_shape, causal, 
     assert unseen.any(), "the masks hide some keys from every query"
     for name, g in zip(("dk", "dv"), got[2:]):
         assert (g[unseen] == 0).all(), f"{name}: not exactly 0 at keys no query sees"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_lowest_hides_as_minus_infinity(head_dim):
+    """An additive bf16 mask that hides with torch.finfo(torch.bfloat16).min (as some transformers
+    versions build it) is the same mask as with -inf: the block map skips its tiles as it skips
+    -inf's, and out, lse, dk and dv are bitwise those of the -inf mask. Both are SDPA's result on
+    the GPU: a row of the lowest value alone gives 0 there too (float64 would average its values).
+    (dq, added up by atomics, within rounding.)"""
+    shape = (2, 4, 2, 300, 1008, head_dim)
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    keep = torch.rand(2, 1, 300, 1008, generator=gen) > 0.3
+    keep[..., 512:] = False  # whole key blocks hidden
+    keep[:, :, 5] = False  # a row that sees no key
+    bias = torch.randn(keep.shape, generator=gen)
+    lowest = torch.finfo(torch.bfloat16).min
+    masks = [torch.where(keep, bias, hide).to("cuda", torch.bfloat16) for hide in (lowest, -math.inf)]
+    grad_out = torch.randn(2, 4, 300, head_dim, generator=gen).to("cuda", torch.bfloat16)
+
+    def run(mask, attention=flashattn_ext.attention_with_lse, dtype=torch.bfloat16):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out, lse = attention(*leaves, attn_mask=mask, enable_gqa=True)
+        return (out.detach(), lse.detach(), *torch.autograd.grad(out, leaves, grad_out.to(out.dtype)))
+
+    poison_cuda_allocator(POISON_BYTES)
+    with_lowest, with_inf = run(masks[0]), run(masks[1])
+    for name, a, b in zip(("out", "lse", "dk", "dv"), with_lowest[:2] + with_lowest[3:], with_inf[:2] + with_inf[3:]):
+        assert torch.equal(a, b), name
+    # (dq is added up by float32 atomics, in no fixed order.)
+    assert relative_error(with_lowest[2], with_inf[2]) < 1e-3
+    assert (with_lowest[0][:, :, 5] == 0).all() and (with_lowest[1][:, :, 5] == -math.inf).all()
+    sdpa = expanded(F.scaled_dot_product_attention)
+    assert relative_error(sdpa(q, k, v, attn_mask=masks[0]), with_lowest[0]) < 1e-2
+    want = run(masks[1].double(), naive_attention, torch.float64)
+    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), with_lowest, want):
+        finite = torch.isfinite(w)
+        assert torch.equal(torch.isfinite(got), finite), name
+        assert relative_error(got[finite], w[finite]) < 2e-2, name
 
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's window options

@@ -79,18 +79,23 @@ def test_cuda_routes(monkeypatch):
 
 @cuda_test
 @pytest.mark.skipif(not torch.cuda.is_available() or not hopper(), reason="needs an H100 / H200")
-def test_hopper_coverage_gaps(monkeypatch):
-    """A mask, with or without dropout, runs on Hopper at head dims up to 128 (64 included); what
-    the Hopper kernels do not cover yet runs the sm80 kernels: the backward with dropout at head
-    dim 256."""
+def test_hopper_backward_takes_what_its_forward_takes(monkeypatch):
+    """No call whose forward runs the Hopper kernels falls back to sm80 for its backward (issue 44
+    item 1): every head dim (the padded 80 and 96 included), dropout (at 256 too), a mask (up to 128,
+    with dropout), a window, softcap, ALiBi."""
     monkeypatch.delenv("FLASHATTN_EXT_KERNELS", raising=False)
-    for dim in (64, 128):
+    route = flashattn_ext.kernel_route
+    calls = 0
+    for dim in (40, 64, 72, 80, 96, 104, 128, 192, 256):
         q, k, v = qkv("cuda", torch.bfloat16, dim=dim)
         mask = torch.rand(2, 1, 1, 256, device="cuda") > 0.2
-        for dropout_p in (0.0, 0.1):
-            assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=dropout_p)[0] == "sm90"
-            assert flashattn_ext.kernel_route(q, k, v, attn_mask=mask, dropout_p=dropout_p, backward=True)[0] == "sm90"
-    q, k, v = qkv("cuda", torch.bfloat16, dim=256)
-    assert flashattn_ext.kernel_route(q, k, v, dropout_p=0.1)[0] == "sm90"
-    family, reason = flashattn_ext.kernel_route(q, k, v, dropout_p=0.1, backward=True)
-    assert family == "sm80" and "backward_covers" in reason
+        slopes = torch.rand(4, device="cuda")
+        for options in ({}, {"dropout_p": 0.1}, {"is_causal": True}, {"attn_mask": mask},
+                        {"attn_mask": mask, "dropout_p": 0.1}, {"window": (32, 0)}, {"softcap": 30.0},
+                        {"alibi_slopes": slopes, "is_causal": True}):
+            if route(q, k, v, **options)[0] != "sm90":
+                continue
+            calls += 1
+            family, reason = route(q, k, v, backward=True, **options)
+            assert family == "sm90", (dim, options, reason)
+    assert calls >= 60  # (the forward takes nearly all: a mask only up to head dim 128)

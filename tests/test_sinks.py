@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, relative_error
+from helpers import DEVICES, cuda_test, relative_error
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -95,6 +95,56 @@ def test_forward_and_gradients_match_float64(device, dtype, case):
     if mask == "bool":  # the row that sees no key
         assert torch.all(out[0, :, 3].detach() == 0)
         assert torch.allclose(lse[0, :, 3].detach().cpu().double(), sinks.cpu().double())
+
+
+@cuda_test
+@pytest.mark.parametrize("kernels", ["default", "sm80"])
+@pytest.mark.parametrize("case", ["causal", "one_key_rows_of_a_mask", "window_of_one_key", "head_dim_256"])
+def test_cuda_kernels_take_the_backward_with_sinks(case, kernels, monkeypatch):
+    """The CUDA kernels run the backward with sinks (no ATen fallback), rows that see one key
+    included: without sinks the kernels zero those rows' dS (exactly 0 there); with a sink it is not
+    0. Against the float64 reference, with the sinks' own gradient."""
+    from test_hopper import kernel_names
+    if kernels == "sm80":
+        if case in ("window_of_one_key", "head_dim_256"):
+            pytest.skip("the sm80 kernels take no window; head dim 256 runs Hopper kernels alone here")
+        monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    dim = 256 if case == "head_dim_256" else 64
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, heads, length, dim, generator=gen).cuda().to(torch.bfloat16)
+               for heads, length in ((4, 150), (2, 170), (2, 170)))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 4.0], device="cuda", dtype=torch.bfloat16)
+    options = {"enable_gqa": True}
+    if case in ("causal", "head_dim_256"):  # (top-left: row 0 sees key 0 alone)
+        options["is_causal"] = True
+    if case == "one_key_rows_of_a_mask":
+        mask = torch.rand(2, 1, 150, 176, generator=gen) > 0.3  # (rows of 176: whole 16-byte pieces)
+        mask[:, :, 5] = False
+        mask[:, :, 5, 20] = True  # row 5 sees key 20 alone
+        mask[1, :, 6] = False
+        mask[1, :, 6, 0] = True  # row 6 of batch 1 sees key 0 alone
+        options["attn_mask"] = mask.cuda()[..., :170]
+    if case == "window_of_one_key":
+        options["window"] = (0, 0)  # every row sees its diagonal key alone
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    grad = torch.randn(2, 4, 150, dim, generator=gen).cuda().to(torch.bfloat16)
+
+    def run():
+        for t in leaves:
+            t.grad = None
+        out, _ = flashattn_ext.attention_with_lse(*leaves[:3], sinks=leaves[3], **options)
+        out.backward(grad)
+
+    names = kernel_names(run)
+    assert any("attention_backward" in n or "attention_dkdv" in n for n in names), names
+    assert not any("softmax" in n.lower() for n in names), names  # (the ATen fallback's)
+    reference_leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, sinks)]
+    mask = options.get("attn_mask")
+    want_out, _ = reference(*reference_leaves, attn_mask=None if mask is None else mask.cpu(),
+                            is_causal=options.get("is_causal", False), window=options.get("window"))
+    want_out.backward(grad.cpu().double())
+    for name, got, want in zip(("q", "k", "v", "sinks"), leaves, reference_leaves):
+        assert relative_error(got.grad.cpu(), want.grad) <= 2 * TOLERANCE[torch.bfloat16], name
 
 
 def test_gradcheck_in_float64():

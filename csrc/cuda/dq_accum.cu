@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kConvertThreads) convert_dq_accum_rows_kernel(
   const int64_t i = row % p.len_q, h = (row / p.len_q) % p.heads_q, b = row / (p.len_q * p.heads_q);
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
   const float2 acc = *reinterpret_cast<const float2*>(
-      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * kHeadDim + dq_accum_column(col));
+      params.dq_accum + ((b * p.heads_q + h) * padded_len_q + i) * dq_accum_cols(kHeadDim) + dq_accum_column(col));
   const float scale = static_cast<float>(p.scale);
   *reinterpret_cast<uint32_t*>(head_ptr<Elem>(params.dq, b, h) + i * params.dq.stride_row + col) =
       ptx::pack2<Elem>(acc.x * scale, acc.y * scale);
@@ -106,7 +106,7 @@ int64_t packed_dq_accum_floats(const BwdParams& params) {
   const AttentionProblem& p = params.problem;
   int64_t floats = 0;
   dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-    floats = p.heads_q * packed_dq_accum_start(params.packed.total_q, p.batch) * decltype(head_dim)::value;
+    floats = p.heads_q * packed_dq_accum_start(params.packed.total_q, p.batch) * dq_accum_cols(head_dim);
   });
   return floats;
 }
@@ -114,9 +114,8 @@ int64_t packed_dq_accum_floats(const BwdParams& params) {
 int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs) {
   int64_t floats = 0;
   dispatch_head_dim(p.head_dim, [&](auto head_dim) {
-    constexpr int kHeadDim = decltype(head_dim)::value;
     const int64_t group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 0;  // query heads a pair (a call may have none)
-    floats = pairs * group * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * kHeadDim;
+    floats = pairs * group * ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple * dq_accum_cols(head_dim);
   });
   return floats;
 }
@@ -131,10 +130,10 @@ void convert_dq_accum(const BwdParams& params, ElementType type, DqAccumLayout l
         launch_kernel(convert_dq_accum_rows_kernel<Elem, kHeadDim>,
                       ceil_div(p.batch * p.heads_q * p.len_q * p.head_dim / 2, kConvertThreads), kConvertThreads, 0,
                       params, stream);
-      } else if constexpr (kHeadDim % kSliceCols == 0) {  // (the Hopper backward's head dims: 64, 128, 256)
+      } else {  // (the Hopper backward's, whose kernels' head dims are those of dq_accum_cols: 64, 128, 256)
         const int64_t floats =
             params.packed.present() ? packed_dq_accum_floats(params) : dq_accum_floats(p, params.dq_accum_pairs);
-        launch_kernel(convert_dq_accum_tiles_kernel<Elem, kHeadDim>, floats / (kSliceRows * kSliceCols),
+        launch_kernel(convert_dq_accum_tiles_kernel<Elem, dq_accum_cols(kHeadDim)>, floats / (kSliceRows * kSliceCols),
                       kConvertThreads, 0, params, stream);
       }
     });

@@ -135,14 +135,20 @@ inline int multiprocessor_count() {
 }
 
 // The float32 dQ accumulator of the atomic backwards (both families): shaped
-// (batch, heads_q, len_q rounded up to kDqAccumRowMultiple, the specialized head
-// dim of dispatch_head_dim), zero-filled, and scaled and rounded into dq by
+// (batch, heads_q, len_q rounded up to kDqAccumRowMultiple, dq_accum_cols of
+// the specialized head dim), zero-filled, and scaled and rounded into dq by
 // convert_dq_accum. The columns of each group of 16 are permuted so that a
 // lane's values of two adjacent n8 accumulator tiles lie side by side: one
 // red.global.add.v4 adds them, half the atomic instructions of pairs (which
 // crowd the memory queue). Column nt * 8 + q * 2 + e of a group (nt < 2, q < 4,
 // e < 2) is kept at q * 4 + nt * 2 + e.
 constexpr int kDqAccumRowMultiple = 64;
+// dq_accum's floats a row for a head dim that dispatch_head_dim specializes:
+// whole 64-column slices (the Hopper backward runs head dims 65 to 96 in its
+// 128 kernel), so both families' layouts have one shape.
+__host__ __device__ constexpr int dq_accum_cols(int specialized_head_dim) {
+  return (specialized_head_dim + 63) / 64 * 64;
+}
 __host__ __device__ constexpr int dq_accum_column(int col) {
   return col / 16 * 16 + (col / 2) % 4 * 4 + (col / 8) % 2 * 2 + col % 2;
 }
@@ -204,7 +210,8 @@ __device__ __forceinline__ int64_t visible_key_end(const AttentionProblem& p, in
 // through key 0, or any row when there is one key) have probability 1 there,
 // so their dS = P (dP - delta) is exactly 0, as SDPA gives; the kernels' is
 // not (delta comes from the rounded output), so they zero it for these rows:
-// those of rows [row0, row0 + rows), as [begin, end) counted from row0.
+// those of rows [row0, row0 + rows), as [begin, end) counted from row0. Not
+// with attention sinks (BwdParams::sinks): the sink takes part of the weight.
 struct RowRange {
   int begin, end;
   __device__ __forceinline__ bool holds(int row) const { return unsigned(row - begin) < unsigned(end - begin); }
@@ -217,9 +224,10 @@ __device__ __forceinline__ RowRange rows_seeing_first_key_alone(bool is_causal, 
   auto clamp = [&](int64_t row) { return static_cast<int>(max(min(row, int64_t(rows)), int64_t(0))); };
   return {clamp(first), clamp(end)};
 }
-__device__ __forceinline__ RowRange rows_seeing_first_key_alone(const AttentionProblem& p, int64_t offset, int64_t row0,
+__device__ __forceinline__ RowRange rows_seeing_first_key_alone(const BwdParams& params, int64_t offset, int64_t row0,
                                                                 int rows) {
-  return rows_seeing_first_key_alone(p.is_causal, p.len_k, offset, row0, rows);
+  if (params.sinks != nullptr) return {0, 0};
+  return rows_seeing_first_key_alone(params.problem.is_causal, params.problem.len_k, offset, row0, rows);
 }
 
 // A packed batch's dq_accum (the atomic backwards' float32 dQ): each query

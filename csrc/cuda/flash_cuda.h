@@ -161,10 +161,10 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
 // blocks are what plan_packed_forward orders).
 int64_t varlen_forward_block_rows(const AttentionProblem& p);
 
-// Whether the Hopper backward takes a call: head dims up to 64 and 97 to 256
-// (value's equal); with an attn_mask, head dims 97 to 128, no dropout and no
-// mask gradient; above 128, no dropout; a sliding window; softcap without a
-// mask or dropout; ALiBi without a mask, dropout or softcap.
+// Whether the Hopper backward takes a call: every call the Hopper forward
+// takes (head dims up to 256, value's equal; with an attn_mask up to 128;
+// dropout; a sliding window; softcap, or ALiBi, without a mask or dropout),
+// but a mask's gradient; a packed batch at head dims up to 128.
 bool backward_covers(const BwdParams& params);
 
 // How many (batch, key/value head) pairs the Hopper backward takes at most at

@@ -37,23 +37,35 @@ MapShape map_shape(const TensorView4d& mask, const AttentionProblem& p) {
           (p.len_k + kKeyBlockKeys - 1) / kKeyBlockKeys};
 }
 
-// Whether the mask's element at offset (elements) hides its key: a bool mask
-// where it is false, an additive one (16-bit float, whose -inf is
-// minus_infinity) where it is -inf.
-__device__ __forceinline__ bool hides_key(const TensorView4d& mask, bool additive, uint16_t minus_infinity,
-                                          int64_t offset) {
-  return additive ? static_cast<const uint16_t*>(mask.data)[offset] == minus_infinity
-                  : static_cast<const uint8_t*>(mask.data)[offset] == 0;
+// The 16-bit additive values that hide a key wherever they stand: -inf, and
+// bfloat16's lowest finite value (torch.finfo(torch.bfloat16).min, as some
+// transformers versions build masks). A score plus that value, scaled into
+// log2 units, overflows to -inf in the kernels, as in SDPA's GPU kernels (the
+// same output measured on an H200: 0 in a row of it alone, where float64
+// would average the values). float16's lowest (-65504) does not hide in a row
+// of it alone (the softmax of the row's scores, in SDPA too), so it is not one.
+struct HidingValues {
+  uint16_t minus_infinity, lowest;
+};
+HidingValues hiding_values(ElementType type) {
+  return type == ElementType::kBFloat16 ? HidingValues{0xff80, 0xff7f} : HidingValues{0xfc00, 0xfc00};
 }
 
-uint16_t minus_infinity_bits(ElementType type) { return type == ElementType::kBFloat16 ? 0xff80 : 0xfc00; }
+// Whether the mask's element at offset (elements) hides its key: a bool mask
+// where it is false, an additive one (16-bit float) where it is one of `hiding`.
+__device__ __forceinline__ bool hides_key(const TensorView4d& mask, bool additive, HidingValues hiding,
+                                          int64_t offset) {
+  if (!additive) return static_cast<const uint8_t*>(mask.data)[offset] == 0;
+  const uint16_t bits = static_cast<const uint16_t*>(mask.data)[offset];
+  return bits == hiding.minus_infinity || bits == hiding.lowest;
+}
 
 // One thread block of kKeyBlockKeys threads a block of the map (grid: key
 // blocks, query blocks, batches x heads), a key a thread, down the block's
 // rows (the mask's first row alone where it repeats over queries: `rows` 1,
 // its row stride unused). Keys and rows past the ends count neither way.
 __global__ void __launch_bounds__(kKeyBlockKeys)
-    classify_mask_blocks_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, int64_t len_k,
+    classify_mask_blocks_kernel(TensorView4d mask, bool additive, HidingValues hiding, int64_t len_k,
                                 int64_t rows, int64_t heads, uint8_t* map) {
   const int64_t key = int64_t(blockIdx.x) * kKeyBlockKeys + threadIdx.x;
   const int64_t row0 = int64_t(blockIdx.y) * kMaskBlockRows, row_end = min(row0 + kMaskBlockRows, rows);
@@ -64,7 +76,7 @@ __global__ void __launch_bounds__(kKeyBlockKeys)
 #pragma unroll 8
     for (int64_t row = row0; row < row_end; ++row) {
       const int64_t offset = base + row * mask.stride_row;
-      const bool hides = hides_key(mask, additive, minus_infinity, offset);
+      const bool hides = hides_key(mask, additive, hiding, offset);
       hidden &= hides;
       // (An additive value leaves the score as it is only where it is +-0.)
       visible &= additive ? (static_cast<const uint16_t*>(mask.data)[offset] & 0x7fff) == 0 : !hides;
@@ -88,7 +100,7 @@ __global__ void __launch_bounds__(kKeyBlockKeys)
 constexpr int kOneKeyThreads = 256;
 
 __global__ void __launch_bounds__(kOneKeyThreads)
-    mark_rows_seeing_one_key_kernel(TensorView4d mask, bool additive, uint16_t minus_infinity, AttentionProblem p,
+    mark_rows_seeing_one_key_kernel(TensorView4d mask, bool additive, HidingValues hiding, AttentionProblem p,
                                     MaskDims own, float* delta) {
   const int64_t batches = own.batch ? p.batch : 1, heads = own.heads ? p.heads_q : 1, rows = own.rows ? p.len_q : 1;
   for (int64_t index = blockIdx.x; index < batches * heads * rows; index += gridDim.x) {
@@ -98,7 +110,7 @@ __global__ void __launch_bounds__(kOneKeyThreads)
     for (int64_t key0 = 0; key0 < p.len_k && visible < 2; key0 += kOneKeyThreads) {
       const int64_t key = key0 + threadIdx.x;
       visible += __syncthreads_count(key < p.len_k &&
-                                     !hides_key(mask, additive, minus_infinity, base + key * mask.stride_col));
+                                     !hides_key(mask, additive, hiding, base + key * mask.stride_col));
     }
     if (visible != 1) continue;
     // The query rows it applies to: its own batch, head and row, or all of those it repeats over.
@@ -183,7 +195,7 @@ MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const
   const dim3 grid(static_cast<unsigned>(shape.key_blocks), static_cast<unsigned>(shape.row_blocks),
                   static_cast<unsigned>(shape.batches * shape.heads));
   classify_mask_blocks_kernel<<<grid, kKeyBlockKeys, 0, stream>>>(own, kind == MaskKind::kAdditive,
-                                                                  minus_infinity_bits(type), p.len_k,
+                                                                  hiding_values(type), p.len_k,
                                                                   dims.rows ? p.len_q : 1, shape.heads, map);
   MaskBlockMap blocks;
   blocks.visibility = map;
@@ -195,13 +207,14 @@ MaskBlockMap classify_mask_blocks(MaskKind kind, const TensorView4d& mask, const
 
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  if (params.mask_kind == MaskKind::kNone || p.batch * p.heads_q * p.len_q == 0) return;
+  // (With attention sinks such a row's dS is not 0.)
+  if (params.mask_kind == MaskKind::kNone || params.sinks != nullptr || p.batch * p.heads_q * p.len_q == 0) return;
   const MaskDims own = mask_dims(params.mask, p);
   const int64_t mask_rows = (own.batch ? p.batch : 1) * (own.heads ? p.heads_q : 1) * (own.rows ? p.len_q : 1);
   constexpr int64_t kMaxBlocks = 1 << 16;  // enough to fill the GPU; the blocks loop over the rest
   mark_rows_seeing_one_key_kernel<<<static_cast<unsigned>(std::min(mask_rows, kMaxBlocks)), kOneKeyThreads, 0,
                                     stream>>>(params.mask, params.mask_kind == MaskKind::kAdditive,
-                                              minus_infinity_bits(type), p, own, static_cast<float*>(params.delta));
+                                              hiding_values(type), p, own, static_cast<float*>(params.delta));
 }
 
 }  // namespace flashattn_ext::cuda

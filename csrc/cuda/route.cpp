@@ -95,7 +95,7 @@ std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
   }
   if (p.softcap > 0.0) {
     return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
-                       "or dropout; the backward at head dims up to 64 and 97 to 256, not in deterministic mode)");
+                       "or dropout; the backward not in deterministic mode)");
   }
   if (p.has_window()) {
     return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "
@@ -115,10 +115,6 @@ Route route_forward(const at::Tensor& q, const FwdParams& params) {
 
 Route route_backward(const at::Tensor& q, const BwdParams& params) {
   if (auto gap = kernel_gap(q, params.problem)) return {Family::kAten, *gap};
-  if (params.sinks != nullptr) {
-    return {Family::kAten, "attention sinks: the kernels' backward zeroes the score gradients of rows that see one "
-                           "key, which a sink's softmax does not make 0"};
-  }
   if (at::globalContext().deterministicAlgorithms()) {
     if (auto feature = hopper_only_feature(params.problem)) return {Family::kAten, *feature};
     return {Family::kSm80, "deterministic mode: the sm80 kernels' separate dQ pass"};

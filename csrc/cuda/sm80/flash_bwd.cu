@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
       }
     }
     if (col0 == 0 && warp == 0 && lane < 4) {  // the lanes that hold key 0 (registers e < 2)
-      const RowRange alone = rows_seeing_first_key_alone(p, offset, m0, kBlockStream);
+      const RowRange alone = rows_seeing_first_key_alone(params, offset, m0, kBlockStream);
 #pragma unroll
       for (int nt = 0; nt < kQueryTiles; ++nt) {
 #pragma unroll
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
     }
     // Key 0 is column 0 of the lanes with lane % 4 == 0 (registers e % 2 == 0).
     const RowRange first_key_alone = col0 == 0 && lane % 4 == 0
-                                         ? rows_seeing_first_key_alone(p, offset, row0, kBlockRows)
+                                         ? rows_seeing_first_key_alone(params, offset, row0, kBlockRows)
                                          : RowRange{0, 0};
 #pragma unroll
     for (int nt = 0; nt < kKeyTiles; ++nt) {

@@ -115,10 +115,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   const uint32_t k_smem = ptx::smem_addr(s_k), v_smem = ptx::smem_addr(s_v), q_smem = ptx::smem_addr(s_q),
                  do_smem = ptx::smem_addr(s_do), pt_smem = ptx::smem_addr(s_pt), dst_smem = ptx::smem_addr(s_dst);
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
-  // dq_accum is (batch, heads_q, padded_len_q, kHeadDim): rows and columns past
+  // dq_accum is (batch, heads_q, padded_len_q, kDqCols): rows and columns past
   // the ends take the zeros that dS (P = 0) and K (zero-filled) give them, so
   // the atomics need no bounds checks.
   const int64_t padded_len_q = ceil_div(p.len_q, kBlockM) * kBlockM;
+  constexpr int kDqCols = dq_accum_cols(kHeadDim);
   // Keys past the end must be masked: their S is 0, so P would not be.
   const int keys_left = static_cast<int>(min(p.len_k - col0, int64_t(kBlockN)));
 
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     const bool store_dmask = kMasked && params.dmask.data != nullptr;
     // Key 0 is row 0 of warp tile mt = 0 in the lanes with lane < 4 (registers e < 2).
     const RowRange first_key_alone = col0 + key0 == 0 && lane < 4
-                                         ? rows_seeing_first_key_alone(p, offset, m0 + query0, 32)
+                                         ? rows_seeing_first_key_alone(params, offset, m0 + query0, 32)
                                          : RowRange{0, 0};
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
@@ -259,12 +260,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
     float dq[Cfg::kDqMTiles][Cfg::kDqNTiles][4] = {};
     mma_smem_by_smem<Elem, Cfg::kDqMTiles, Cfg::kDqNTiles, kBlockN, kKMajor, kScoreStride, kKMajor, kStride>(
         dq, dst_smem + dq_row0 * kElemBytes, k_smem + dq_col0 * kElemBytes, lane);
-    float* dq_piece = params.dq_accum + ((b * p.heads_q + work.h) * padded_len_q + m0 + dq_row0) * kHeadDim + dq_col0;
+    float* dq_piece = params.dq_accum + ((b * p.heads_q + work.h) * padded_len_q + m0 + dq_row0) * kDqCols + dq_col0;
 #pragma unroll
     for (int mt = 0; mt < Cfg::kDqMTiles; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float* row = dq_piece + (mt * 16 + lane / 4 + half * 8) * kHeadDim + dq_accum_column((lane % 4) * 2);
+        float* row = dq_piece + (mt * 16 + lane / 4 + half * 8) * kDqCols + dq_accum_column((lane % 4) * 2);
 #pragma unroll
         for (int nt = 0; nt < Cfg::kDqNTiles; nt += 2) {
           ptx::red_add_v4_f32(row + nt * 8, dq[mt][nt][2 * half], dq[mt][nt][2 * half + 1], dq[mt][nt + 1][2 * half],

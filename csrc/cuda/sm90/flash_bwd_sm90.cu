@@ -9,11 +9,7 @@ namespace flashattn_ext::cuda::sm90 {
 
 bool backward_covers(const BwdParams& params) {
   const AttentionProblem& p = params.problem;
-  // Head dims 65 to 96 run the sm80 kernels (dq_accum's layout is that of the
-  // specialized head dim, dispatch_head_dim, and this kernel's are 64, 128 and
-  // 256). With an attn_mask: head dims up to 128, and no gradient of the
-  // mask; head dim 256 without dropout.
-  const bool head_dim_covered = p.head_dim <= 64 || p.head_dim > 96;
+  // With an attn_mask: head dims up to 128, and no gradient of the mask.
   const bool masked = params.mask_kind != MaskKind::kNone;
   // Softcap: no mask, no dropout.
   const bool softcap_covered = !(p.softcap > 0.0) || (!masked && params.dropout.p == 0.0);
@@ -22,10 +18,8 @@ bool backward_covers(const BwdParams& params) {
   // A packed batch: head dims up to 128, none of the above but a window.
   const bool varlen_covered = !params.packed.present() || (p.head_dim <= 128 && !masked && params.dropout.p == 0.0 &&
                                                            p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  return head_dim_covered && p.head_dim == p.head_dim_v && softcap_covered && alibi_covered && varlen_covered &&
-         p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 &&
-         p.batch > 0 && !(masked && (p.head_dim > 128 || params.dmask.data != nullptr)) &&
-         !(p.head_dim > 128 && params.dropout.p > 0.0);
+  return p.head_dim == p.head_dim_v && softcap_covered && alibi_covered && varlen_covered && p.len_q > 0 &&
+         p.len_k > 0 && p.heads_q > 0 && p.batch > 0 && !(masked && (p.head_dim > 128 || params.dmask.data != nullptr));
 }
 
 int64_t backward_chunk_pairs(const AttentionProblem& p) {

@@ -332,6 +332,22 @@ __device__ __forceinline__ void zero_window_rows_seeing_one_key(float (&dst)[kRe
   for (int i = 0; i < kRegs; ++i) dst[i] = keys_seen(row0 + accumulator_column(i, lane)) == 1 ? 0.f : dst[i];
 }
 
+// Zeroes the dS^T of the tile's queries that see one key alone, by the
+// window's edges or the causal diagonal (exactly 0 there, as SDPA gives, where
+// rounding would leave noise); not with attention sinks, whose softmax gives
+// that key less than all the weight (its dS is then not 0).
+template <int kBlockM, bool kWindow, int kRegs>
+__device__ __forceinline__ void zero_lone_key_rows(float (&dst)[kRegs], const BwdParams& params,
+                                                   const Visibility& seen, int64_t col0, int64_t row0,
+                                                   bool holds_first_key, int lane) {
+  if (params.sinks != nullptr) return;
+  if constexpr (kWindow) {
+    zero_window_rows_seeing_one_key<kBlockM>(dst, seen, row0, lane);
+  } else {
+    zero_first_key_alone<kBlockM>(dst, params.problem, seen, col0, row0, holds_first_key, lane);
+  }
+}
+
 // Zeroes the dS^T of the tile's queries that an attn_mask leaves one key
 // (their delta marked kOneKeyRowDelta, their dS^T so far NaN: flash_common.cuh).
 // The warp's lanes first look at the tile's kBlockM rows together, so that a

@@ -11,6 +11,9 @@
 //   both:       dV += P^T dO and dK += dS^T Q over their columns (the A
 //               operand from registers), then dQ = dS K over their columns
 //               in two 64-column slices, each added to dq_accum by atomics
+// With dropout both consumers draw the tile's Philox numbers (the same ones,
+// for the same scores: their score tiles share one register layout): consumer
+// 1 drops dP^T where the forward dropped P, and both drop P^T for dV.
 // A last kernel scales and rounds dq_accum into dq (convert_dq_accum, layout
 // DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first.
 #include <cmath>
@@ -20,14 +23,14 @@
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 namespace {
 
-// kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
-// (Softcap; consumer 1 takes the cap's derivative from the rounded P^T it
-// reads back). kAlibi: ALiBi's bias on the recomputed scores (not with
-// softcap; no dropout here).
-template <typename Elem, typename Cfg, bool kWindow, bool kSoftcap, bool kAlibi>
+// kDropout: dropout. kWindow: a sliding window (backward_block). kSoftcap:
+// logit softcapping (Softcap; consumer 1 takes the cap's derivative from the
+// rounded P^T it reads back). kAlibi: ALiBi's bias on the recomputed scores.
+// Softcap, ALiBi and dropout: one at most.
+template <typename Elem, typename Cfg, bool kDropout, bool kWindow, bool kSoftcap, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
-  static_assert(!(kSoftcap && kAlibi), "softcap or ALiBi");
+  static_assert(int{kDropout} + kSoftcap + kAlibi <= 1, "softcap, ALiBi or dropout");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;         // a thread's share of 64 keys x kBlockM queries
@@ -63,7 +66,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Read from lane 0: the compiler then knows it is the same across the warp
   // and keeps what derives from it (the wgmma descriptors) in uniform registers.
   const int warpgroup = __shfl_sync(0xffffffff, threadIdx.x / kWarpgroupThreads, 0);
-  if (threadIdx.x == 0) init_backward_barriers<Cfg>(bars);
+  if (threadIdx.x == 0) {
+    init_backward_barriers<Cfg>(bars);
+    if constexpr (kDropout) bars->dropout = dropout_state(params.dropout);
+  }
   __syncthreads();
 
   if (warpgroup == 0) {
@@ -134,6 +140,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t stage_offset = stage * Cfg::kQBytes;
     const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
     const float alibi_log2 = kAlibi ? alibi_slope(p, block.b, head) * float(M_LOG2E) : 0.f;
+    // Dropout's decisions for the tile (as the kernel of smaller head dims
+    // draws them: keep[j][w], the lane's 16 x 16 block j, queries of parity w),
+    // before the GEMMs, while their registers are not yet live.
+    uint32_t keep[kBlockM / 16][2] = {};
+    if constexpr (kDropout) {
+      const DropoutState dropout = bars->dropout;
+      const int64_t bh = block.b * p.heads_q + head;
+      const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, col0 + key_row, p.len_q, p.len_k);
+      const uint64_t step = 4 * dropout_quads(p.len_k);  // 16 queries on
+#pragma unroll
+      for (int pair = 0; pair < kBlockM / 32; ++pair) {
+        dropout_block_pair_flags<true>(*reinterpret_cast<uint32_t(*)[2][2]>(&keep[2 * pair]), dropout,
+                                       group0 + 2 * pair * step, step, lane);
+      }
+    }
+    // Register i of a score tile: block i / 8, query parity i % 2, query half (i / 4) % 2, key half (i / 2) % 2.
+    auto keeps = [&](int i) { return dropout_flag(keep[i / 8][i % 2], ((i / 4) % 2) * 2 + (i / 2) % 2); };
+    // P^T where dropout keeps it, as dV's A operand (register r of a block: query half r / 2, key half r % 2).
+    auto drop_probabilities = [&](uint32_t(&frag)[kSteps][4]) {
+#pragma unroll
+      for (int j = 0; j < kSteps; ++j) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) frag[j][r] &= dropout_pair_mask(keep[j], r);
+      }
+    };
     if (++m_index == block.m_count) {
       m_index = 0;
       ++head;
@@ -170,6 +201,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
       store_transposed_tile<Cfg::kDsColBlockBytes>(s_pt, p_frag, key_row, lane);
+      if constexpr (kDropout) drop_probabilities(p_frag);
     }
     // (Each barrier is one bar.sync instruction for both consumers: bar.sync
     // is .aligned, which asks that every thread waiting at a barrier run the
@@ -177,19 +209,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::named_barrier_sync(kPtReady, kConsumerThreads);
     if (consumer == 1) {
       // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs (and
-      // times the cap's derivative).
+      // times the cap's derivative). With dropout (Z: 0 where dropped,
+      // 1 / (1 - p) where kept), dS^T = P^T * (Z dP^T - delta).
       load_tile(s_pt, p_frag);
+      const float keep_scale = kDropout ? bars->dropout.keep_scale : 1.f;
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
         const float pt = from_fragments<Elem>(p_frag, i);
-        s[i] = pt * (s[i] - delta_q[query_of(i)]);
+        const float dpt = kDropout ? (keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
+        s[i] = pt * (dpt - delta_q[query_of(i)]);
         if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
       }
-      if constexpr (kWindow) {
-        zero_window_rows_seeing_one_key<kBlockM>(s, seen, row0, lane);
-      } else {
-        zero_first_key_alone<kBlockM>(s, p, seen, col0, row0, holds_first_key, lane);
-      }
+      if constexpr (kDropout) drop_probabilities(p_frag);
+      zero_lone_key_rows<kBlockM, kWindow>(s, params, seen, col0, row0, holds_first_key, lane);
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
       // proxy). Its last readers, tile t - 2's dQ of both consumers and
       // consumer 0's load, were done before consumer 0 reached tile t - 1's kDsReady.
@@ -239,7 +271,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   }
 
-  store_key_gradients<Elem>(params, block, key_row, grad_col0, lane, dk, dv, 1.f);
+  const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
+  store_key_gradients<Elem>(params, block, key_row, grad_col0, lane, dk, dv, dv_scale);
 #endif
 }
 
@@ -254,11 +287,15 @@ bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStre
       constexpr bool kWindow = decltype(window)::value;
       if (params.problem.softcap > 0.0) {
         launched = launch_backward_kernel<Elem, Cfg>(
-            params, attention_backward_split_kernel<Elem, Cfg, kWindow, true, false>, stream);
+            params, attention_backward_split_kernel<Elem, Cfg, false, kWindow, true, false>, stream);
+      } else if (params.problem.alibi_slopes != nullptr) {
+        launched = launch_backward_kernel<Elem, Cfg>(
+            params, attention_backward_split_kernel<Elem, Cfg, false, kWindow, false, true>, stream);
       } else {
-        dispatch_flag(params.problem.alibi_slopes != nullptr, [&](auto alibi) {
+        dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
           launched = launch_backward_kernel<Elem, Cfg>(
-              params, attention_backward_split_kernel<Elem, Cfg, kWindow, false, decltype(alibi)::value>, stream);
+              params, attention_backward_split_kernel<Elem, Cfg, decltype(dropout)::value, kWindow, false, false>,
+              stream);
         });
       }
     });

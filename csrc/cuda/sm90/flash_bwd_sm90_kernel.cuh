@@ -373,11 +373,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (kSoftcap) dpt[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
       }
     }
-    if constexpr (kWindow) {
-      zero_window_rows_seeing_one_key<kBlockM>(dpt, seen, row0, lane);
-    } else {
-      zero_first_key_alone<kBlockM>(dpt, p, seen, col0, row0, holds_first_key, lane);
-    }
+    zero_lone_key_rows<kBlockM, kWindow>(dpt, params, seen, col0, row0, holds_first_key, lane);
     if constexpr (Cfg::Mask::kPresent) zero_rows_seeing_one_key<kBlockM>(dpt, delta_q, lane);
     to_fragments<Elem>(dpt, ds_frag);
     const int ds_buffer = tile % Cfg::kDsBuffers;
