@@ -1,7 +1,7 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
 dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap, ALiBi,
-packed batches and decoding steps.
+attention sinks, packed batches and decoding steps.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -60,6 +60,21 @@ def run(case, dtype, dropout_p=0.0):
     for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         if not torch.isfinite(t).all():
             raise RuntimeError(f"{name} is not finite for {case} in {dtype}")
+
+
+def run_sinks(dtype):
+    """Attention sinks through the kernels' backward: causal (a row that sees key 0 alone), head dims
+    64 and 256, GQA."""
+    for head_dim in (64, 256):
+        q = torch.randn(1, 4, 129, head_dim, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(1, 2, 200, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        sinks = torch.randn(4, device="cuda", dtype=dtype, requires_grad=True)
+        out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dsinks", sinks.grad)):
+            if not torch.isfinite(t).all():
+                raise RuntimeError(f"{name} is not finite with sinks at head dim {head_dim} in {dtype}")
 
 
 def run_copied_inputs(dtype):
@@ -290,6 +305,8 @@ def main():
             print(f"ok windows {dtype} deterministic={deterministic}", flush=True)
             run_varlen(dtype)
             print(f"ok packed batch {dtype} deterministic={deterministic}", flush=True)
+            run_sinks(dtype)
+            print(f"ok sinks {dtype} deterministic={deterministic}", flush=True)
     torch.use_deterministic_algorithms(False)  # (bad bounds: the one-launch paths, which do not raise)
     for dtype in DTYPES:
         run_varlen_bad_bounds(dtype)
