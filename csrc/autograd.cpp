@@ -3,8 +3,8 @@
 // probabilities or a dropout mask) and calls the backward op. Registered for
 // the Autograd key, so every device shares it. With attention sinks, the
 // out and log-sum-exp it saves are those with the sinks (merge_sinks in
-// ops.h), the backward op is told of them, and the sinks' own gradient is
-// computed here.
+// ops.h), the backward op is told of them, and the sinks' own gradient comes
+// from the op sinks_backward.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -94,13 +94,10 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     // (needs_input_grad counts the tensor arguments given: q, k, v, then those
     // of attn_mask, alibi_slopes and sinks that are.)
     if (sinks.has_value() && ctx->needs_input_grad(3 + attn_mask.has_value() + alibi_slopes.has_value())) {
-      // d sink = -sum over its rows of p_sink * rowsum(dout * out), p_sink =
-      // exp(sink - lse) (0 where both are -inf): the softmax's gradient, for a
-      // key of value 0.
-      const at::ScalarType type = lse.scalar_type();
-      const Tensor delta = (grads[0].to(type) * out.to(type)).sum(-1);
-      const Tensor p_sink = (sinks->to(type).view({1, -1, 1}) - lse).exp().nan_to_num(0.0);
-      dsinks = (-(p_sink * delta).sum(at::IntArrayRef{0, 2})).to(sinks->scalar_type());
+      static const auto sinks_backward = c10::Dispatcher::singleton()
+                                             .findSchemaOrThrow("flashattn_ext::sinks_backward", "")
+                                             .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
+      dsinks = sinks_backward.call(grads[0], out, lse, *sinks);
     }
     // One gradient per forward argument; undefined for the non-tensor ones and
     // for alibi_slopes (not differentiable).

@@ -17,6 +17,7 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("attention_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("dropout_mask", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
+  m.impl("sinks_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("decode_attention", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("varlen_forward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());
   m.impl("varlen_backward", torch::CppFunction::makeFromBoxedFunction<&cuda_not_built>());

@@ -15,11 +15,11 @@
 
 namespace flashattn_ext {
 
-namespace {
-
 TensorView4d view_of(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
+
+namespace {
 
 void check_floating(const at::Tensor& t, const char* name) {
   const auto dtype = t.scalar_type();
@@ -211,6 +211,22 @@ void merge_sinks(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse) {
   const at::Tensor kept = at::where(merged == -INFINITY, 0.0, at::exp(lse - merged));
   out.mul_(kept.unsqueeze(-1));
   lse.copy_(merged);
+}
+
+at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks) {
+  TORCH_CHECK(lse.dim() == 3 && sinks.dim() == 1 && sinks.size(0) == lse.size(1) && delta.sizes() == lse.sizes(),
+              "flashattn_ext: sinks_backward needs lse (batch, heads, len_q) and sinks (heads,), got ", lse.sizes(),
+              " and ", sinks.sizes());
+  const at::Tensor p_sink = (sinks.to(lse.scalar_type()).view({1, -1, 1}) - lse).exp().nan_to_num(0.0);
+  return (-(p_sink * delta).sum(at::IntArrayRef{0, 2})).to(sinks.scalar_type());
+}
+
+at::Tensor sinks_backward_aten(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                               const at::Tensor& sinks) {
+  TORCH_CHECK(grad_out.sizes() == out.sizes(), "flashattn_ext: sinks_backward needs grad_out shaped as out ",
+              out.sizes(), ", got ", grad_out.sizes());
+  const at::ScalarType type = lse.scalar_type();
+  return sinks_gradient((grad_out.to(type) * out.to(type)).sum(-1), lse, sinks);
 }
 
 FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -31,6 +31,9 @@ struct AttentionOptions {
 AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                    const AttentionOptions& options);
 
+// A 4-d tensor as the kernels see it: its data and strides (in elements).
+TensorView4d view_of(const at::Tensor& t);
+
 // The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);
 
@@ -49,6 +52,14 @@ FwdParams prepare_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
 // check_sinks checks sinks against q (4-d), naming the argument.
 void check_sinks(const at::Tensor& q, const std::optional<at::Tensor>& sinks);
 void merge_sinks(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse);
+// The sinks' gradient (the op sinks_backward, schemas.cpp), a sink being a key
+// of value 0: -sum over its head's rows of exp(sink - lse) * delta, delta =
+// rowsum(grad_out * out) (0 where the sink and lse are both -inf), in sinks'
+// dtype. sinks_gradient takes delta (batch, heads, len_q) in lse's dtype;
+// sinks_backward_aten computes it with ATen operations (any device and dtype).
+at::Tensor sinks_gradient(const at::Tensor& delta, const at::Tensor& lse, const at::Tensor& sinks);
+at::Tensor sinks_backward_aten(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                               const at::Tensor& sinks);
 
 // Checks the saved tensors and dout; allocates dq, dk, dv and, with
 // compute_grad_attn_mask, the mask's gradient (else an empty tensor); returns

@@ -30,8 +30,8 @@ int dropout_bits() { return dropout_bits_setting; }
 // heads,) vector is fine) adds ALiBi's -slope * |i + d - j| to the scores (see
 // AttentionProblem); it gets no gradient. sinks (query heads,), any float
 // dtype, are attention sinks (merge_sinks in ops.h): the forward's out and lse
-// include them, and the backward takes the forward's (the gradient of the
-// sinks themselves is autograd.cpp's).
+// include them, and the backward takes the forward's; sinks_backward gives
+// the gradient of the sinks themselves (autograd.cpp calls it).
 // With dropout_p > 0 the forward draws from torch's default generator of the
 // inputs' device and returns what it drew as rng_state ({seed, offset, bits},
 // int64; empty without dropout), so the backward regenerates the same dropout
@@ -66,6 +66,7 @@ TORCH_LIBRARY(flashattn_ext, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool is_causal, "
       "bool causal_lower_right, float scale, int window_left=-1, int window_right=-1, float softcap=0.0, "
       "Tensor? alibi_slopes=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  m.def("sinks_backward(Tensor grad_out, Tensor out, Tensor lse, Tensor sinks) -> Tensor grad_sinks");
   m.def(
       "dropout_mask(Tensor rng_state, float dropout_p, int batch, int heads, int len_q, int len_k, int row_begin, "
       "int row_end) -> Tensor");

@@ -80,3 +80,9 @@ def _varlen_backward_fake(grad_out, query, key, value, out, lse, cu_seqlens_q, c
     _check_devices(query, grad_out=grad_out, key=key, value=value, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                    cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
     return tuple(t.new_empty(t.shape) for t in (query, key, value))
+
+
+@torch.library.register_fake("flashattn_ext::sinks_backward")
+def _sinks_backward_fake(grad_out, out, lse, sinks):
+    _check_devices(out, grad_out=grad_out, lse=lse, sinks=sinks)
+    return sinks.new_empty(sinks.shape)

@@ -201,6 +201,14 @@ def test_opcheck_with_sinks(device):
         (torch.randn_like(out), q.detach(), k, v, out.detach(), lse, rng_state, None, 0.0, True, False, 0.3, False),
         {"sinks": sinks.detach()},
     )
+    grad_out, out = torch.randn_like(out), out.detach()  # (sinks_backward is a backward's helper: no autograd)
+    torch.library.opcheck(torch.ops.flashattn_ext.sinks_backward.default, (grad_out, out, lse, sinks.detach()))
+    # The kernels' delta pass (CUDA) and the ATen form agree.
+    want = -(torch.exp(sinks.detach().to(lse.dtype).view(1, -1, 1) - lse)
+             * (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2))
+    got = torch.ops.flashattn_ext.sinks_backward(grad_out, out, lse, sinks.detach())
+    assert got.dtype == sinks.dtype
+    assert relative_error(got.double(), want.double()) < (1e-12 if dtype == torch.float64 else 1e-2)
 
 
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
@@ -223,4 +231,24 @@ def test_decode_attention_with_sinks(device, block_size):
         k, v = (sequence_rows(cache, b, length, table)[None] for cache in (key_cache, value_cache))
         want_out, want_lse = reference(query[b : b + 1], k, v, sinks, is_causal=True, bottom_right=True)
         assert relative_error(out[b : b + 1].cpu(), want_out, zero_scale=1.0) <= TOLERANCE[dtype]
+        assert (lse[b : b + 1].cpu().double() - want_lse).abs().max().item() <= 1e-4
+
+
+@cuda_test
+def test_decode_rows_poisoned_for_a_bad_length_stay_nan_with_sinks():
+    """On CUDA a sequence whose cache_seqlens is past the capacity gets NaN out and lse (decode_attention's
+    signal for bad inputs); merging the sinks keeps both NaN, and the other sequences' answers right."""
+    from test_decode import make_cache, sequence_rows
+    gen = torch.Generator().manual_seed(5)
+    key_cache, value_cache, _ = make_cache(3, 2, 64, 32, 32, torch.bfloat16, None, gen)
+    query = torch.randn(3, 8, 1, 32, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen).to(torch.bfloat16)
+    lengths = [64, 65, 29]  # sequence 1: one past the capacity
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), sinks=sinks.cuda(), return_lse=True)
+    assert out[1].isnan().all() and lse[1].isnan().all()
+    for b in (0, 2):
+        k, v = (sequence_rows(cache, b, lengths[b], None)[None] for cache in (key_cache, value_cache))
+        want_out, want_lse = reference(query[b : b + 1], k, v, sinks)
+        assert relative_error(out[b : b + 1].cpu(), want_out, zero_scale=1.0) <= TOLERANCE[torch.bfloat16]
         assert (lse[b : b + 1].cpu().double() - want_lse).abs().max().item() <= 1e-4

@@ -124,6 +124,7 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CPU, m) {
   m.impl("attention_forward", &attention_forward_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
   m.impl("dropout_mask", &dropout_mask_cpu);
+  m.impl("sinks_backward", &sinks_backward_aten);
   m.impl("decode_attention", &decode_attention_cpu);
 }
 

@@ -210,6 +210,19 @@ struct PhiloxSource {
   int bits = kDefaultDropoutBits;  // of the random numbers
 };
 
+// A forward's out and lse made those with attention sinks, in place
+// (sinks.cu; ops.h's merge_sinks): lse' = logaddexp(lse, the row's head's
+// sink), out times exp(lse - lse') (0 where lse' is -inf). out (batch, heads,
+// rows, dim) of the element type, its last dim contiguous; lse float32,
+// contiguous (batch, heads, rows); sinks float32 (heads).
+struct SinkMerge {
+  TensorView4d out;
+  int64_t batch, heads, rows, dim;
+  float* lse;
+  const float* sinks;
+};
+void merge_sinks(const SinkMerge& merge, ElementType type, cudaStream_t stream);
+
 // rng_state = {seed, offset, bits} (device memory), for the kernels to read (dropout.cu).
 void write_rng_state(const PhiloxSource& source, int64_t* rng_state, cudaStream_t stream);
 

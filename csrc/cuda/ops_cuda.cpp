@@ -29,6 +29,20 @@ cuda::ElementType element_type(const at::Tensor& q) {
   return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
 }
 
+// merge_sinks (ops.h) in one pass on the device (cuda::merge_sinks) for a
+// 16-bit out, its last dim contiguous; ATen's form otherwise.
+void merge_sinks_on_device(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse) {
+  const bool kernel_takes = (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
+                            out.dim() == 4 && out.stride(-1) == 1 && lse.scalar_type() == at::kFloat &&
+                            lse.is_contiguous();
+  if (!kernel_takes) return merge_sinks(sinks, out, lse);
+  const at::Tensor sinks_float = sinks.to(at::kFloat).contiguous();
+  const cuda::SinkMerge merge{view_of(out), out.size(0), out.size(1), out.size(2), out.size(3),
+                              lse.data_ptr<float>(), sinks_float.data_ptr<float>()};
+  cuda::merge_sinks(merge, element_type(out), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // The kernels copy rows in 16-byte pieces: the last dim must be contiguous and
 // every row start 16-byte aligned. Anything else (rare: a stride-0 grad_out,
 // an odd storage offset) is copied into a fresh contiguous tensor first: a
@@ -156,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
   check_sinks(q, sinks);
   const at::Tensor rng_state = draw_rng_state(q, dropout_p, stream);
   auto finish = [&] {
-    if (sinks.has_value()) merge_sinks(*sinks, out, lse);
+    if (sinks.has_value()) merge_sinks_on_device(*sinks, out, lse);
     return std::make_tuple(out, lse, rng_state);
   };
   auto run_fallback = [&](const std::string& gap) {
@@ -317,6 +331,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   return {dq, dk, dv};
 }
 
+// The sinks' gradient (ops.h): delta by the backward's delta pass (one read
+// of grad_out and out), where the ATen form takes float32 copies of both.
+at::Tensor sinks_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                               const at::Tensor& sinks) {
+  const bool kernel_takes = (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
+                            grad_out.scalar_type() == out.scalar_type() && out.dim() == 4 &&
+                            grad_out.sizes() == out.sizes() && out.stride(-1) == 1 && grad_out.stride(-1) == 1 &&
+                            lse.scalar_type() == at::kFloat && lse.sizes() == out.sizes().slice(0, 3);
+  if (!kernel_takes) return sinks_backward_aten(grad_out, out, lse, sinks);
+  const c10::cuda::CUDAGuard device_guard(out.device());
+  BwdParams params;
+  AttentionProblem& p = params.problem;
+  p.batch = out.size(0);
+  p.heads_q = p.heads_kv = out.size(1);
+  p.len_q = out.size(2);
+  p.head_dim = p.head_dim_v = out.size(3);
+  params.out = view_of(out);
+  params.dout = view_of(grad_out);
+  const at::Tensor delta = at::empty(lse.sizes(), lse.options());
+  params.delta = delta.data_ptr();
+  cuda::compute_delta(params, element_type(out), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return sinks_gradient(delta, lse, sinks);
+}
+
 at::Tensor dropout_mask_cuda(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                              int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end) {
   const c10::cuda::CUDAGuard device_guard(rng_state.device());
@@ -361,7 +400,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   run_decode_kernels(params, q, stream);
   cuda::decode_poison(params, element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (sinks.has_value()) merge_sinks(*sinks, out, lse);  // (a poisoned row stays NaN)
+  if (sinks.has_value()) merge_sinks_on_device(*sinks, out, lse);  // (a poisoned row stays NaN)
   return {out, lse};
 }
 
@@ -399,6 +438,7 @@ TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
   m.impl("dropout_mask", &dropout_mask_cuda);
+  m.impl("sinks_backward", &sinks_backward_cuda);
   m.impl("decode_attention", &decode_attention_cuda);
   m.impl("varlen_forward", &varlen_forward_cuda);
   m.impl("varlen_backward", &varlen_backward_cuda);
