@@ -19,6 +19,11 @@ TensorView4d view_of(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name) {
+  TORCH_CHECK(t.device() == like.device(), "flashattn_ext: ", name, " is on ", t.device(), " but ", like_name,
+              " is on ", like.device());
+}
+
 namespace {
 
 void check_floating(const at::Tensor& t, const char* name) {
@@ -28,8 +33,7 @@ void check_floating(const at::Tensor& t, const char* name) {
 }
 
 void check_like(const at::Tensor& t, const char* name, const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but query is on ",
-              q.device());
+  check_device(t, name, q);
   TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), "flashattn_ext: ", name, " has dtype ", t.scalar_type(),
                    " but query has dtype ", q.scalar_type());
 }
@@ -62,8 +66,7 @@ void open_wide_window(AttentionProblem& p) {
 // ALiBi's slopes, one per (batch, query head).
 void check_alibi(const std::optional<at::Tensor>& slopes, int64_t batch, int64_t heads_q, const at::Tensor& q) {
   if (!slopes.has_value()) return;
-  TORCH_CHECK(slopes->device() == q.device(), "flashattn_ext: alibi_slopes is on ", slopes->device(),
-              " but query is on ", q.device());
+  check_device(*slopes, "alibi_slopes", q);
   TORCH_CHECK_TYPE(slopes->scalar_type() == at::kFloat, "flashattn_ext: alibi_slopes must be float32, got ",
                    slopes->scalar_type());
   TORCH_CHECK(slopes->dim() == 2 && slopes->size(0) == batch && slopes->size(1) == heads_q,
@@ -101,8 +104,7 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
 
   if (options.attn_mask.has_value()) {
     const at::Tensor& mask = *options.attn_mask;
-    TORCH_CHECK(mask.device() == q.device(), "flashattn_ext: attn_mask is on ", mask.device(), " but query is on ",
-                q.device());
+    check_device(mask, "attn_mask", q);
     TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool || mask.scalar_type() == q.scalar_type(),
                      "flashattn_ext: attn_mask must be bool or have query's dtype ", q.scalar_type(), ", got ",
                      mask.scalar_type());
@@ -118,8 +120,7 @@ AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::T
 
 void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected_shape, at::ScalarType dtype,
                  const at::Tensor& q) {
-  TORCH_CHECK(t.device() == q.device(), "flashattn_ext: ", name, " is on ", t.device(), " but query is on ",
-              q.device());
+  check_device(t, name, q);
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, "flashattn_ext: ", name, " must have dtype ", dtype, ", got ",
                    t.scalar_type());
   TORCH_CHECK(t.sizes() == expected_shape, "flashattn_ext: ", name, " must have shape ", expected_shape, ", got ",
@@ -135,8 +136,7 @@ void check_rng_state(const at::Tensor& rng_state, double dropout_p, const at::Te
                   rng_state.is_contiguous(),
               "flashattn_ext: rng_state must be the forward's: ", expected_size, " int64 values for dropout_p ",
               dropout_p, ", got ", rng_state.scalar_type(), " of shape ", rng_state.sizes());
-  TORCH_CHECK(expected_size == 0 || rng_state.device() == q.device(), "flashattn_ext: rng_state is on ",
-              rng_state.device(), " but query is on ", q.device());
+  if (expected_size > 0) check_device(rng_state, "rng_state", q);
   if (expected_size > 0 && rng_state.is_cpu()) {
     const int64_t bits = rng_state.data_ptr<int64_t>()[2];
     TORCH_CHECK(bits == 8 || bits == 16, "flashattn_ext: rng_state must be the forward's: its bits are ", bits,
@@ -196,7 +196,7 @@ at::ScalarType lse_dtype(at::ScalarType input_dtype) {
 void check_sinks(const at::Tensor& q, const std::optional<at::Tensor>& sinks) {
   if (!sinks.has_value()) return;
   const at::Tensor& s = *sinks;
-  TORCH_CHECK(s.device() == q.device(), "flashattn_ext: sinks is on ", s.device(), " but query is on ", q.device());
+  check_device(s, "sinks", q);
   TORCH_CHECK(at::isFloatingType(s.scalar_type()), "flashattn_ext: sinks must be a floating-point tensor, got ",
               s.scalar_type());
   TORCH_CHECK(s.dim() == 1 && s.size(0) == q.size(1), "flashattn_ext: sinks must have shape (", q.size(1),
@@ -356,8 +356,7 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
                       " must be a non-empty 1-d tensor, got shape ", t->sizes());
     TORCH_CHECK_TYPE(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "flashattn_ext: ", name,
                      " must be int32 or int64, got ", t->scalar_type());
-    TORCH_CHECK(t->device() == q.device(), "flashattn_ext: ", name, " is on ", t->device(), " but query is on ",
-                q.device());
+    check_device(*t, name, q);
   }
   TORCH_CHECK_VALUE(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "flashattn_ext: cu_seqlens_q holds ",
                     cu_seqlens_q.numel() - 1, " sequences but cu_seqlens_k ", cu_seqlens_k.numel() - 1);
@@ -483,8 +482,7 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   TORCH_CHECK(args.cache_seqlens.dim() == 1 && args.cache_seqlens.size(0) == batch,
               "flashattn_ext: cache_seqlens must be 1-d with one length per sequence (", batch, "), got shape ",
               args.cache_seqlens.sizes());
-  TORCH_CHECK(args.cache_seqlens.device() == q.device(), "flashattn_ext: cache_seqlens is on ",
-              args.cache_seqlens.device(), " but query is on ", q.device());
+  check_device(args.cache_seqlens, "cache_seqlens", q);
   TORCH_CHECK_TYPE(args.cache_seqlens.scalar_type() == at::kInt || args.cache_seqlens.scalar_type() == at::kLong,
                    "flashattn_ext: cache_seqlens must be int32 or int64, got ", args.cache_seqlens.scalar_type());
 
@@ -496,8 +494,7 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
     TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
                 "flashattn_ext: block_table must be 2-d (batch = ", batch, ", blocks per sequence), got shape ",
                 block_table.sizes());
-    TORCH_CHECK(block_table.device() == q.device(), "flashattn_ext: block_table is on ", block_table.device(),
-                " but query is on ", q.device());
+    check_device(block_table, "block_table", q);
     TORCH_CHECK_TYPE(block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong,
                      "flashattn_ext: block_table must be int32 or int64, got ", block_table.scalar_type());
     TORCH_CHECK_VALUE(k4.size(2) > 0, "flashattn_ext: the cache's blocks must hold at least one row, got shape ",

@@ -34,6 +34,10 @@ AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, con
 // A 4-d tensor as the kernels see it: its data and strides (in elements).
 TensorView4d view_of(const at::Tensor& t);
 
+// Raises, naming the argument, unless t is on like's device ("flashattn_ext:
+// <name> is on <device> but <like_name> is on <device>").
+void check_device(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name = "query");
+
 // The dtype of the saved log-sum-exp: float32, or float64 for float64 inputs.
 at::ScalarType lse_dtype(at::ScalarType input_dtype);
 

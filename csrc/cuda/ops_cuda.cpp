@@ -335,11 +335,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
 // of grad_out and out), where the ATen form takes float32 copies of both.
 at::Tensor sinks_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
                                const at::Tensor& sinks) {
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"grad_out", grad_out}, {"lse", lse},
-                                {"sinks", sinks}}) {
-    TORCH_CHECK(t.device() == out.device(), "flashattn_ext: ", name, " is on ", t.device(), " but out is on ",
-                out.device());
-  }
+  check_device(grad_out, "grad_out", out, "out");
+  check_device(lse, "lse", out, "out");
+  check_device(sinks, "sinks", out, "out");
   const bool kernel_takes = (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
                             grad_out.scalar_type() == out.scalar_type() && out.dim() == 4 &&
                             grad_out.sizes() == out.sizes() && out.stride(-1) == 1 && grad_out.stride(-1) == 1 &&
