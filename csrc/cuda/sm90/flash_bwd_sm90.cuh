@@ -332,6 +332,40 @@ __device__ __forceinline__ void zero_window_rows_seeing_one_key(float (&dst)[kRe
   for (int i = 0; i < kRegs; ++i) dst[i] = keys_seen(row0 + accumulator_column(i, lane)) == 1 ? 0.f : dst[i];
 }
 
+// Dropout's decisions for a streamed tile of kBlockM queries against a
+// consumer warpgroup's 64 keys, as both backward kernels draw and apply them
+// (the same Philox numbers as the forward's): keep[j][w] for the lane's 16 x
+// 16 block j and its queries of parity w (dropout_block_pair_flags), drawn two
+// blocks a step, before the tile's GEMMs, while their registers are not yet live.
+template <int kBlockM>
+struct TileDropout {
+  uint32_t keep[kBlockM / 16][2] = {};
+
+  // key0: the key of the thread's first S^T register row (col0 + key_row).
+  __device__ __forceinline__ void draw(const DropoutState dropout, const AttentionProblem& p, int64_t bh,
+                                       int64_t row0, int64_t key0, int lane) {
+    const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, key0, p.len_q, p.len_k);
+    const uint64_t step = 4 * dropout_quads(p.len_k);  // 16 queries on
+#pragma unroll
+    for (int pair = 0; pair < kBlockM / 32; ++pair) {
+      dropout_block_pair_flags<true>(*reinterpret_cast<uint32_t(*)[2][2]>(&keep[2 * pair]), dropout,
+                                     group0 + 2 * pair * step, step, lane);
+    }
+  }
+  // Whether S^T register i is kept: block i / 8, query parity i % 2, query half (i / 4) % 2, key half (i / 2) % 2.
+  __device__ __forceinline__ bool keeps(int i) const {
+    return dropout_flag(keep[i / 8][i % 2], ((i / 4) % 2) * 2 + (i / 2) % 2);
+  }
+  // P^T's A fragments (dV's operand) where kept: register r of block j is query half r / 2, key half r % 2.
+  __device__ __forceinline__ void drop(uint32_t (&frag)[kBlockM / 16][4]) const {
+#pragma unroll
+    for (int j = 0; j < kBlockM / 16; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) frag[j][r] &= dropout_pair_mask(keep[j], r);
+    }
+  }
+};
+
 // Zeroes the dS^T of the tile's queries that see one key alone, by the
 // window's edges or the causal diagonal (exactly 0 there, as SDPA gives, where
 // rounding would leave noise); not with attention sinks, whose softmax gives

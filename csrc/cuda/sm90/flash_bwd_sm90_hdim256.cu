@@ -140,31 +140,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t stage_offset = stage * Cfg::kQBytes;
     const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
     const float alibi_log2 = kAlibi ? alibi_slope(p, block.b, head) * float(M_LOG2E) : 0.f;
-    // Dropout's decisions for the tile (as the kernel of smaller head dims
-    // draws them: keep[j][w], the lane's 16 x 16 block j, queries of parity w),
-    // before the GEMMs, while their registers are not yet live.
-    uint32_t keep[kBlockM / 16][2] = {};
-    if constexpr (kDropout) {
-      const DropoutState dropout = bars->dropout;
-      const int64_t bh = block.b * p.heads_q + head;
-      const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, col0 + key_row, p.len_q, p.len_k);
-      const uint64_t step = 4 * dropout_quads(p.len_k);  // 16 queries on
-#pragma unroll
-      for (int pair = 0; pair < kBlockM / 32; ++pair) {
-        dropout_block_pair_flags<true>(*reinterpret_cast<uint32_t(*)[2][2]>(&keep[2 * pair]), dropout,
-                                       group0 + 2 * pair * step, step, lane);
-      }
-    }
-    // Register i of a score tile: block i / 8, query parity i % 2, query half (i / 4) % 2, key half (i / 2) % 2.
-    auto keeps = [&](int i) { return dropout_flag(keep[i / 8][i % 2], ((i / 4) % 2) * 2 + (i / 2) % 2); };
-    // P^T where dropout keeps it, as dV's A operand (register r of a block: query half r / 2, key half r % 2).
-    auto drop_probabilities = [&](uint32_t(&frag)[kSteps][4]) {
-#pragma unroll
-      for (int j = 0; j < kSteps; ++j) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) frag[j][r] &= dropout_pair_mask(keep[j], r);
-      }
-    };
+    // Dropout's decisions for the tile (the same in both consumers).
+    TileDropout<kBlockM> dropout;
+    if constexpr (kDropout) dropout.draw(bars->dropout, p, block.b * p.heads_q + head, row0, col0 + key_row, lane);
     if (++m_index == block.m_count) {
       m_index = 0;
       ++head;
@@ -201,7 +179,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // came before that consumer's arrival at tile t - 1's kDsReady.
       to_fragments<Elem>(s, p_frag);
       store_transposed_tile<Cfg::kDsColBlockBytes>(s_pt, p_frag, key_row, lane);
-      if constexpr (kDropout) drop_probabilities(p_frag);
+      if constexpr (kDropout) dropout.drop(p_frag);
     }
     // (Each barrier is one bar.sync instruction for both consumers: bar.sync
     // is .aligned, which asks that every thread waiting at a barrier run the
@@ -216,11 +194,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
         const float pt = from_fragments<Elem>(p_frag, i);
-        const float dpt = kDropout ? (keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
+        const float dpt = kDropout ? (dropout.keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
         s[i] = pt * (dpt - delta_q[query_of(i)]);
         if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
       }
-      if constexpr (kDropout) drop_probabilities(p_frag);
+      if constexpr (kDropout) dropout.drop(p_frag);
       zero_lone_key_rows<kBlockM, kWindow>(s, params, seen, col0, row0, holds_first_key, lane);
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
       // proxy). Its last readers, tile t - 2's dQ of both consumers and

@@ -278,23 +278,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float(&delta_q)[kBlockM] = s_stats[stage][1];
     auto query_of = [&](int i) { return accumulator_column(i, lane); };
 
-    // Dropout's decisions for the tile, drawn before its GEMMs are issued,
-    // while their registers are not yet live: keep[j][w] for the lane's 16 x 16
-    // block j and its queries of parity w (dropout_block_pair_flags), two
-    // blocks a step.
-    uint32_t keep[kBlockM / 16][2] = {};
-    if constexpr (kDropout) {
-      const DropoutState dropout = bars->dropout;
-      const uint64_t group0 = dropout_group(bh, row0 + (lane % 4) * 2, col0 + key_row, p.len_q, p.len_k);
-      const uint64_t step = 4 * dropout_quads(p.len_k);  // 16 queries on
-#pragma unroll
-      for (int pair = 0; pair < kBlockM / 32; ++pair) {
-        dropout_block_pair_flags<true>(*reinterpret_cast<uint32_t(*)[2][2]>(&keep[2 * pair]), dropout,
-                                       group0 + 2 * pair * step, step, lane);
-      }
-    }
-    // Register i of S^T: block i / 8, query parity i % 2, query half (i / 4) % 2, key half (i / 2) % 2.
-    auto keeps = [&](int i) { return dropout_flag(keep[i / 8][i % 2], ((i / 4) % 2) * 2 + (i / 2) % 2); };
+    // Dropout's decisions for the tile.
+    TileDropout<kBlockM> dropout;
+    if constexpr (kDropout) dropout.draw(bars->dropout, p, bh, row0, col0 + key_row, lane);
 
     // S^T = K Q^T and dP^T = V dO^T, 64 keys x kBlockM queries.
     float st[kScoreRegs], dpt[kScoreRegs];
@@ -335,20 +321,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const float keep_scale = bars->dropout.keep_scale;
 #pragma unroll
       for (int i = 0; i < kScoreRegs; ++i) {
-        dpt[i] = st[i] * ((keeps(i) ? dpt[i] * keep_scale : 0.f) - delta_q[query_of(i)]);
+        dpt[i] = st[i] * ((dropout.keeps(i) ? dpt[i] * keep_scale : 0.f) - delta_q[query_of(i)]);
       }
     }
-    // P^T and dS^T as the A fragments of dV and dK (P^T where dropout keeps it:
-    // register r of a block is query half r / 2, key half r % 2).
+    // P^T and dS^T as the A fragments of dV and dK (P^T where dropout keeps it).
     uint32_t p_frag[kBlockM / 16][4], ds_frag[kBlockM / 16][4];
     to_fragments<Elem>(st, p_frag);
-    if constexpr (kDropout) {
-#pragma unroll
-      for (int j = 0; j < kBlockM / 16; ++j) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) p_frag[j][r] &= dropout_pair_mask(keep[j], r);
-      }
-    }
+    if constexpr (kDropout) dropout.drop(p_frag);
 
     // dV += P^T dO.
     if constexpr (!kDropout) {
