@@ -355,14 +355,38 @@ def test_long_cache_in_chunks_on_cuda(block_size, dim, len_q):
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
 def test_small_batches_on_cuda(batch, len_q, lengths, block_size):
     """A few sequences of GQA 32:8 against long caches: on Hopper, each key head's keys split into up to
-    16 chunks, merged by the last to finish; 6 and 8 query tokens (24 and 32 query rows a key head) take
-    two row groups of warps. Lengths that leave chunks empty, and an empty cache (out 0, lse -inf)."""
+    16 chunks, a block each, which merge after the grid's barrier, each a share of the rows; 6 and 8 query
+    tokens (24 and 32 query rows a key head) take two row groups of warps. Lengths that leave chunks
+    empty, and an empty cache (out 0, lse -inf)."""
     gen = torch.Generator().manual_seed(batch * 10 + len_q)
     dtype, capacity, dim = torch.bfloat16, 8192, 128
     key_cache, value_cache, table = make_cache(batch, 8, capacity, dim, dim, dtype, block_size, gen)
     query = torch.randn(batch, 32, len_q, dim, generator=gen).to(dtype)
     out, finite = check_on_cuda(query, key_cache, value_cache, lengths, table, is_causal=len_q > 1)
     assert torch.equal(out[~finite], torch.zeros_like(out[~finite]))
+
+
+@cuda_test
+@pytest.mark.parametrize("len_q", [1, 8])
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+def test_small_batches_mark_bad_lengths_nan_on_cuda(block_size, len_q):
+    """Lengths past the capacity or below 0 beside a valid one, in chunks merged after the grid's
+    barrier: NaN out and lse for those sequences (the kernel's own mark on a contiguous cache), the
+    float64 reference's answer for the valid one."""
+    gen = torch.Generator().manual_seed(17 + len_q)
+    dtype, capacity, dim = torch.bfloat16, 8192, 128
+    key_cache, value_cache, table = make_cache(3, 8, capacity, dim, dim, dtype, block_size, gen)
+    query = torch.randn(3, 32, len_q, dim, generator=gen).to(dtype)
+    out, lse = flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor([capacity, capacity + 1, -1]).cuda(),
+                                              is_causal=len_q > 1, return_lse=True,
+                                              block_table=None if table is None else table.cuda())
+    out, lse = out.cpu(), lse.cpu()
+    assert out[1:].isnan().all() and lse[1:].isnan().all()
+    want_out, want_lse = reference(query[:1], key_cache, value_cache, [capacity], None if table is None else table[:1],
+                                   len_q > 1, 1 / math.sqrt(dim))
+    assert relative_error(out[:1], want_out) <= TOLERANCE[dtype]
+    assert (lse[:1].double() - want_lse).abs().max().item() <= 1e-4
 
 
 @cuda_test

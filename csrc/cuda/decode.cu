@@ -427,9 +427,10 @@ void decode_append(const DecodeParams& params, ElementType type, cudaStream_t st
   });
 }
 
-void decode_poison(const DecodeParams& params, ElementType type, cudaStream_t stream) {
+void decode_poison(const DecodeParams& params, ElementType type, bool lengths_marked, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   if (params.cache_seqlens.data == nullptr || p.batch == 0 || p.heads_q * p.len_q * p.head_dim_v == 0) return;
+  if (lengths_marked && params.block_table.data == nullptr) return;
   dispatch_element_type(type, [&](auto elem) {
     poison_kernel<decltype(elem)><<<static_cast<unsigned>(p.batch), 128, 0, stream>>>(params);
   });

@@ -101,7 +101,8 @@ void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStr
 // whose block table names a block outside the cache: the kernels before it
 // clamp such lengths and indices into the cache (no read or write leaves it,
 // and decode_append writes nothing for them) rather than wait for the GPU to
-// check them on the host.
+// check them on the host. With lengths_marked (sm90::decode_attention ran: it
+// marks the lengths itself) only block tables are left to check.
 struct DecodePartials {
   float* out = nullptr;
   float* lse = nullptr;
@@ -117,7 +118,7 @@ void decode_attention_partials(const DecodeParams& params, ElementType type, flo
                                int partials, cudaStream_t stream);
 void decode_merge(const DecodeParams& params, ElementType type, const float* out_partial, const float* lse_partial,
                   int partials, cudaStream_t stream);
-void decode_poison(const DecodeParams& params, ElementType type, cudaStream_t stream);
+void decode_poison(const DecodeParams& params, ElementType type, bool lengths_marked, cudaStream_t stream);
 
 // The mma.sync kernels (csrc/cuda/sm80/): Ampere and newer, every call the
 // CUDA kernels take.

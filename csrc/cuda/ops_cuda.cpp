@@ -102,8 +102,9 @@ at::Tensor map_mask_blocks(const at::Tensor& q, Params& params, cudaStream_t str
 
 // Runs the decode kernels on params (sm90::decode_attention where it takes
 // the call, else the mma.sync ones: chunks, then their merge), q giving the
-// device and options of their workspaces.
-void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
+// device and options of their workspaces. Returns whether the sm90 kernel ran
+// (it marks the sequences whose length does not fit NaN itself).
+bool run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   const cuda::ElementType type = element_type(q);
   // One allocation (its parts 16-byte aligned) and a memset of the counters
@@ -118,12 +119,12 @@ void run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStr
     if (counters > 0) C10_CUDA_CHECK(cudaMemsetAsync(arrivals, 0, counters * sizeof(int), stream));
     return {out, out + out_floats, arrivals};
   };
-  if (!cuda::use_sm90_kernels(q) || !cuda::sm90::decode_attention(params, type, allocate, stream)) {
-    const int partials = cuda::decode_partials(params, type);
-    const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
-    cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
-    cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
-  }
+  if (cuda::use_sm90_kernels(q) && cuda::sm90::decode_attention(params, type, allocate, stream)) return true;
+  const int partials = cuda::decode_partials(params, type);
+  const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
+  cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
+  cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
+  return false;
 }
 
 // The dense forward's params as a decoding step's: k and v its caches, every
@@ -400,8 +401,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, element_type(q), stream);
-  run_decode_kernels(params, q, stream);
-  cuda::decode_poison(params, element_type(q), stream);
+  const bool lengths_marked = run_decode_kernels(params, q, stream);
+  cuda::decode_poison(params, element_type(q), lengths_marked, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (sinks.has_value()) merge_sinks_on_device(*sinks, out, lse);  // (a poisoned row stays NaN)
   return {out, lse};

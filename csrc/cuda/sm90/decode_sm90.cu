@@ -89,6 +89,10 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   kp.split_units = static_cast<int>(split_units);
   kp.chunks = static_cast<int>(chunks);
   kp.rows = static_cast<int>(rows_per_head << kp.heads_log2);
+  // Where every item gets a block of its own (one block an SM fits: the
+  // shared memory), split units' chunks merge after a grid barrier, each a
+  // share: no counters to zero, no chunk left to merge them all alone.
+  kp.one_wave = split_units > 0 && items <= sms;
   return true;
 }
 
@@ -121,17 +125,27 @@ bool decode_attention(const DecodeParams& params, ElementType type, const Decode
       using Cfg = decltype(config);
       DecodeKernelParams kp;
       if (!prepare_launch<Cfg>(params, type, kp)) return false;
-      const DecodePartials buffers = kp.split_units > 0 ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks,
-                                                                   kp.split_units)
-                                                        : DecodePartials{};
+      const DecodePartials buffers =
+          kp.split_units > 0
+              ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks, kp.one_wave ? 0 : kp.split_units)
+              : DecodePartials{};
       kp.out_partial = buffers.out;
       kp.lse_partial = buffers.lse;
       kp.arrivals = buffers.arrivals;
       decoding::dispatch_score_term(params, [&](auto term) {
         const auto kernel = decode_kernel<Elem, Cfg, decltype(term)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-        const int blocks = std::min(kp.items, multiprocessor_count());
-        kernel<<<blocks, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(std::min(kp.items, multiprocessor_count()));
+        config.blockDim = dim3(Cfg::kThreads);
+        config.dynamicSmemBytes = Cfg::kSmemBytes;
+        config.stream = stream;
+        cudaLaunchAttribute cooperative;  // (all blocks resident at once, and the grid's barrier)
+        cooperative.id = cudaLaunchAttributeCooperative;
+        cooperative.val.cooperative = 1;
+        config.attrs = &cooperative;
+        config.numAttrs = kp.one_wave ? 1 : 0;
+        cudaLaunchKernelEx(&config, kernel, kp);
       });
       return launched = true;
     });

@@ -23,11 +23,18 @@
 // own pairs) merge in shared memory: into the rows' out and lse where the item
 // is a sequence's keys, else into the chunk's partial result, and the last of a
 // sequence's chunks to finish merges them (no merge kernel: one took 10 us of
-// 0.72 ms at 8k keys, B = 64, H100).
+// 0.72 ms at 8k keys, B = 64, H100). Where every item has a block of its own,
+// all resident at once (small batches: a cooperative launch), the chunks
+// instead meet at a grid barrier and each merges a share of its unit's rows:
+// one block reading all 16 chunks' partials of 8 query tokens took 6 us.
+// A sequence whose length does not fit its cache gets NaN (decode_poison's
+// part for contiguous caches).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 
@@ -104,10 +111,13 @@ struct DecodeKernelParams {
   // write their rows' partial results to out_partial and lse_partial
   // ((split unit, row, chunk)-major), and the last of them to finish (counted
   // in arrivals, one a split unit, zeros at the launch) merges them into out
-  // and lse.
+  // and lse; with one_wave (each block one item, launched cooperatively) they
+  // meet at the grid's barrier instead and each merges its share (no
+  // arrivals).
   float* out_partial;
   float* lse_partial;
   int* arrivals;
+  bool one_wave;
 };
 
 // Where a (key, head) pair's row lies in a stage: the copies' boxes follow
@@ -169,19 +179,23 @@ __device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, 
     // or a mask's key extent leaves 3/8 in use, or a window, still spreads over
     // all its chunks), in chunks of whole tiles of at least kMinKeysPerChunk
     // keys.
+    // (No 64-bit division: it is a long subroutine, and this stands between
+    // the block's start and its first copy. Lengths are below 2^31.)
     const int64_t first = vis.key_begin(0) / Cfg::kBlockN * Cfg::kBlockN;
     const int64_t seen = max(min(vis.key_end(p.len_q - 1), item.length) - first, int64_t{0});
-    const int64_t keys_per_chunk =
-        max(ceil_div(seen, int64_t{kp.chunks} * Cfg::kBlockN) * Cfg::kBlockN, int64_t{kMinKeysPerChunk});
+    const int seen_tiles = static_cast<int>((seen + Cfg::kBlockN - 1) / Cfg::kBlockN);
+    const int keys_per_chunk = max((seen_tiles + kp.chunks - 1) / kp.chunks * Cfg::kBlockN, kMinKeysPerChunk);
     chunk_begin = first + int64_t{item.chunk} * keys_per_chunk;
     chunk_end = chunk_begin + keys_per_chunk;
   }
   item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
   item.key_end = max(item.key_begin, min(chunk_end, vis.key_end(p.len_q - 1)));
-  item.tile_keys = Cfg::kBlockN >> kp.heads_log2;
-  item.tile0 = item.key_begin / item.tile_keys * item.tile_keys;
-  item.tiles =
-      item.key_end > item.key_begin ? static_cast<int>(ceil_div(item.key_end - item.tile0, item.tile_keys)) : 0;
+  item.tile_keys = Cfg::kBlockN >> kp.heads_log2;  // (a power of two)
+  item.tile0 = item.key_begin & ~int64_t{item.tile_keys - 1};
+  const int tile_keys_log2 = 31 - __clz(item.tile_keys);
+  item.tiles = item.key_end > item.key_begin
+                   ? static_cast<int>((item.key_end - item.tile0 + item.tile_keys - 1) >> tile_keys_log2)
+                   : 0;
   return item;
 }
 
@@ -202,10 +216,6 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
   const DecodeParams& params = kp.call;
   const bool paged = params.block_table.data != nullptr;
   const int block_size = static_cast<int>(params.block_size), box_rows = kp.box_rows;
-  if (lane == 0) {
-    ptx::prefetch_tensor_map(&kp.k_map);
-    ptx::prefetch_tensor_map(&kp.v_map);
-  }
   int stage = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
@@ -215,8 +225,8 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
     int box = 0, first_looked_up = 0, lane_block = 0;
     for (int t = 0; t < item.tiles; ++t) {
       const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
-      const int boxes =
-          static_cast<int>(min(int64_t{item.tile_keys / box_rows}, ceil_div(item.key_end - key0, box_rows)));
+      const int keys = static_cast<int>(min(item.key_end - key0, int64_t{item.tile_keys}));
+      const int boxes = (keys + box_rows - 1) / box_rows;
       const int box_bytes = (box_rows << kp.heads_log2) * Cfg::kColBlocks * kSwizzleRowBytes;
       if (lane == 0) {
         ptx::mbarrier_wait(&bars.empty[stage], phase ^ 1);
@@ -232,7 +242,8 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
             first_looked_up = box;
             const int64_t lane_key = item.tile0 + int64_t(box + lane) * box_rows;
             // (The same clamp as decode.cu's cache_position.)
-            const int64_t block = lane_key < item.key_end ? params.block_table.at(item.b, lane_key / block_size) : 0;
+            const int64_t block =
+                lane_key < item.key_end ? params.block_table.at(item.b, static_cast<int>(lane_key) / block_size) : 0;
             lane_block = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
           }
           outer = __shfl_sync(0xffffffff, lane_block, box - first_looked_up);
@@ -273,19 +284,21 @@ __device__ __forceinline__ int64_t partial_index(const DecodeKernelParams& kp, i
   return (int64_t{split} * kp.rows + r) * kp.chunks + chunk;
 }
 
-// A split unit's out and lse from its chunks' partial results (written by
-// other blocks: read from L2). The rows' 4-column pieces are dealt out over
-// the consumer threads, and each reads its piece of 8 chunks at once, merging
-// them as the online softmax does. (Read a chunk after another, each read's
-// wait for L2 in turn, the merge of 16 chunks took 10 of the 26 us a call of
-// B = 1, 8 key heads, 8k keys.)
+// Pieces [piece_begin, piece_end) of a split unit's out and lse (its rows'
+// 4-column pieces, row-major) from its chunks' partial results (written by
+// other blocks: read from L2), dealt out over `threads` threads from
+// threadIdx.x 0. Each reads its piece of 16 chunks at once, merging them as
+// the online softmax does. (Read a chunk after another, each read's wait for
+// L2 in turn, the merge of 16 chunks took 10 of the 26 us a call of B = 1, 8
+// key heads, 8k keys.)
 template <typename Elem, typename Cfg>
-__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item) {
-  constexpr int kHeadDim = Cfg::kHeadDim, kPieces = kHeadDim / 4, kBatch = 8;
-  constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+__device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const DecodeItem& item, int piece_begin,
+                                             int piece_end, int threads) {
+  constexpr int kHeadDim = Cfg::kHeadDim, kPieces = kHeadDim / 4, kBatch = 16;
   const DecodeParams& params = kp.call;
   const AttentionProblem& p = params.problem;
-  for (int piece = threadIdx.x; piece < kp.rows * kPieces; piece += kConsumerThreads) {
+  const bool fits = params.length_fits(item.b);
+  for (int piece = piece_begin + threadIdx.x; piece < piece_end; piece += threads) {
     const int r = piece / kPieces, col0 = piece % kPieces * 4;
     const int64_t first = partial_index(kp, item.split, r, 0);
     const float* lse = kp.lse_partial + first;
@@ -318,7 +331,7 @@ __device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const
       }
       lse_max = new_max;
     }
-    const float inverse = total > 0.f ? 1.f / total : 0.f;
+    const float inverse = !fits ? NAN : total > 0.f ? 1.f / total : 0.f;
     const QueryRow row = decoding::query_row(item.h_kv, static_cast<int>(p.heads_q / p.heads_kv),
                                              static_cast<int>(p.len_q), r);
     Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
@@ -326,37 +339,20 @@ __device__ __forceinline__ void merge_chunks(const DecodeKernelParams& kp, const
     store_out4(out_row, make_float4(value.x * inverse, value.y * inverse, value.z * inverse, value.w * inverse));
     if (col0 == 0) {
       const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
-      static_cast<float*>(params.lse)[row_index] = total > 0.f ? lse_max + logf(total) : -INFINITY;
+      static_cast<float*>(params.lse)[row_index] = !fits ? NAN : total > 0.f ? lse_max + logf(total) : -INFINITY;
     }
   }
 }
 
+// The consumer warps: each item's tiles from the ring (Q K^T, the online
+// softmax, P V), then the item's result: its rows' out and lse, or its
+// chunk's partial result (and, unless one_wave, the merge of its unit's
+// chunks by the last to finish).
 template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsigned char* stages, DecodeBarriers bars,
+                                              float* merge_out, float* merge_lse, int* unit_arrival, int warp,
+                                              int lane) {
   constexpr int kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages, kDimTiles = kHeadDim / 8;
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* stages = swizzle_aligned(smem_raw);
-  uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
-  const DecodeBarriers bars{barrier_words, barrier_words + kStages};
-  // [consumer][row][col] and [consumer][row]
-  float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
-  float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * Cfg::kMergeRowFloats;
-  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kConsumers * decoding::kRows);
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      ptx::mbarrier_init(&bars.full[s], 1);
-      ptx::mbarrier_init(&bars.empty[s], Cfg::kConsumers);
-    }
-    ptx::fence_barrier_init();
-  }
-  __syncthreads();
-  if (warp == Cfg::kConsumers) {
-    load_tiles<Cfg>(kp, stages, bars, lane);
-    return;
-  }
-
   const DecodeParams& params = kp.call;
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
@@ -390,14 +386,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
       const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
       const Elem* q_row = static_cast<const Elem*>(params.q.data) + item.b * params.q.stride_batch +
                           row.head * params.q.stride_head + row.token * params.q.stride_row;
+      // (a column pair a load where the row allows: half the loads)
+      const bool pairs = params.q.stride_col == 1 && reinterpret_cast<uintptr_t>(q_row) % 4 == 0;
 #pragma unroll
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int64_t col = ks * 16 + half * 8 + (lane % 4) * 2;
-          const float x0 = r < rows ? ptx::to_float(q_row[col * params.q.stride_col]) : 0.f;
-          const float x1 = r < rows ? ptx::to_float(q_row[(col + 1) * params.q.stride_col]) : 0.f;
-          q_frag[ks][i + 2 * half] = ptx::pack2<Elem>(x0, x1);
+          uint32_t pair = 0;
+          if (r < rows && pairs) {
+            pair = *reinterpret_cast<const uint32_t*>(q_row + col);
+          } else if (r < rows) {
+            pair = ptx::pack2<Elem>(ptx::to_float(q_row[col * params.q.stride_col]),
+                                    ptx::to_float(q_row[(col + 1) * params.q.stride_col]));
+          }
+          q_frag[ks][i + 2 * half] = pair;
         }
       }
     }
@@ -492,12 +495,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         weight[w] = lse == -INFINITY ? 0.f : ptx::exp2_approx(lse - lse_max);
         total += weight[w];
       }
-      const float inverse = total > 0.f ? 1.f / total : 0.f;
+      const bool whole = item.split < 0, poison = whole && !params.length_fits(item.b);
+      const float inverse = poison ? NAN : total > 0.f ? 1.f / total : 0.f;
       const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
       const int64_t row_index = (item.b * p.heads_q + row.head) * p.len_q + row.token;
       Elem* out_row = static_cast<Elem*>(params.out.data) + item.b * params.out.stride_batch +
                       row.head * params.out.stride_head + row.token * params.out.stride_row;
-      const bool whole = item.split < 0;
       const int64_t partial = whole ? 0 : partial_index(kp, item.split, r, item.chunk);
       float* partial_row = kp.out_partial + partial * kHeadDim;
 #pragma unroll
@@ -520,7 +523,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         }
       }
       if (col0 == 0) {
-        const float lse = total > 0.f ? (lse_max + log2f(total)) * float(M_LN2) : -INFINITY;
+        const float lse = poison ? NAN : total > 0.f ? (lse_max + log2f(total)) * float(M_LN2) : -INFINITY;
         if (whole) {
           static_cast<float*>(params.lse)[row_index] = lse;
         } else {
@@ -528,7 +531,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         }
       }
     }
-    if (item.split >= 0) {
+    if (item.split >= 0 && !kp.one_wave) {
       // The unit's last chunk to finish merges its chunks' partial results
       // (the others' are in memory before their arrivals: the fences).
       __threadfence();
@@ -538,10 +541,60 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
         __threadfence();
       }
       ptx::named_barrier_sync(1, kConsumerThreads);
-      if (*unit_arrival == kp.chunks - 1) merge_chunks<Elem, Cfg>(kp, item);
+      if (*unit_arrival == kp.chunks - 1) {
+        merge_chunks<Elem, Cfg>(kp, item, 0, kp.rows * (kHeadDim / 4), kConsumerThreads);
+      }
     }
     ptx::named_barrier_sync(1, kConsumerThreads);  // (the buffers are the next item's)
   }
+}
+
+// One wave: once every block's partial result is written (the grid's
+// barrier, which every thread of every block reaches), this block merges its
+// share of its split unit's rows.
+template <typename Elem, typename Cfg>
+__device__ __forceinline__ void merge_share(const DecodeKernelParams& kp) {
+  const bool split = blockIdx.x >= kp.whole_units && blockIdx.x < kp.items;
+  DecodeItem item;
+  if (split) item = decode_item<Cfg>(kp, blockIdx.x);  // (its length's load before the wait, not after)
+  cooperative_groups::this_grid().sync();
+  if (!split) return;
+  const int pieces = kp.rows * (Cfg::kHeadDim / 4);
+  merge_chunks<Elem, Cfg>(kp, item, pieces * item.chunk / kp.chunks, pieces * (item.chunk + 1) / kp.chunks,
+                          Cfg::kThreads);
+}
+
+template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kStages = Cfg::kStages;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* stages = swizzle_aligned(smem_raw);
+  uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
+  const DecodeBarriers bars{barrier_words, barrier_words + kStages};
+  // [consumer][row][col] and [consumer][row]
+  float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
+  float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * Cfg::kMergeRowFloats;
+  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kConsumers * decoding::kRows);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  if (warp == Cfg::kConsumers && lane == 0) {  // (the copies' first wait is for the maps)
+    ptx::prefetch_tensor_map(&kp.k_map);
+    ptx::prefetch_tensor_map(&kp.v_map);
+  }
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      ptx::mbarrier_init(&bars.full[s], 1);
+      ptx::mbarrier_init(&bars.empty[s], Cfg::kConsumers);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+  if (warp == Cfg::kConsumers) {
+    load_tiles<Cfg>(kp, stages, bars, lane);
+  } else {
+    consume_items<Elem, Cfg, kTerm>(kp, stages, bars, merge_out, merge_lse, unit_arrival, warp, lane);
+  }
+  if (kp.one_wave) merge_share<Elem, Cfg>(kp);
 #endif
 }
 
