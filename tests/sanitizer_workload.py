@@ -234,18 +234,19 @@ def run_decode(dtype):
         torch.cuda.synchronize()
         if not torch.isfinite(out).all():
             raise RuntimeError(f"decode out is not finite at head dim {dim}, block size {block_size} in {dtype}")
-    # One sequence of 8 key heads: the Hopper kernel splits each head's keys into chunks over the SMs;
-    # 1 and 8 query tokens (4 and 32 query rows a key head: one and two row groups).
+    # One sequence of 8 key heads: the Hopper kernel splits each head's keys into chunks over the SMs,
+    # which merge after the grid's barrier; 1 and 8 query tokens (4 and 32 query rows a key head: one
+    # and two row groups). A length past the capacity beside it: NaN, from the kernel itself.
     for len_q in (1, 8):
-        k_cache, v_cache = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=dtype) for _ in range(2))
-        q = torch.randn(1, 32, len_q, 128, device="cuda", dtype=dtype)
-        out = flashattn_ext.decode_attention(q, k_cache, v_cache, torch.tensor([4000], device="cuda"),
+        k_cache, v_cache = (torch.randn(2, 8, 4096, 128, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(2, 32, len_q, 128, device="cuda", dtype=dtype)
+        out = flashattn_ext.decode_attention(q, k_cache, v_cache, torch.tensor([4000, 5000], device="cuda"),
                                              is_causal=True)
         torch.cuda.synchronize()
-        if not torch.isfinite(out).all():
-            raise RuntimeError(f"decode out is not finite for one sequence, {len_q} tokens, in {dtype}")
-    # More (sequence, key head) units than SMs: the Hopper kernel splits those left over into chunks,
-    # merged by the last to finish.
+        if not torch.isfinite(out[0]).all() or not out[1].isnan().all():
+            raise RuntimeError(f"decode out is not finite, or not NaN past the capacity, {len_q} tokens, in {dtype}")
+    # More (sequence, key head) units than SMs: the Hopper kernel takes most whole and splits those left
+    # over into chunks, merged by the last to finish.
     batch = torch.cuda.get_device_properties(0).multi_processor_count // 2 + 1
     k_cache, v_cache = (torch.randn(batch, 2, 2048, 128, device="cuda", dtype=dtype) for _ in range(2))
     q = torch.randn(batch, 8, 1, 128, device="cuda", dtype=dtype)

@@ -250,14 +250,24 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
                : "memory");
 }
 
-// cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes:
-// tma_load_4d's five-dimensional form.
+// createpolicy.fractional.L2::evict_first: a cache policy under which the
+// lines a load brings into L2 go first when L2 needs room (data read once).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
+// cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint:
+// tma_load_4d's five-dimensional form, under an L2 cache policy
+// (evict_first_policy).
 __device__ __forceinline__ void tma_load_5d(void* smem_dst, const void* tensor_map, uint64_t* bar, int c0, int c1,
-                                            int c2, int c3, int c4) {
+                                            int c2, int c3, int c4, uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
-      "%5, %6}], [%7];\n" ::"r"(smem_addr(smem_dst)),
-      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar))
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, "
+      "{%2, %3, %4, %5, %6}], [%7], %8;\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_addr(bar)),
+      "l"(policy)
       : "memory");
 }
 

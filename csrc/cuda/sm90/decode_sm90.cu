@@ -125,13 +125,17 @@ bool decode_attention(const DecodeParams& params, ElementType type, const Decode
       using Cfg = decltype(config);
       DecodeKernelParams kp;
       if (!prepare_launch<Cfg>(params, type, kp)) return false;
-      const DecodePartials buffers =
-          kp.split_units > 0
-              ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks, kp.one_wave ? 0 : kp.split_units)
-              : DecodePartials{};
-      kp.out_partial = buffers.out;
-      kp.lse_partial = buffers.lse;
-      kp.arrivals = buffers.arrivals;
+      // Split units' partial results, and their arrival counters unless one_wave.
+      auto attach_partials = [&] {
+        const DecodePartials buffers =
+            kp.split_units > 0
+                ? allocate(int64_t{kp.split_units} * kp.rows * kp.chunks, kp.one_wave ? 0 : kp.split_units)
+                : DecodePartials{};
+        kp.out_partial = buffers.out;
+        kp.lse_partial = buffers.lse;
+        kp.arrivals = buffers.arrivals;
+      };
+      attach_partials();
       decoding::dispatch_score_term(params, [&](auto term) {
         const auto kernel = decode_kernel<Elem, Cfg, decltype(term)::value>;
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
@@ -145,7 +149,15 @@ bool decode_attention(const DecodeParams& params, ElementType type, const Decode
         cooperative.val.cooperative = 1;
         config.attrs = &cooperative;
         config.numAttrs = kp.one_wave ? 1 : 0;
-        cudaLaunchKernelEx(&config, kernel, kp);
+        if (cudaLaunchKernelEx(&config, kernel, kp) == cudaErrorCooperativeLaunchTooLarge) {
+          // Fewer blocks fit at once than the SMs suggested (a process
+          // limited to part of the GPU): the last chunk to finish merges.
+          (void)cudaGetLastError();
+          kp.one_wave = false;
+          attach_partials();
+          config.numAttrs = 0;
+          cudaLaunchKernelEx(&config, kernel, kp);
+        }
       });
       return launched = true;
     });

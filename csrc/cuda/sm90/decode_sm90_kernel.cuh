@@ -216,6 +216,9 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
   const DecodeParams& params = kp.call;
   const bool paged = params.block_table.data != nullptr;
   const int block_size = static_cast<int>(params.block_size), box_rows = kp.box_rows;
+  // The cache is read once: its lines leave L2 first, not the call's other
+  // data (q, cache_seqlens, the partial results) or the kernel's code.
+  const uint64_t streaming = ptx::evict_first_policy();
   int stage = 0;
   uint32_t phase = 0;
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
@@ -252,8 +255,8 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
         if (lane != 0) continue;
         const int offset = i * box_bytes, head = static_cast<int>(item.h_kv);
         const int c2 = kp.heads_inner ? head : row, c3 = kp.heads_inner ? row : head;
-        ptx::tma_load_5d(k_stage + offset, &kp.k_map, &bars.full[stage], 0, 0, c2, c3, outer);
-        ptx::tma_load_5d(v_stage + offset, &kp.v_map, &bars.full[stage], 0, 0, c2, c3, outer);
+        ptx::tma_load_5d(k_stage + offset, &kp.k_map, &bars.full[stage], 0, 0, c2, c3, outer, streaming);
+        ptx::tma_load_5d(v_stage + offset, &kp.v_map, &bars.full[stage], 0, 0, c2, c3, outer, streaming);
       }
       if (++stage == Cfg::kStages) {
         stage = 0;
