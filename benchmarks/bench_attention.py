@@ -598,7 +598,7 @@ def parse_args(argv=None):
     parser.add_argument("--masks", nargs="+", choices=MASKS, default=["none"],
                         help="attn_mask kinds, each non-causal row measured once per kind (default none)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory table")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "training")
     return parser.parse_args(argv)
 
 

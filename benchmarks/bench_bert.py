@@ -1,7 +1,7 @@
 """A BERT-base-shaped masked-LM training step on right-padded batches: stock SDPA against
 flashattn_ext, through the drop-in swap and through the transformers backend (issue 44's bar).
 
-    python3 benchmarks/bench_bert.py --out benchmarks/results/bert.md
+    python3 benchmarks/bench_bert.py --out benchmarks/results/training/bert.md
     python3 benchmarks/bench_bert.py --seqlens 2048 --steps 5     # quicker
     python3 benchmarks/bench_bert.py --model llama                # a causal decoder of the same size
 

@@ -270,7 +270,7 @@ def parse_args(argv=None):
                         help="key/value heads, one config each (default 16 4; CPU 4 2)")
     parser.add_argument("--vocab", type=int, help="vocabulary size (default 32000; CPU 4096)")
     parser.add_argument("--tokens", type=int, help="tokens per step, B = tokens // N (default 16384; CPU 256)")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "training")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed steps, profile two more; every provider's kernel table goes to one file in --out")
     args = parser.parse_args(argv)

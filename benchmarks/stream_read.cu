@@ -5,7 +5,7 @@
 // (csrc/cuda/sm90/decode_sm90.cu) copies whole rows because of this: on an
 // H100, boxes of 16 to 64 rows read 2.51-2.98 TB/s as halves and 3.06-3.10 as
 // whole rows, as fast as plain loads (3.07) and 1-d bulk copies of 8 KiB and
-// more (3.08-3.11) (benchmarks/results/gpu_tests_2026-11-26_session27.md).
+// more (3.08-3.11) (benchmarks/results/records/2026-11-26_varlen-without-the-host-read-decode-at-the.md).
 //
 // A standalone program (no torch):
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -Icsrc benchmarks/stream_read.cu -o /tmp/stream_read

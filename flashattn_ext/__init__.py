@@ -7,9 +7,9 @@ import torch  # noqa: F401  (loads libc10 and libtorch, which _C links against)
 
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.flashattn_ext)
 from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
-from .attention import (attention_with_lse, get_dropout_bits, kernel_route, scaled_dot_product_attention,
-                        set_dropout_bits)
+from .attention import attention_with_lse, get_dropout_bits, kernel_route, set_dropout_bits
 from .decode import decode_attention
+from .sdpa import scaled_dot_product_attention
 from .transformers_backend import register_with_transformers
 from .varlen import varlen_attention
 

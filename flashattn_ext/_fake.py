@@ -2,7 +2,7 @@
 computing anything. They mirror the allocations in csrc/ops.cpp and the device files."""
 import torch
 
-from .attention import lse_dtype
+from .options import lse_dtype
 
 
 def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:

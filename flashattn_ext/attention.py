@@ -1,5 +1,5 @@
-"""The Python face of flashattn_ext: torch.nn.functional.scaled_dot_product_attention's
-signature and semantics on top of the 4-d ops registered in csrc/schemas.cpp.
+"""attention_with_lse, SDPA's semantics with the log-sum-exp and the options SDPA lacks, on top of the 4-d
+ops registered in csrc/schemas.cpp (sdpa.py puts SDPA's own signature on it).
 
 The shim only reshapes: it maps SDPA's (N, ..., H, L, E) layout, broadcasting
 and GQA onto 4-d (batch, heads, seq_len, head_dim) views. Broadcast dimensions
@@ -13,62 +13,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-
-def scaled_dot_product_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Optional[Tensor] = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: Optional[float] = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    """Drop-in replacement for torch.nn.functional.scaled_dot_product_attention.
-
-    query (N, ..., Hq, L, E), key (N, ..., H, S, E), value (N, ..., H, S, Ev)
-    -> (N, ..., Hq, L, Ev). is_causal aligns the mask top-left, as torch does.
-    attn_mask: bool (True takes part) or float (added to the scores), broadcasting
-    to (N, ..., Hq, L, S), or one of torch's CausalBias objects.
-
-    Nested (jagged) tensors of shape (N, H, j, E), as SDPA takes them, run
-    through varlen_attention (no attn_mask, as in SDPA).
-    """
-    if any(isinstance(t, Tensor) and t.is_nested for t in (query, key, value)):
-        return _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out, _ = attention_with_lse(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return out
-
-
-def _nested_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Tensor:
-    """SDPA on jagged nested tensors (N, H, j, E): their packed values and offsets go to
-    varlen_attention, and the output comes back as a nested tensor of the same layout."""
-    from .varlen import varlen_attention  # varlen builds on attention_with_lse
-
-    packed = []
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not (t.is_nested and t.layout == torch.jagged and t.dim() == 4 and t._ragged_idx == 2):
-            raise ValueError(
-                f"flashattn_ext: with nested tensors, {name} must be a jagged nested tensor of shape "
-                f"(N, H, j, E) (a (N, j, H, E) one transposed), as SDPA takes them"
-            )
-        sequence_major = t.transpose(1, 2)  # (N, j, H, E): values() is (total, H, E)
-        # The longest sequence as torch's SDPA takes it: cached on the nested tensor (read from the
-        # device, a wait for it, only where no one has yet).
-        packed.append((sequence_major.values(), sequence_major.offsets(), sequence_major._get_max_seqlen()))
-    if attn_mask is not None:
-        raise ValueError("flashattn_ext: nested tensors take no attn_mask (as in SDPA)")
-    (q, offsets_q, longest_q), (k, offsets_k, longest_k), (v, offsets_v, _) = packed
-    if offsets_v is not offsets_k and not torch.equal(offsets_v, offsets_k):
-        raise ValueError("flashattn_ext: with nested tensors, key and value must have the same sequence lengths")
-    if not enable_gqa and q.shape[1] != k.shape[1]:
-        raise RuntimeError(
-            f"flashattn_ext: query has {q.shape[1]} heads but key has {k.shape[1]}; pass enable_gqa=True for GQA"
-        )
-
-    out = varlen_attention(q, k, v, offsets_q, offsets_k, longest_q, longest_k, dropout_p=dropout_p,
-                           is_causal=is_causal, scale=scale)
-    return torch.nested.nested_tensor_from_jagged(out, offsets_q, max_seqlen=longest_q).transpose(1, 2)
+from .options import default_scale, per_head_slopes, softcap_value, window_bounds
 
 
 def attention_with_lse(
@@ -252,61 +197,6 @@ def _is_plain_4d(query, key, value, attn_mask, enable_gqa) -> bool:
             and k_shape[1] == v_shape[1]
             and (q_shape[1] == k_shape[1] or (enable_gqa and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0))
             and query.dtype == key.dtype == value.dtype and query.device == key.device == value.device)
-
-
-def window_bounds(window) -> Tuple[int, int]:
-    """window=(left, right) as the ops take it: -1 for an open side (also for a bound past int64's range,
-    which hides no key; the ops open any bound of len_q + len_k or more)."""
-    if window is None:
-        return -1, -1
-    if not (isinstance(window, (tuple, list)) and len(window) == 2):
-        raise ValueError(f"flashattn_ext: window must be a pair (left, right), got {window!r}")
-    bounds = []
-    for side, bound in zip(("left", "right"), window):
-        if bound is None:
-            bounds.append(-1)
-        elif isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
-            bounds.append(bound if bound < 2**63 else -1)
-        else:
-            raise ValueError(f"flashattn_ext: window's {side} bound must be an int >= 0 or None, got {bound!r}")
-    return bounds[0], bounds[1]
-
-
-def softcap_value(softcap: Optional[float]) -> float:
-    """softcap as the ops take it: 0.0 for none."""
-    if softcap is None:
-        return 0.0
-    if not (isinstance(softcap, (int, float)) and not isinstance(softcap, bool) and math.isfinite(softcap)
-            and softcap > 0):
-        raise ValueError(f"flashattn_ext: softcap must be a finite number > 0 (or None), got {softcap!r}")
-    return float(softcap)
-
-
-def per_head_slopes(alibi_slopes: Optional[Tensor], batch: Tuple[int, ...], heads_q: int) -> Optional[Tensor]:
-    """alibi_slopes, (Hq,) or (*batch, Hq), as the ops take it: (prod(batch), Hq), a view where
-    the layout allows (the ops check dtype and device)."""
-    if alibi_slopes is None:
-        return None
-    if not isinstance(alibi_slopes, Tensor):
-        raise TypeError(
-            f"flashattn_ext: alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}"
-        )
-    if tuple(alibi_slopes.shape) not in ((heads_q,), (*batch, heads_q)):
-        raise RuntimeError(
-            f"flashattn_ext: alibi_slopes must have shape ({heads_q},) or {(*batch, heads_q)} (one slope a query "
-            f"head, or one a batch element and query head), got {tuple(alibi_slopes.shape)}"
-        )
-    return alibi_slopes.expand(*batch, heads_q).reshape(math.prod(batch), heads_q)
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The log-sum-exp's dtype for inputs of dtype (csrc/ops.cpp's lse_dtype): float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def default_scale(head_dim: int) -> float:
-    """SDPA's default scale, 1 / sqrt(head_dim) (inf for head dim 0)."""
-    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf
 
 
 def _flattened(t: Tensor, batch: Tuple[int, ...], heads: int, length: int, dim: int) -> Tensor:

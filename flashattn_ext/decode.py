@@ -5,7 +5,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .attention import default_scale, per_head_slopes, softcap_value, window_bounds
+from .options import default_scale, per_head_slopes, softcap_value, window_bounds
 
 
 def decode_attention(

@@ -11,7 +11,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .attention import attention_with_lse, default_scale, lse_dtype, softcap_value, window_bounds
+from .attention import attention_with_lse
+from .options import default_scale, lse_dtype, softcap_value, window_bounds
 
 
 def varlen_attention(
