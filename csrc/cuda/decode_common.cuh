@@ -1,4 +1,4 @@
-// Device code of both decode kernels: decode.cu's (mma.sync fed by cp.async,
+// Device code of both decode kernels: sm80/decode.cu's (mma.sync fed by cp.async,
 // any GPU from Ampere on) and sm90/decode_sm90_kernel.cuh's (fed by the copy engine).
 // Both compute, per warp, the online softmax of a 16-row block of query rows
 // (the GQA group's heads times the query tokens of one key/value head) over
@@ -27,6 +27,32 @@ inline int64_t evenest_chunks(int64_t units, int64_t slots, int64_t most) {
   int64_t chunks = 1;
   while (fill(chunks) < 0.95 * best) ++chunks;
   return chunks;
+}
+
+// Where key j of sequence b lies in the caches (see DecodeParams): the outer
+// index (the sequence, or the block of a paged cache) and the row in it. A
+// block index outside the cache is clamped into it, as lengths are
+// (sequence_length, below).
+// 32-bit division: the glue checks that j < 2^31.
+struct CachePosition {
+  int64_t outer;
+  int row;
+};
+
+__device__ __forceinline__ CachePosition cache_position(const DecodeParams& params, int64_t b, int j) {
+  if (params.block_table.data == nullptr) return {b, j};
+  const int block_size = static_cast<int>(params.block_size);
+  const int64_t block = params.block_table.at(b, j / block_size);
+  return {min(max(block, int64_t{0}), params.num_blocks - 1), j % block_size};
+}
+
+// Row j of head h of sequence b's cache.
+template <typename Elem>
+__device__ __forceinline__ Elem* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b,
+                                           int64_t h, int64_t j) {
+  const CachePosition at = cache_position(params, b, static_cast<int>(j));
+  return static_cast<Elem*>(cache.data) + at.outer * cache.stride_batch + h * cache.stride_head +
+         int64_t(at.row) * cache.stride_row;
 }
 
 // Keys that sequence b's queries see, clamped to the capacity so that no read

@@ -23,7 +23,7 @@ constexpr int kDecodeTileRows = 16;
 // (8 tokens of speculative decoding with GQA 4).
 constexpr int kDecodeRouteRows = 2 * kDecodeTileRows;
 
-// Pieces of the backward shared by both families (dq_accum.cu, sm80/flash_bwd.cu).
+// Pieces of the backward shared by both families (dq_accum.cu, delta.cu).
 // delta = rowsum(dO * O) per query row, into params.delta (kOneKeyRowDelta
 // in the rows that an attn_mask leaves one key: mark_rows_seeing_one_key);
 // zero-fills params.dq_accum where set. Runs before the kernels that read either.
@@ -89,7 +89,7 @@ void mask_key_extents(const TensorView4d& mask, const AttentionProblem& p, int32
 // key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// Decoding (decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
+// Decoding (decode.cu, sm80/decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:
 // decode_append writes key_new and value_new into the caches; then
 // sm90::decode_attention where it takes the call, else two steps:
 // decode_attention_partials (mma.sync, any GPU from Ampere on) writes each

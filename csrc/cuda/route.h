@@ -14,7 +14,7 @@ namespace flashattn_ext::cuda {
 
 enum class Family {
   kAten,        // fallback.cpp's ATen operations (a one-time warning quotes the reason)
-  kDecode,      // the decode kernels: sm90/decode_sm90.cu where it takes the call, else decode.cu
+  kDecode,      // the decode kernels: sm90/decode_sm90.cu where it takes the call, else sm80/decode.cu
   kSm90,        // the Hopper kernels (sm90/)
   kSm80,        // the mma.sync kernels (sm80/)
   kBySequence,  // a packed batch as one dense call a sequence, each routed as such

@@ -10,7 +10,7 @@
 //   3. dQ tile = dS K, one piece per warp, added to dq_accum (red.global.add).
 // The warps change roles between phases, so each mma operand comes from shared
 // memory in 32-wide tiles (about two mma per ldmatrix). A last kernel scales
-// dq_accum and rounds it into dq. Delta = rowsum(dO * O) comes from flash_bwd.cu.
+// dq_accum and rounds it into dq. Delta = rowsum(dO * O) comes from delta.cu.
 // With kDropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T *
 // (Z dP^T - delta) and dV += (P^T where kept) dO, times 1 / (1 - p) at the end.
 // With kMasked, attn_mask enters S^T before the exponentials, and dS^T is also

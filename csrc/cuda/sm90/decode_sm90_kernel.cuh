@@ -1,5 +1,5 @@
 // Decoding on Hopper, the kernel (decode_sm90.cu plans and launches it):
-// decode.cu's chunk and merge steps in one kernel, fed by the
+// sm80/decode.cu's chunk and merge steps in one kernel, fed by the
 // copy engine. Reading the cache is the whole cost, and the mma.sync kernel
 // spent its time computing where each row of a tile lies (a block-table lookup
 // a row for paged caches) and starting blocks, not waiting for memory: on an
@@ -244,7 +244,7 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
           if (box == 0 || box - first_looked_up == kWarpSize) {  // (uniform across the warp)
             first_looked_up = box;
             const int64_t lane_key = item.tile0 + int64_t(box + lane) * box_rows;
-            // (The same clamp as decode.cu's cache_position.)
+            // (The same clamp as decode_common.cuh's cache_position.)
             const int64_t block =
                 lane_key < item.key_end ? params.block_table.at(item.b, static_cast<int>(lane_key) / block_size) : 0;
             lane_block = static_cast<int>(min(max(block, int64_t{0}), params.num_blocks - 1));
