@@ -15,6 +15,7 @@
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm80/tile_config.h"
 
 namespace flashattn_ext::cuda {
 namespace {
@@ -24,29 +25,12 @@ using decoding::CachePosition;
 using decoding::LaneRows;
 using decoding::QueryRow;
 using decoding::sequence_length;
+using sm80::DecodeConfig;
 constexpr int kDecodeRows = decoding::kRows;
 constexpr int kMergeWarps = 4;   // the merge kernel: one warp a query row
 // Chunks hold at least this many keys of the capacity: fewer would spend more
 // on the pipeline's start and the partial results than on the keys.
 constexpr int kMinKeysPerChunk = 256;
-
-template <int kHeadDim_>
-struct DecodeConfig {
-  static constexpr int kHeadDim = kHeadDim_;  // of keys and values, zero-padded
-  static constexpr int kWarps = 4;
-  static constexpr int kThreads = kWarps * kWarpSize;
-  static constexpr int kRows = kDecodeRows;
-  static constexpr int kKeysPerWarp = 16;        // each warp takes its own 16 keys of a tile
-  static constexpr int kBlockN = kWarps * kKeysPerWarp;  // keys per streamed tile
-  static constexpr int kStages = 3;  // tiles in the cp.async ring: two loading while one is used
-  static constexpr int kStride = smem_stride<kHeadDim>();
-  static constexpr int kSmemElems = (kRows + 2 * kStages * kBlockN) * kStride;
-  // Tile loads: threads per row (16-byte pieces, a power of two) and rows per pass of the block.
-  static constexpr int kPieces = kHeadDim / 8;
-  static constexpr int kPieceSlots = kPieces <= 8 ? 8 : kPieces <= 16 ? 16 : 32;
-  static constexpr int kRowsPerPass = kThreads / kPieceSlots;
-  static constexpr int kPasses = kBlockN / kRowsPerPass;
-};
 
 // Where this thread's rows of one key tile lie in the caches: the outer index
 // (sequence, or the block of a paged cache) and the row in it; -1 past the chunk.

@@ -17,11 +17,12 @@
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm80/tile_config.h"
 
 namespace flashattn_ext::cuda::sm80 {
 namespace {
 
-constexpr int kBlockStream = 64;  // rows of each streamed tile
+constexpr int kBlockStream = TwoPassBwdTiles::kBlockStream;
 
 // Writes a warp's 16 x kHeadDim accumulator tile (times factor) to rows row0.. of a head.
 template <typename Elem, int kHeadDim>
@@ -337,7 +338,8 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
 }
 
 // Four warps per block for both passes: eight measured the same on an H100.
-template <typename Elem, int kHeadDim, int kDkdvWarps = 4, int kDqWarps = 4>
+template <typename Elem, int kHeadDim, int kDkdvWarps = TwoPassBwdTiles::kDkdvWarps,
+          int kDqWarps = TwoPassBwdTiles::kDqWarps>
 void two_pass_backward(const BwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   constexpr int kStride = smem_stride<kHeadDim>();

@@ -20,29 +20,10 @@
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm80/tile_config.h"
 
 namespace flashattn_ext::cuda::sm80 {
 namespace {
-
-template <int kHeadDim_>
-struct AtomicBwdConfig {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = 8;
-  static constexpr int kThreads = kWarps * kWarpSize;
-  static constexpr int kBlockN = 128;  // keys per block: 4 groups of 32
-  static constexpr int kBlockM = kDqAccumRowMultiple;  // queries per streamed tile: 2 groups of 32
-  static constexpr int kStride = smem_stride<kHeadDim>();
-  static constexpr int kScoreStride = smem_stride<kBlockM>();  // of the P^T and dS^T rows
-  // Phase 3 splits the kBlockM x kHeadDim dQ tile over the warps as 2 x 4
-  // pieces, or 4 x 2 where a quarter of the columns is no whole ldmatrix (D = 96).
-  static constexpr int kDqWarpRows = (kHeadDim / 4) % 16 == 0 ? 2 : 4;
-  static constexpr int kDqMTiles = kBlockM / 16 / kDqWarpRows;
-  static constexpr int kDqNTiles = kHeadDim / 8 / (kWarps / kDqWarpRows);
-  static_assert(kDqNTiles % 2 == 0, "dQ pieces are whole groups of 16 columns (see dq_accum_column)");
-  // K, V; two buffers of Q, dO; P^T, dS^T (16-bit elements); two of lse, delta.
-  static constexpr int kSmemBytes =
-      ((2 * kBlockN + 4 * kBlockM) * kStride + 2 * kBlockN * kScoreStride) * 2 + 4 * kBlockM * sizeof(float);
-};
 
 template <typename Elem, typename Cfg, bool kDropout, bool kMasked>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_kernel(const BwdParams params) {

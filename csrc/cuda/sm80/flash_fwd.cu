@@ -11,22 +11,10 @@
 
 #include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm80/tile_config.h"
 
 namespace flashattn_ext::cuda::sm80 {
 namespace {
-
-template <int kHeadDim_, int kMTiles_, int kWarps_ = 4, int kBlockN_ = 64>
-struct FwdConfig {
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kMTiles = kMTiles_;  // 16-row mma tiles per warp
-  static constexpr int kWarps = kWarps_;
-  static constexpr int kThreads = kWarps * kWarpSize;
-  static constexpr int kBlockM = 16 * kMTiles * kWarps;  // query rows per block
-  static constexpr int kBlockN = kBlockN_;               // keys per streamed tile
-  static constexpr int kStride = smem_stride<kHeadDim>();
-  // One query tile, two key tiles, two value tiles.
-  static constexpr int kSmemElems = (kBlockM + 4 * kBlockN) * kStride;
-};
 
 __device__ __forceinline__ float fmaxf_op(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float add_op(float a, float b) { return a + b; }
@@ -277,7 +265,7 @@ void attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
     dispatch_head_dim(params.problem.head_dim, [&](auto head_dim) {
       // Two 16-row tiles per warp; one at head dim 256, whose output alone takes 128 registers a tile.
       constexpr int kHeadDim = decltype(head_dim)::value;
-      launch_forward<decltype(elem), FwdConfig<kHeadDim, kHeadDim <= 128 ? 2 : 1>>(params, stream);
+      launch_forward<decltype(elem), FwdTiles<kHeadDim>>(params, stream);
     });
   });
 }

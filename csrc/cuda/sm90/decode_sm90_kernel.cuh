@@ -41,52 +41,12 @@
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
 #include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
 
 namespace flashattn_ext::cuda::sm90::decode_kernel_code {
 
 using decoding::LaneRows;
 using decoding::QueryRow;
-
-template <int kHeadDim_, int kRowGroups_>
-struct DecodeTileConfig {
-  static constexpr int kHeadDim = kHeadDim_;  // of keys and values
-  // The item's query rows: one 16-row mma tile a row group of consumer warps
-  // (two for several query tokens of a GQA group: 8 tokens of 4 heads).
-  static constexpr int kRowGroups = kRowGroups_;
-  static constexpr int kRows = kRowGroups * decoding::kRows;
-  static constexpr int kKeyWarps = 4;  // a row group's warps, 16 pairs of every tile each
-  static constexpr int kConsumers = kKeyWarps * kRowGroups;
-  static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
-  // (key, key/value head) pairs of a stage: 16 a key warp (keys of the
-  // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
-  static constexpr int kBlockN = kKeyWarps * 16;
-  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
-  static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
-  static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
-  // The consumers' results of an item, merged in the block: each one's rows'
-  // normalized outputs and log-sum-exps, in float (merge_slot). Rows 4 floats
-  // apart beyond the head dim (4 banks), so that a consumer's writes of 8
-  // rows' column pairs and the merge's reads of 4 rows' 16-byte pieces take
-  // the fewest shared-memory wavefronts (2 and 4; rows a head dim apart took 8
-  // and 16).
-  static constexpr int kMergeRowFloats = kHeadDim + 4;
-  // (and a word that tells the consumers whether their item's chunk is its
-  // unit's last to finish)
-  static constexpr int kMergeBytes = kConsumers * decoding::kRows * (kMergeRowFloats + 1) * 4 + 16;
-  // About 192 KiB of stages, the bytes in flight that keep an SM's share of
-  // the memory's bandwidth busy with one block an SM, or what the merge's
-  // buffers leave of the shared memory.
-  static constexpr int kStages =
-      std::min(192 << 10, 227 * 1024 - kMergeBytes - kSwizzleAtomBytes - 256) / (2 * kTileBytes);
-  static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
-
-  // Where the result of query row r of the item from key warp `key_warp` of
-  // its row group lies among the merge's rows.
-  static __device__ __forceinline__ int merge_slot(int key_warp, int r) {
-    return (r / decoding::kRows * kKeyWarps + key_warp) * decoding::kRows + r % decoding::kRows;
-  }
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-};
 
 // What the kernel reads: the call, tensor maps of the caches
 // (encode_cache_tensor_map), and its split into work items. An item takes
