@@ -1,4 +1,4 @@
-"""The CPU forward's 16-bit tile products in the inputs' dtype (ReducedProducts in csrc/cpu/flash_cpu.cpp).
+"""The CPU forward's 16-bit tile products in the inputs' dtype (ReducedProducts in csrc/cpu/products.h).
 
 They run where oneDNN has VNNI kernels for the dtype (AMX); FLASHATTN_EXT_CPU_REDUCED_GEMM=1, read once per
 process, makes them run on any CPU. test_forced_reduced_products reruns this file's accuracy checks, the

@@ -1,0 +1,138 @@
+// Decoding (decode_attention: the new keys and values appended to the caches,
+// paged or not, then one task per query row over every key it sees) and
+// dropout_mask (the keep decisions of dropout, drawn as the kernels draw them,
+// by HeadDropout).
+#include "cpu/flash_cpu.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+#include "cpu/score_terms.h"
+#include "cpu/tiles.h"
+#include "cpu/vector_math.h"
+
+namespace flashattn_ext::cpu {
+
+// The kernels' parts (tiles.h and the rest) live in detail.
+using namespace detail;
+
+namespace {
+
+// Row j of head h of sequence b's cache (see DecodeParams).
+template <typename T>
+T* cache_row(const DecodeParams& params, const TensorView4d& cache, int64_t b, int64_t h, int64_t j) {
+  int64_t outer = b, row = j;
+  if (params.block_table.data != nullptr) {
+    outer = params.block_table.at(b, j / params.block_size);
+    row = j % params.block_size;
+  }
+  return static_cast<T*>(cache.data) + outer * cache.stride_batch + h * cache.stride_head + row * cache.stride_row;
+}
+
+// Writes key_new and value_new into the caches.
+template <typename T>
+void append_to_cache(const DecodeParams& params) {
+  const AttentionProblem& p = params.problem;
+  at::parallel_for(0, p.batch * p.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / p.heads_kv, h = task % p.heads_kv;
+      for (int64_t i = 0; i < params.len_new; ++i) {
+        const int64_t j = params.cache_seqlens.at(0, b) + i;
+        for (const auto& [src, dst, dim] : {std::tuple{&params.k_new, &params.k_cache, p.head_dim},
+                                            std::tuple{&params.v_new, &params.v_cache, p.head_dim_v}}) {
+          const T* from = static_cast<const T*>(src->data) + b * src->stride_batch + h * src->stride_head +
+                          i * src->stride_row;
+          T* to = cache_row<T>(params, *dst, b, h, j);
+          for (int64_t c = 0; c < dim; ++c) to[c * dst->stride_col] = from[c * src->stride_col];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+void decode_attention(const DecodeParams& params) {
+  using A = Acc<T>;
+  const AttentionProblem& p = params.problem;
+  if (params.len_new > 0) append_to_cache<T>(params);
+  if (p.heads_kv == 0) return;  // then no query heads either
+  const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, dim_v = p.head_dim_v;
+  const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
+  auto* lse = static_cast<Lse<T>*>(params.lse);
+  // One task per query row, over every key it sees: the scores of a row (up to
+  // the capacity) in a buffer, then softmax and P V in two passes.
+  at::parallel_for(0, p.batch * p.heads_q * p.len_q, 1, [&](int64_t begin, int64_t end) {
+    std::vector<A> q(dim), scores, acc(dim_v);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / (p.heads_q * p.len_q), h = task / p.len_q % p.heads_q, i = task % p.len_q;
+      // The sequence's own keys, with the causal mask and the window aligned
+      // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
+      const Visibility vis(p, p.len_q, params.cache_seqlens.at(0, b) + params.len_new);
+      const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
+      const A slope = static_cast<A>(alibi_slope(p, b, h));
+      load_tile<T>(params.q, b, h, i, 1, dim, q.data());
+      scores.resize(key_end - key_begin);
+      A row_max = kNegInf<A>;
+      for (int64_t j = key_begin; j < key_end; ++j) {
+        const T* k = cache_row<T>(params, params.k_cache, b, h / group, j);
+        A dot = 0;
+        for (int64_t c = 0; c < dim; ++c) dot += q[c] * static_cast<A>(k[c * params.k_cache.stride_col]);
+        A& score = scores[j - key_begin];
+        score = dot * scale;
+        if (softcap > A(0)) score = softcap * std::tanh(score / softcap);
+        score -= slope * static_cast<A>(vis.distance(i, j));
+        row_max = std::max(row_max, score);
+      }
+      std::fill(acc.begin(), acc.end(), A(0));
+      A row_sum = 0;
+      for (int64_t j = key_begin; j < key_end; ++j) {
+        const A weight = std::exp(scores[j - key_begin] - row_max);
+        row_sum += weight;
+        const T* v = cache_row<T>(params, params.v_cache, b, h / group, j);
+        for (int64_t c = 0; c < dim_v; ++c) acc[c] += weight * static_cast<A>(v[c * params.v_cache.stride_col]);
+      }
+      // A row that sees no key gets out = 0 and lse = -inf, as in the attention ops.
+      const bool seen = key_end > key_begin;
+      for (A& value : acc) value = seen ? value / row_sum : A(0);
+      store_tile<T>(params.out, b, h, i, 1, dim_v, acc.data());
+      lse[task] = static_cast<Lse<T>>(seen ? row_max + std::log(row_sum) : kNegInf<A>);
+    }
+  });
+}
+
+void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, bool* mask) {
+  const int64_t rows = shape.row_end - shape.row_begin;
+  AttentionProblem p;
+  p.heads_q = shape.heads;
+  p.len_q = shape.len_q;
+  p.len_k = shape.len_k;
+  // A task for each 16 queries (as dropout's groups align them) of a head: whole groups, each drawn once.
+  const int64_t first_block = shape.row_begin / 16, blocks = rows > 0 ? ceil_div(shape.row_end, 16) - first_block : 0;
+  at::parallel_for(0, shape.batch * shape.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, block = first_block + task % blocks;
+      const int64_t row0 = std::max(shape.row_begin, block * 16), row_end = std::min(shape.row_end, block * 16 + 16);
+      const HeadDropout<double> head(dropout, p, bh / shape.heads, bh % shape.heads);
+      head.fill_tile(row0, row_end - row0, 0, shape.len_k, /*kept=*/true, /*dropped=*/false,
+                     mask + (bh * rows + row0 - shape.row_begin) * shape.len_k, shape.len_k);
+    }
+  });
+}
+
+#define FLASHATTN_EXT_INSTANTIATE(T) \
+  template void decode_attention<T>(const DecodeParams&);
+FLASHATTN_EXT_INSTANTIATE(double)
+FLASHATTN_EXT_INSTANTIATE(float)
+FLASHATTN_EXT_INSTANTIATE(c10::Half)
+FLASHATTN_EXT_INSTANTIATE(c10::BFloat16)
+#undef FLASHATTN_EXT_INSTANTIATE
+
+}  // namespace flashattn_ext::cpu
