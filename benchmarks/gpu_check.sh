@@ -55,7 +55,7 @@ for stage in $stages; do
       [ "${PIPESTATUS[0]}" -eq 0 ] || { summarize smoke "failed or hung"; exit 1; }
       summarize smoke "finished" ;;
     hopper)
-      timeout -s KILL 300 python3 -m pytest -q -rs -x -p no:cacheprovider tests/test_hopper.py 2>&1 | tee "$OUT/hopper.log" | tail -n 40
+      timeout -s KILL 300 python3 -m pytest -q -rs -x -p no:cacheprovider -m sm90 tests 2>&1 | tee "$OUT/hopper.log" | tail -n 40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       summarize hopper "$(grep -E '[0-9]+ (passed|failed)' "$OUT/hopper.log" | tail -n 1)" ;;
     bench-hopper)

@@ -1,9 +1,11 @@
-"""Shared helpers: devices, a float64 reference written out naively, and error measures."""
+"""Shared helpers: devices and kernel paths, a float64 reference written out naively, error measures,
+and the inputs, masks and profiler look-ups that the tests of several features share."""
 import math
 
 import pytest
 import torch
 from torch.nn.attention.bias import CausalBias
+from torch.profiler import ProfilerActivity, profile
 
 CUDA_REASON = "needs a CUDA GPU"
 DEVICES = [
@@ -26,6 +28,54 @@ def device_dtype_params(dtypes):
 def cuda_test(fn):
     """Marks a GPU-only test: the cuda marker, and a skip with a reason where there is no GPU."""
     return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)(fn))
+
+
+def is_hopper():
+    """Whether the GPU is an sm_90 one (H100 / H200), where the Hopper kernels are the default."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+HOPPER_REASON = "needs a Hopper GPU"
+
+# The kernel paths a test can name (the `path` fixture of conftest.py sets each up), after the family
+# that flashattn_ext.kernel_route names for the calls the path takes:
+#   cpu:   the CPU kernels (FLASHATTN_EXT_KERNELS as the environment leaves it: .ci/run's second
+#          run, with =aten, sends these tests through the ATen fallback);
+#   cuda:  the GPU's default kernels (sm90 on an H100 / H200, sm80 elsewhere), the environment as
+#          it is;
+#   sm80:  the mma.sync kernels, forced with FLASHATTN_EXT_KERNELS=sm80;
+#   sm90:  the Hopper kernels: skipped but on an sm_90 GPU, FLASHATTN_EXT_KERNELS unset (their
+#          default there); also marked sm90, so that `pytest -m sm90` runs the Hopper kernels' own tests;
+#   deterministic: the GPU's kernels under torch.use_deterministic_algorithms (which the test
+#          turns on around the calls it means).
+_ON_CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)]
+PATH_MARKS = {
+    "cpu": [],
+    "cuda": _ON_CUDA,
+    "sm80": _ON_CUDA,
+    "sm90": _ON_CUDA + [pytest.mark.sm90, pytest.mark.skipif(torch.cuda.is_available() and not is_hopper(),
+                                                               reason=HOPPER_REASON)],
+    "deterministic": _ON_CUDA,
+}
+
+
+def on_paths(*names):
+    """Parametrizes a test over the kernel paths named (see PATH_MARKS), each with its marks, through
+    the `path` fixture (conftest.py): the test takes a `path` argument, whose .name and .device say
+    which path it runs."""
+    return pytest.mark.parametrize("path", [pytest.param(n, marks=PATH_MARKS[n], id=n) for n in names],
+                                   indirect=True)
+
+
+def kernel_names(fn):
+    """The names of the CUDA kernels fn launches. fn runs once before it is profiled: in a fresh
+    process the first profiled call could miss its kernels (seen with the first windowed call)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
 # Our error may exceed twice torch SDPA's own by this much: about one unit in the
@@ -113,6 +163,10 @@ def poison_cuda_allocator(nbytes, device="cuda"):
         block.fill_(math.nan)
 
 
+# NaN poison laid into the CUDA allocator's free memory before each call under test (the Hopper tests).
+POISON_BYTES = 512 * 2**20
+
+
 def random_qkv(shape_q, shape_k, shape_v, dtype, device, seed=0):
     """Random inputs (never zeros) on the device, created in float64 and rounded to dtype."""
     gen = torch.Generator().manual_seed(seed)
@@ -133,6 +187,91 @@ def seq_major_qkv(batch, length, heads, head_dim, device, seed):
         .requires_grad_()
         for _ in range(3)
     )
+
+
+def make_inputs(shape, dtype, device, seed=0):
+    """random_qkv for a (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v) problem."""
+    batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v = shape
+    return random_qkv(
+        (batch, heads_q, len_q, head_dim),
+        (batch, heads_kv, len_k, head_dim),
+        (batch, heads_kv, len_k, head_dim_v),
+        dtype,
+        device,
+        seed,
+    )
+
+
+def random_grad_out(shape, device, seed=0):
+    """A seeded random upstream gradient for the output of a make_inputs problem."""
+    batch, heads_q, _, len_q, _, _, head_dim_v = shape
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads_q, len_q, head_dim_v, generator=gen, dtype=torch.float64).to(device)
+
+
+def assert_within_twice_sdpa(got, baseline, want, dtype, names=("out", "dq", "dk", "dv")):
+    """Each of got (ours: in dtype, finite) within twice baseline's error (torch SDPA's, in dtype) against want
+    (float64), plus ERROR_FLOOR, errors measured against the problem's scale."""
+    problem_scale = max(w.abs().max().item() for w in want)
+    for name, g, b, w in zip(names, got, baseline, want):
+        assert g.dtype == dtype and torch.isfinite(g).all(), name
+        ours_error = relative_error(g, w, zero_scale=problem_scale)
+        sdpa_error = relative_error(b, w, zero_scale=problem_scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[dtype], (
+            f"{name}: error {ours_error:.3g} vs torch SDPA's {sdpa_error:.3g}"
+        )
+
+
+def forward_and_grads(fn, inputs, grad_out):
+    """Runs fn on fresh leaf copies of inputs; returns (out, dq, dk, dv)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out.to(out.dtype))
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def random_inputs(shape, dtype, seq_major=False, seed=0):
+    """q, k, v on the GPU for a (batch, heads_q, heads_kv, len_q, len_k, head_dim) problem (the
+    Hopper tests'), optionally stored (B, N, H, D) and seen as (B, H, N, D)."""
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(heads, length):
+        if seq_major:  # (B, N, H, D) storage seen as (B, H, N, D)
+            x = torch.randn(batch, length, heads, dim, generator=gen).transpose(1, 2)
+        else:
+            x = torch.randn(batch, heads, length, dim, generator=gen)
+        return x.to("cuda", dtype)
+
+    return draw(heads_q, len_q), draw(heads_kv, len_k), draw(heads_kv, len_k)
+
+
+def expanded(fn):
+    """fn with key/value heads repeated to the query's (torch's math SDPA with a CausalBias takes no GQA)."""
+    def run(q, k, v, **kwargs):
+        group = q.shape[1] // k.shape[1]
+        return fn(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), **kwargs)
+    return run
+
+
+def random_attn_mask(case, shape, dtype, seed, empty_batch=True):
+    """attn_mask of one kind (bool: True takes part; float: added), in the shape the case names:
+    key padding (B, 1, 1, S), with (empty_batch) a batch that sees no key at all (its rows: out 0,
+    lse -inf), or (L, S), (B, 1, L, S) and (B, H, L, S) masks that hide about a fifth of the pairs
+    or add normal noise with some -inf."""
+    batch, heads_q, _, len_q, len_k, _ = shape
+    gen = torch.Generator().manual_seed(seed)
+    if case.startswith("key_padding"):
+        lengths = torch.randint(1, len_k + 1, (batch,), generator=gen)
+        lengths[-1] = 0 if batch > 1 and empty_batch else lengths[-1]
+        keep = (torch.arange(len_k)[None, :] < lengths[:, None])[:, None, None, :]
+    else:
+        sizes = {"2d": (len_q, len_k), "per_batch": (batch, 1, len_q, len_k), "per_head": (batch, heads_q, len_q, len_k)}
+        keep = torch.rand(*sizes[case.split("_", 1)[1]], generator=gen) > 0.2
+    if case.startswith("bool") or case == "key_padding_bool":
+        return keep.cuda()
+    bias = torch.zeros(keep.shape) if case.startswith("key_padding") else torch.randn(keep.shape, generator=gen)
+    return bias.masked_fill(~keep, -float("inf")).to("cuda", dtype)
 
 
 @pytest.fixture(params=[8, 16], ids=["8bit", "16bit"])

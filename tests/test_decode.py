@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, cuda_test, naive_attention, relative_error
+from helpers import POISON_BYTES, DEVICES, cuda_test, kernel_names, naive_attention, on_paths, poison_cuda_allocator
+from helpers import relative_error
 
 # Largest error relative to the output's scale: the kernels accumulate 16-bit inputs in float32 (and
 # the CPU's float32 inputs in float64), so about the output's rounding.
@@ -411,3 +412,134 @@ def test_cuda_takes_16_bit_types_only():
                         value_cache=torch.randn(2, 2, 10, 8).cuda(), cache_seqlens=torch.tensor([3, 10]).cuda())
     with pytest.raises(TypeError, match="takes float16 or bfloat16"):
         call()
+
+
+# The Hopper decode kernel (sm90/decode_sm90.cu): tiles of 64 (key, key/value head) pairs through the
+# copy engine, an item taking as many key/value heads (1, 2, 4, 8, ...) as their query rows fit 16,
+# a paged cache's blocks looked up once a box, persistent blocks taking (chunk, head group,
+# sequence) items in turn, four partial results a chunk.
+# (block_size, head_dim, batch, heads_q, heads_kv, len_q, lengths or None for random ones, capacity)
+DECODE_CASES = [
+    # A sequence with no key, ragged ends inside a tile, a full cache; 4 key heads an item (16 keys a tile).
+    (None, 128, 4, 32, 8, 1, [0, 21, 1000, 4096], 4096),
+    # Paged 16 (one block a tile), the capacity not a multiple of 64: boxes past the block table are not loaded.
+    (16, 128, 3, 32, 8, 1, [1000, 7, 4000], 4000),
+    # Two key heads an item (6 of them), 32 keys a tile in two blocks of 16.
+    (16, 64, 2, 12, 6, 1, [500, 77], 512),
+    # The smallest box (8 rows of one head: the swizzle's period), 16 query rows a key head (MQA).
+    (8, 64, 2, 16, 1, 1, [300, 513], 520),
+    # Causal with 3 query tokens (12 rows: one key head an item), blocks of 32; a sequence of one key.
+    (32, 64, 3, 8, 2, 3, [100, 64, 1], 128),
+    # Eight key heads an item (8 keys a tile) from inside blocks of 128.
+    (128, 128, 2, 8, 8, 2, [129, 1000], 1024),
+    # One sequence of 30000 keys on one key head: dozens of chunks, merged by their lse.
+    (None, 128, 1, 4, 1, 1, [30000], 30000),
+    # 48 x 4 = 192 items on at most 132 SMs: the ring runs on from one item into the next.
+    (256, 64, 48, 8, 4, 1, None, 1024),
+]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("options", [{}, {"window": (100, 0)}, {"softcap": 20.0}, {"alibi": True}],
+                         ids=["plain", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"paged{c[0]}-d{c[1]}-b{c[2]}-lq{c[5]}")
+def test_decode_kernel(path, case, options):
+    """decode_attention through the Hopper decode kernel (its name in the profiler) against float64,
+    with the cache's rows past each sequence's length NaN (rows a tile reads but no query sees must
+    not reach the output) and the outputs on NaN-poisoned memory."""
+    block_size, dim, batch, heads_q, heads_kv, len_q, lengths, capacity = case
+    gen = torch.Generator().manual_seed(31)
+    dtype = torch.bfloat16
+    if lengths is None:
+        lengths = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
+    key_cache, value_cache, table = make_cache(batch, heads_kv, capacity, dim, dim, dtype, block_size, gen)
+    for cache in (key_cache, value_cache):
+        for b, length in enumerate(lengths):
+            if block_size is None:
+                cache[b, :, length:] = math.nan
+            else:
+                positions = torch.arange(length, table.shape[1] * block_size)
+                cache[table[b, positions // block_size].long(), positions % block_size] = math.nan
+    query = torch.randn(batch, heads_q, len_q, dim, generator=gen).to(dtype)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(heads_q, generator=gen, dtype=torch.float64) * 0.1
+    on_cuda = {name: value.float().cuda() if isinstance(value, torch.Tensor) else value
+               for name, value in options.items()}
+
+    def call():
+        return flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
+                                              block_table=None if table is None else table.cuda(), return_lse=True,
+                                              **on_cuda)
+
+    names = kernel_names(call)
+    assert any("sm90" in n and "decode_kernel" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse = call()
+    want_out, want_lse = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim),
+                                   **options)
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-4
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_decode_kernel_cache_layouts(path, block_size):
+    """The Hopper decode kernel's copies walk the nearer of heads and rows in memory first: each cache
+    also in the other order (a contiguous cache's heads side by side in each row; a paged cache's
+    heads apart in each block, 4 blocks a tile): the same results against float64."""
+    gen = torch.Generator().manual_seed(7)
+    dtype, lengths = torch.bfloat16, [77, 256]
+    key_cache, value_cache, table = make_cache(2, 4, 256, 128, 128, dtype, block_size, gen)
+    query = torch.randn(2, 8, 1, 128, generator=gen).to(dtype)
+    want, _ = reference(query, key_cache, value_cache, lengths, table, False, 1 / math.sqrt(128))
+    for reorder in (False, True):
+        caches = [c.cuda() for c in (key_cache, value_cache)]
+        if reorder:  # the same values with heads and rows swapped in memory
+            caches = [c.transpose(1, 2).contiguous().transpose(1, 2) for c in caches]
+
+        def call():
+            return flashattn_ext.decode_attention(query.cuda(), *caches, torch.tensor(lengths).cuda(),
+                                                  block_table=None if table is None else table.cuda())
+
+        names = kernel_names(call)
+        assert any("sm90" in n and "decode_kernel" in n for n in names), names
+        assert relative_error(call().cpu(), want) <= TOLERANCE[dtype], f"heads and rows swapped: {reorder}"
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("block_size, dim, heads_q, heads_kv, len_q, hopper", [
+    (None, 128, 16, 4, 1, True),
+    (16, 64, 16, 4, 1, True),
+    (4, 128, 16, 4, 1, True),  # blocks of 4 keys of 4 key heads: boxes of 4 x 4 rows of 256 bytes
+    (4, 128, 4, 1, 1, True),  # blocks of 4 keys of one key head: boxes of 4 rows, the swizzle's 1024 bytes
+    (None, 32, 16, 4, 1, False),  # head dim 32
+    (4, 64, 4, 1, 1, False),  # blocks of 4 keys of one key head at head dim 64: boxes of 512 bytes
+    (24, 128, 16, 4, 1, False),  # blocks that neither divide the tile's 16 keys nor are a multiple of them
+    (None, 128, 16, 4, 5, True),  # 4 query heads x 5 tokens: 20 rows a key head, two row groups
+    (None, 128, 16, 4, 9, False),  # 4 query heads x 9 tokens: 36 rows a key head
+])
+def test_decode_kernel_choice(path, block_size, dim, heads_q, heads_kv, len_q, hopper, monkeypatch):
+    """The Hopper decode kernel runs where it takes the call, the mma.sync one elsewhere and under
+    FLASHATTN_EXT_KERNELS=sm80; both agree with float64."""
+    gen = torch.Generator().manual_seed(3)
+    dtype, lengths = torch.bfloat16, [77, 128]
+    key_cache, value_cache, table = make_cache(2, heads_kv, 128, dim, dim, dtype, block_size, gen)
+    query = torch.randn(2, heads_q, len_q, dim, generator=gen).to(dtype)
+    want_out, _ = reference(query, key_cache, value_cache, lengths, table, len_q > 1, 1 / math.sqrt(dim))
+
+    def call():
+        return flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
+                                              block_table=None if table is None else table.cuda())
+
+    for kernels, expect_hopper in ((None, hopper), ("sm80", False)):
+        if kernels is not None:
+            monkeypatch.setenv("FLASHATTN_EXT_KERNELS", kernels)
+        names = kernel_names(call)
+        assert any("sm90" in n and "decode_kernel" in n for n in names) == expect_hopper, names
+        assert any("decode_chunks_kernel" in n for n in names) == (not expect_hopper), names
+        assert relative_error(call().cpu(), want_out) <= TOLERANCE[dtype]

@@ -14,7 +14,8 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, cuda_test, draw_rng_state, math_with_dropout_mask, relative_error
+from helpers import DEVICES, ERROR_FLOOR, POISON_BYTES, cuda_test, draw_rng_state, kernel_names, math_with_dropout_mask
+from helpers import on_paths, poison_cuda_allocator, random_attn_mask, random_inputs, relative_error
 from helpers import dropout_bits  # noqa: F401  (a fixture)
 
 ops = torch.ops.flashattn_ext
@@ -278,3 +279,80 @@ def test_cuda_dropout_under_graph_capture():
         # With dO = 1, dV = (P * Z)^T 1, so sum(dV * V) = sum((P * Z) V) = sum(out): true only
         # if the backward dropped what this replay's forward dropped.
         torch.testing.assert_close((dv.double() * v.double()).sum(), out.double().sum(), rtol=2e-2, atol=1e-1)
+
+
+# Dropout in the Hopper kernels (path sm90), with the mma.sync kernels' random numbers.
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim): the forward's 176-key tiles with a narrow
+# last one (112 and 48 keys), 128-key tiles (causal), three consumers (head dim 64), GQA, more
+# tiles than SMs, the backward's 128-query tiles (head dim 64), padded head dims (112 and 80 in
+# the kernels of 128), head dim 256's 80-key tiles and its backward's split consumers (both draw
+# the same numbers), 192 padded to it.
+DROPOUT_SHAPES = [
+    (1, 4, 2, 333, 2048, 128),
+    (1, 2, 1, 64, 4096, 128),
+    (2, 4, 2, 200, 517, 64),
+    (2, 24, 8, 520, 520, 128),
+    (1, 2, 2, 300, 300, 112),
+    (2, 3, 1, 250, 333, 80),
+    (1, 4, 2, 300, 700, 256),
+    (1, 2, 2, 129, 200, 192),
+]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("mode", ["full", "causal"])
+@pytest.mark.parametrize("shape", DROPOUT_SHAPES, ids=["x".join(map(str, s)) for s in DROPOUT_SHAPES])
+def test_dropout_matches_reference_built_from_its_mask(path, shape, mode, dropout_bits):
+    """Dropout runs in the Hopper kernels, and drops what dropout_mask says (the sm80 kernels'
+    numbers): out and gradients against float64 given that mask."""
+    batch, heads_q, heads_kv, len_q, len_k, dim = shape
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=7)
+    kwargs = {"is_causal": mode == "causal", "enable_gqa": heads_q != heads_kv}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    names = kernel_names(
+        lambda: flashattn_ext.scaled_dot_product_attention(*leaves, dropout_p=0.2, **kwargs).sum().backward())
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward" in n for n in names), names
+    _, keep = check_against_mask_reference(q, k, v, 0.2, seed=11, **kwargs)
+    assert 0.75 < keep.float().mean().item() < 0.85
+
+
+@on_paths("sm90")
+def test_dropout_agrees_with_the_sm80_kernels(path, monkeypatch, dropout_bits):
+    """Under one seed, the Hopper and the mma.sync kernels drop the same scores."""
+    q, k, v = (t.requires_grad_() for t in random_inputs((2, 4, 4, 700, 700, 128), torch.bfloat16, seed=9))
+
+    def run():
+        torch.manual_seed(1)
+        out = flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+        return (out.detach(), *torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+
+    hopper = run()
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    for name, got, want in zip(("out", "dq", "dk", "dv"), hopper, run()):
+        assert relative_error(got, want) < 1e-2, name
+
+
+# Dropout with a mask runs in the Hopper kernels: head dims 64 (the backward's 128-query tiles) and
+# 128, GQA, ragged blocks.
+MASKED_DROPOUT_SHAPES = [(2, 4, 2, 200, 512, 64), (1, 4, 2, 333, 640, 128)]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["key_padding_bool", "bool_per_batch", "float_per_head"])
+@pytest.mark.parametrize("shape", MASKED_DROPOUT_SHAPES, ids=["x".join(map(str, s)) for s in MASKED_DROPOUT_SHAPES])
+def test_dropout_with_attn_mask_matches_reference_built_from_its_mask(path, shape, case, dtype):
+    """Dropout and an attn_mask together run in the Hopper forward and backward, and drop what
+    dropout_mask says: out and gradients within twice torch's math SDPA's error (the same mask and
+    drops, in the inputs' dtype) of float64."""
+    q, k, v = random_inputs(shape, dtype, seed=hash(shape) % 1000 + 4)
+    mask = random_attn_mask(case, shape, dtype, seed=len(case) + 2, empty_batch=False)
+    kwargs = {"enable_gqa": shape[1] != shape[2]}
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(
+        *leaves, attn_mask=mask, dropout_p=0.2, **kwargs).sum().backward())
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    check_against_mask_reference(q, k, v, 0.2, seed=13, attn_mask=mask, **kwargs)

@@ -2,9 +2,10 @@
 takes a call, and why."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import cuda_test
+from helpers import cuda_test, kernel_names, on_paths, random_inputs, relative_error
 
 
 def qkv(device, dtype, heads_q=4, heads_kv=4, len_q=256, len_k=256, dim=128):
@@ -77,9 +78,8 @@ def test_cuda_routes(monkeypatch):
     assert route(*step, enable_gqa=True)[0] == dense
 
 
-@cuda_test
-@pytest.mark.skipif(not torch.cuda.is_available() or not hopper(), reason="needs an H100 / H200")
-def test_hopper_backward_takes_what_its_forward_takes(monkeypatch):
+@on_paths("sm90")
+def test_hopper_backward_takes_what_its_forward_takes(path, monkeypatch):
     """No call whose forward runs the Hopper kernels falls back to sm80 for its backward (issue 44
     item 1): every head dim (the padded 80 and 96 included), dropout (at 256 too), a mask (up to 128,
     with dropout), a window, softcap, ALiBi."""
@@ -99,3 +99,49 @@ def test_hopper_backward_takes_what_its_forward_takes(monkeypatch):
             family, reason = route(q, k, v, backward=True, **options)
             assert family == "sm90", (dim, options, reason)
     assert calls >= 60  # (the forward takes nearly all: a mask only up to head dim 128)
+
+
+# Which kernels the Hopper GPU's calls run, by their names in the profiler (path sm90).
+@on_paths("sm90")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_hopper_kernels_run_by_default_and_can_be_turned_off(path, head_dim, monkeypatch):
+    """On sm_90 the forward and the backward launch the sm90 kernels; FLASHATTN_EXT_KERNELS=sm80
+    selects the mma.sync kernels, and both agree to rounding."""
+    q, k, v = random_inputs((1, 4, 4, 512, 512, head_dim), torch.bfloat16, seed=2)
+    q.requires_grad_()
+    run = lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    names = kernel_names(lambda: run().sum().backward())
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward" in n for n in names), names
+    monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    names_sm80 = kernel_names(lambda: run().sum().backward())
+    assert not any("sm90" in n for n in names_sm80) and any("sm80" in n for n in names_sm80), names_sm80
+    sm80_out = run().detach()
+    monkeypatch.delenv("FLASHATTN_EXT_KERNELS")
+    assert relative_error(run().detach(), sm80_out) < 1e-2
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize(
+    "case",
+    ["mask_rows_unaligned", "mask_head_dim_256", "negative_scale", "stride_zero_batch"],
+)
+def test_calls_the_hopper_kernel_leaves_to_sm80(path, case):
+    """What the Hopper forward does not cover still runs, on the mma.sync kernels, correctly."""
+    q, k, v = random_inputs((2, 2, 2, 200, 300, 256 if case == "mask_head_dim_256" else 64), torch.bfloat16, seed=3)
+    kwargs = {}
+    if case == "mask_rows_unaligned":  # rows of 300 bools: not whole 16-byte pieces
+        kwargs["attn_mask"] = torch.rand(200, 300, device="cuda") > 0.2
+    if case == "mask_head_dim_256":  # rows of 304 bools: whole 16-byte pieces
+        kwargs["attn_mask"] = torch.rand(200, 304, device="cuda") > 0.2
+        k, v = torch.cat([k, k[:, :, :4]], dim=2), torch.cat([v, v[:, :, :4]], dim=2)
+    if case == "negative_scale":
+        kwargs["scale"] = -0.1
+    if case == "stride_zero_batch":
+        k = k[:1].expand(2, -1, -1, -1)
+        v = v[:1].expand(2, -1, -1, -1)
+    names = kernel_names(lambda: flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs))
+    assert not any("sm90" in n for n in names), names
+    out = flashattn_ext.scaled_dot_product_attention(q, k, v, **kwargs)
+    want = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs)
+    assert relative_error(out, want) < 2e-2

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, cuda_test, relative_error
+from helpers import DEVICES, cuda_test, kernel_names, on_paths, relative_error
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -97,18 +97,14 @@ def test_forward_and_gradients_match_float64(device, dtype, case):
         assert torch.allclose(lse[0, :, 3].detach().cpu().double(), sinks.cpu().double())
 
 
-@cuda_test
-@pytest.mark.parametrize("kernels", ["default", "sm80"])
+@on_paths("cuda", "sm80")
 @pytest.mark.parametrize("case", ["causal", "one_key_rows_of_a_mask", "window_of_one_key", "head_dim_256"])
-def test_cuda_kernels_take_the_backward_with_sinks(case, kernels, monkeypatch):
+def test_cuda_kernels_take_the_backward_with_sinks(case, path):
     """The CUDA kernels run the backward with sinks (no ATen fallback), rows that see one key
     included: without sinks the kernels zero those rows' dS (exactly 0 there); with a sink it is not
     0. Against the float64 reference, with the sinks' own gradient."""
-    from test_hopper import kernel_names
-    if kernels == "sm80":
-        if case in ("window_of_one_key", "head_dim_256"):
-            pytest.skip("the sm80 kernels take no window; head dim 256 runs Hopper kernels alone here")
-        monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
+    if path.name == "sm80" and case in ("window_of_one_key", "head_dim_256"):
+        pytest.skip("the sm80 kernels take no window; head dim 256 runs Hopper kernels alone here")
     dim = 256 if case == "head_dim_256" else 64
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, heads, length, dim, generator=gen).cuda().to(torch.bfloat16)

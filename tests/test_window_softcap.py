@@ -2,7 +2,7 @@
 alibi_slopes): values, log-sum-exps and gradients against the naive attention in float64, within
 twice the naive attention's own error in the inputs' dtype (plus a floor). Lengths above the CPU kernels' 128-row
 tiles, so that whole tiles outside the window are skipped; on CUDA (an H100/H200) windows run the
-Hopper kernels and softcap their forward (test_hopper checks those further), the rest the ATen
+Hopper kernels and softcap their forward (the sm90 tests at the end check those further), the rest the ATen
 fallback, which the CPU runs too under FLASHATTN_EXT_KERNELS=aten."""
 import math
 
@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, device_dtype_params, naive_attention, relative_error
+from helpers import DEVICES, ERROR_FLOOR, POISON_BYTES, device_dtype_params, draw_rng_state, kernel_names
+from helpers import math_with_dropout_mask, naive_attention, on_paths, poison_cuda_allocator, random_inputs
+from helpers import relative_error
 
 DEVICE_DTYPES = device_dtype_params({"cpu": (torch.float64, torch.float32, torch.bfloat16),
                                      "cuda": (torch.float32, torch.bfloat16)})
@@ -187,3 +189,156 @@ def test_alibi_slopes_get_no_gradient_and_double_backward_works():
         return flashattn_ext.attention_with_lse(q_, k_, v_, alibi_slopes=slopes.detach(), softcap=1.5)[0]
 
     assert torch.autograd.gradgradcheck(fn, (q, k, v))
+
+
+# The Hopper kernels' windows, softcap and ALiBi (path sm90): forward and backward in the kernels.
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's window options
+WINDOW_CASES = [
+    ((2, 4, 2, 1000, 1000, 128), dict(window=(300, 0), is_causal=True)),  # Mistral's: whole tiles skipped on the left
+    ((1, 4, 4, 700, 900, 128), dict(window=(200, 150))),  # two-sided, not causal
+    ((1, 2, 1, 333, 1000, 64), dict(window=(None, 40), causal_lower_right=True)),  # right side only
+    ((1, 2, 2, 1000, 333, 64), dict(window=(90, None), causal_lower_right=True)),  # left only; rows seeing no key
+    ((2, 2, 2, 600, 600, 256), dict(window=(130, 0), is_causal=True)),  # head dim 256's 80-key tiles
+    # Each query its own key alone: dq and dk exactly 0, as SDPA gives (a padded head dim).
+    ((1, 2, 2, 300, 300, 112), dict(window=(0, 0))),
+]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, options", WINDOW_CASES, ids=[str(o) for _, o in WINDOW_CASES])
+def test_sliding_window(path, shape, options, dtype):
+    """The Hopper kernels run a sliding window themselves (the forward's key tiles and the
+    backward's query tiles from the window's first on, edges masked): out, lse and gradients within
+    twice the naive attention's error in the same dtype, every output element written."""
+    q, k, v = random_inputs(shape, dtype, seed=7)
+    kwargs = dict(options, enable_gqa=shape[1] != shape[2])
+    out = check_hopper_forward(q, k, v, **kwargs)
+    check_hopper_gradients(q, k, v, out, **kwargs)
+
+
+def forward_with(q, k, v, **kwargs):
+    """attention_with_lse(**kwargs), its outputs allocated on poisoned memory."""
+    poison_cuda_allocator(POISON_BYTES)
+    return flashattn_ext.attention_with_lse(q, k, v, **kwargs)
+
+
+def check_hopper_gradients(q, k, v, out, sm90=True, **kwargs):
+    """attention_with_lse(**kwargs)'s gradients run the Hopper backward (where sm90; else not),
+    each within twice the naive attention's error in the inputs' dtype, every element written
+    (NaN poison). out: the call's, for the incoming gradient's shape."""
+    dtype = q.dtype
+    dout = torch.randn_like(out)
+
+    def grads(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_() for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves, **kwargs)[0], leaves, dout.to(cast))
+
+    backward = lambda: grads(flashattn_ext.attention_with_lse, dtype)  # noqa: E731
+    ran = any("sm90" in n and "attention_backward" in n for n in kernel_names(backward))
+    assert ran == sm90, "the Hopper backward ran" if ran else "sm90 not run"
+    poison_cuda_allocator(POISON_BYTES)
+    got, want, base = backward(), grads(naive_attention, torch.float64), grads(naive_attention, dtype)
+    for name, g, w, b in zip(("dq", "dk", "dv"), got, want, base):
+        assert torch.isfinite(g).all(), f"{name}: an element was not written (NaN poison)"
+        error, budget = relative_error(g, w), 2 * relative_error(b, w) + ERROR_FLOOR[dtype]
+        assert error <= budget, f"{name}: {error:.3g} > {budget:.3g}"
+
+
+def check_hopper_forward(q, k, v, **kwargs):
+    """attention_with_lse(**kwargs) runs the Hopper forward, its out within twice the naive
+    attention's error in the inputs' dtype, every element written, its lse to 1e-3 (-inf where
+    no key is seen). Returns out."""
+    call = lambda: forward_with(q, k, v, **kwargs)  # noqa: E731
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
+    out, lse = call()
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), **kwargs)
+    baseline, _ = naive_attention(q, k, v, **kwargs)
+    assert torch.isfinite(out).all(), "an output element was not written (NaN poison)"
+    assert relative_error(out, want_out) <= 2 * relative_error(baseline, want_out) + ERROR_FLOOR[q.dtype]
+    visible = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), visible)
+    assert (lse[visible].double() - want_lse[visible]).abs().max().item() < 1e-3
+    return out
+
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's softcap options
+SOFTCAP_CASES = [
+    ((2, 4, 2, 700, 900, 128), dict(softcap=1.0)),  # scores of about 1: the cap bends them all
+    ((1, 4, 4, 600, 600, 128), dict(softcap=30.0, scale=1.0, is_causal=True)),  # Gemma 2's cap, scores of about 11
+    ((1, 4, 4, 600, 600, 64), dict(softcap=30.0, scale=1.0, is_causal=True)),
+    # Head dim 64's 128-query tiles: the cap's derivative from the rounded P^T, where the cap bends hardest.
+    ((2, 4, 2, 700, 900, 64), dict(softcap=1.0)),
+    ((1, 2, 1, 500, 500, 256), dict(softcap=20.0, scale=0.25, window=(100, 0), is_causal=True)),  # with a window
+]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, options", SOFTCAP_CASES, ids=[f"{s[-1]}-{o}" for s, o in SOFTCAP_CASES])
+def test_softcap(path, shape, options, dtype):
+    """The Hopper kernels cap the scores themselves (softcap * tanh(s / softcap) of the scaled
+    scores), forward and backward (the cap's derivative from P^T: in float at head dims 97 to 128,
+    rounded at 64 and 256): gradients within twice the naive attention's error."""
+    q, k, v = random_inputs(shape, dtype, seed=9)
+    kwargs = dict(options, enable_gqa=shape[1] != shape[2])
+    out = check_hopper_forward(q, k, v, **kwargs)
+    check_hopper_gradients(q, k, v, out, sm90=True, **kwargs)
+
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim), attention_with_lse's options; ALiBi's slopes
+# are the paper's geometric ones for the heads (per batch element in the second case).
+ALIBI_CASES = [
+    ((2, 4, 2, 700, 900, 128), dict()),  # distances on both sides of the diagonal
+    ((2, 4, 4, 600, 600, 64), dict(is_causal=True, causal_lower_right=True)),
+    ((1, 2, 1, 500, 520, 256), dict(window=(100, 30))),
+]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, options", ALIBI_CASES, ids=[f"{s[-1]}-{o}" for s, o in ALIBI_CASES])
+def test_alibi(path, shape, options, dtype):
+    """The Hopper kernels add ALiBi's bias themselves, forward and backward: out, lse and gradients
+    within twice the naive attention's error in the same dtype."""
+    q, k, v = random_inputs(shape, dtype, seed=10)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / shape[1]) for h in range(shape[1])], device="cuda")
+    if options.get("is_causal"):
+        slopes = torch.stack([slopes, slopes.flip(0)])[: shape[0]]
+    kwargs = dict(options, enable_gqa=shape[1] != shape[2], alibi_slopes=slopes)
+    out = check_hopper_forward(q, k, v, **kwargs)
+    check_hopper_gradients(q, k, v, out, **kwargs)
+
+
+@on_paths("sm90")
+def test_sliding_window_with_attn_mask_or_dropout(path):
+    """The window with the kernels' other paths: a float mask's tiles (classified key blocks), and
+    dropout, whose numbers depend on each tile's place (the first is the window's)."""
+    shape = (1, 4, 4, 600, 704, 128)  # mask rows of whole 16-byte pieces, as the copy engine needs
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=8)
+    mask = torch.randn(600, 704, device="cuda", dtype=torch.bfloat16)
+    kwargs = dict(window=(200, 50))
+    call = lambda: forward_with(q, k, v, attn_mask=mask, **kwargs)  # noqa: E731
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
+    out, _ = call()
+    want, _ = naive_attention(q.double(), k.double(), v.double(), attn_mask=mask.double(), **kwargs)
+    assert relative_error(out, want) < 1e-2
+    # Dropout: ours drops the pairs dropout_mask gives for the same seed (the backward draws them
+    # again), checked against torch's math SDPA with that mask and the window as a bool mask.
+    dropout_p = 0.2
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    call = lambda: flashattn_ext.attention_with_lse(*leaves, dropout_p=dropout_p, **kwargs)[0]  # noqa: E731
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in kernel_names(call)), "sm90 not run"
+    dout = torch.randn_like(q)
+    torch.manual_seed(1)
+    out = call()
+    got = (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    torch.manual_seed(1)
+    keep = torch.ops.flashattn_ext.dropout_mask(draw_rng_state("cuda", dropout_p), dropout_p, 1, 4, 600, 704, 0, 600)
+    rows, cols = torch.arange(600, device="cuda")[:, None], torch.arange(704, device="cuda")[None, :]
+    window = (cols >= rows - 200) & (cols <= rows + 50)
+    wants = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out = math_with_dropout_mask(*wants, keep, dropout_p, attn_mask=window)
+    want = (want_out.detach(), *torch.autograd.grad(want_out, wants, dout.double()))
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        assert relative_error(g, w) < 2e-2, name
