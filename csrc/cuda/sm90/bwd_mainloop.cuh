@@ -194,6 +194,15 @@ __device__ __forceinline__ void store_transposed_tile(unsigned char* tile, const
   }
 }
 
+// Waits for the wgmma groups issued but the last kPending, then fences the
+// registers they wrote (accumulators or A fragments they read) for the code
+// that follows.
+template <int kPending, typename... Regs>
+__device__ __forceinline__ void wgmma_wait_fenced(Regs&... regs) {
+  ptx::wgmma_wait<kPending>();
+  (fence_registers(regs), ...);
+}
+
 // grad (64 keys x N columns) += A (a 64 x 16 kSteps fragment of P^T or dS^T)
 // times the stage's rows of dO or Q (rows_desc: N-major, stage 0's; a step: 16
 // rows), issued as one wgmma group (not waited for).
