@@ -23,6 +23,98 @@
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 namespace {
 
+// The consumers' steps on a tile that are this kernel's own (the others:
+// bwd_mainloop.cuh). The mainloop itself stays in the kernel's body, with the
+// shared-memory pointers in its locals, and so does the score GEMM: moved into
+// a function of its own (the loop, its body or the GEMM), or those pointers
+// into a struct, it compiled to other PTX (the barriers' address arithmetic,
+// the place of some instructions).
+
+// P^T and dS^T lie in shared memory as store_transposed_tile writes them:
+// rows of kBlockM queries (128 bytes) a key, 128-byte swizzled, so that dQ's
+// wgmma reads dS^T as it lies. Reads one back as A fragments (ldmatrix: lane
+// group m = lane / 8 addresses matrix m, rows +8 (m % 2), chunk + m / 2).
+template <int kSteps>
+__device__ __forceinline__ void load_transposed_tile(const unsigned char* tile, uint32_t (&frag)[kSteps][4], int tid,
+                                                     int lane) {
+  const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
+  const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    ptx::ldmatrix_x4(frag[kk], row_addr + (((2 * kk + m / 2) ^ (row % 8)) * 16));
+  }
+}
+
+// Consumer 1's dS^T = P^T * (dP^T - delta), from dP^T in s (which becomes
+// dS^T) and P^T as rounded for the GEMMs (and times the cap's derivative).
+// With dropout (Z: 0 where dropped, 1 / (1 - p) where kept), dS^T = P^T * (Z
+// dP^T - delta).
+template <typename Elem, bool kDropout, bool kSoftcap, int kBlockM, int kRegs, int kSteps>
+__device__ __forceinline__ void ds_from_rounded_probabilities(float (&s)[kRegs], const uint32_t (&p_frag)[kSteps][4],
+                                                              const TileDropout<kBlockM>& dropout, float keep_scale,
+                                                              const Softcap& softcap, const float (&lse_q)[kBlockM],
+                                                              const float (&delta_q)[kBlockM], int lane) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) {
+    const float pt = from_fragments<Elem>(p_frag, i);
+    const float dpt = kDropout ? (dropout.keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
+    s[i] = pt * (dpt - delta_q[accumulator_column(i, lane)]);
+    if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[accumulator_column(i, lane)]);
+  }
+}
+
+// Issues slice `slice` of a consumer's dQ columns = dS K over the block's
+// keys (ds_desc: the tile's dS^T buffer; k_desc: the consumer's columns of
+// K): one wgmma group.
+template <typename Elem, typename Cfg, int kRegs>
+__device__ __forceinline__ void issue_dq_slice_gemm(float (&dq)[kRegs], uint64_t ds_desc, uint64_t k_desc, int slice) {
+  fence_registers(dq);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(
+        dq, desc_advance(ds_desc, n_major_step_bytes(kk)),
+        desc_advance(k_desc, slice * Cfg::kKVColBlockBytes + n_major_step_bytes(kk)), kk > 0);
+  }
+  ptx::wgmma_commit();
+}
+
+// Adds a 64 x 64 dQ slice to its dq_accum slice by atomics (one float4 a
+// thread and register quad: dq_accum's layout).
+template <int kRegs>
+__device__ __forceinline__ void add_dq_slice(float* dq_slice, const float (&dq)[kRegs], int tid) {
+#pragma unroll
+  for (int j = 0; j < kRegs / 4; ++j) {
+    ptx::red_add_v4_f32(dq_slice + (j * kWarpgroupThreads + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                        dq[4 * j + 3]);
+  }
+}
+
+// A consumer's wgmma descriptors at their first k16 step; a stage, a buffer
+// and a step move them by constant offsets. The score GEMM (K-major): consumer
+// 0's K and Q, consumer 1's V and dO. N-major: this consumer's columns of
+// stage 0's Q and dO as the B of dK += dS^T Q and dV += P^T dO (a step: 16
+// rows of queries), and of K as the B of dQ = dS K (a step: 16 keys).
+template <typename Cfg>
+struct SplitBwdDescriptors {
+  uint64_t keys, queries, q_rows, dout_rows, k_dq;
+  // dS as dQ's A operand: the dS^T buffer read transposed (M-major).
+  uint64_t ds_dq;
+
+  __device__ __forceinline__ SplitBwdDescriptors(unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
+                                                 unsigned char* s_dout, unsigned char* s_ds, int consumer) {
+    const int grad_col0 = consumer * Cfg::kGradCols;
+    const uint32_t k_addr = ptx::smem_addr(s_k), q_addr = ptx::smem_addr(s_q), dout_addr = ptx::smem_addr(s_dout);
+    keys = k_major_desc(consumer == 0 ? k_addr : ptx::smem_addr(s_v));
+    queries = k_major_desc(consumer == 0 ? q_addr : dout_addr);
+    const int grad_col_block_bytes = grad_col0 / kSwizzleCols * Cfg::kQColBlockBytes;
+    q_rows = n_major_desc(q_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
+    dout_rows = n_major_desc(dout_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
+    k_dq = n_major_desc(k_addr + grad_col0 / kSwizzleCols * Cfg::kKVColBlockBytes, Cfg::kKVColBlockBytes);
+    ds_dq = n_major_desc(ptx::smem_addr(s_ds), Cfg::kDsColBlockBytes);
+  }
+};
+
 // kDropout: dropout. kWindow: a sliding window (backward_block). kSoftcap:
 // logit softcapping (Softcap; consumer 1 takes the cap's derivative from the
 // rounded P^T it reads back). kAlibi: ALiBi's bias on the recomputed scores.
@@ -91,38 +183,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // Whether this thread holds key 0's dS (flash_common.cuh: exactly 0 for rows that see key 0 alone).
   const bool holds_first_key = col0 + key_row == 0;
 
-  const uint32_t k_addr = ptx::smem_addr(s_k), q_addr = ptx::smem_addr(s_q), dout_addr = ptx::smem_addr(s_dout);
-  // wgmma descriptors at their first k16 step; a stage, a buffer and a step
-  // move them by constant offsets. The score GEMM (K-major): consumer 0's K
-  // and Q, consumer 1's V and dO. N-major: this consumer's columns of stage
-  // 0's Q and dO as the B of dK += dS^T Q and dV += P^T dO (a step: 16 rows of
-  // queries), and of K as the B of dQ = dS K (a step: 16 keys).
-  const uint64_t keys_desc = k_major_desc(consumer == 0 ? k_addr : ptx::smem_addr(s_v));
-  const uint64_t queries_desc = k_major_desc(consumer == 0 ? q_addr : dout_addr);
-  const int grad_col_block_bytes = grad_col0 / kSwizzleCols * Cfg::kQColBlockBytes;
-  const uint64_t q_rows_desc = n_major_desc(q_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
-  const uint64_t dout_rows_desc = n_major_desc(dout_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
-  const uint64_t k_dq_desc =
-      n_major_desc(k_addr + grad_col0 / kSwizzleCols * Cfg::kKVColBlockBytes, Cfg::kKVColBlockBytes);
-  // dS as dQ's A operand: the dS^T buffer read transposed (M-major).
-  const uint64_t ds_dq_desc = n_major_desc(ptx::smem_addr(s_ds), Cfg::kDsColBlockBytes);
+  const SplitBwdDescriptors<Cfg> desc(s_k, s_v, s_q, s_dout, s_ds, consumer);
 
   const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
   const Softcap softcap = kSoftcap ? Softcap(p) : Softcap();
-
-  // P^T and dS^T lie in shared memory as store_transposed_tile writes them:
-  // rows of kBlockM queries (128 bytes) a key, 128-byte swizzled, so that
-  // dQ's wgmma reads dS^T as it lies. load_tile reads one back as A fragments
-  // (ldmatrix: lane group m = lane / 8 addresses matrix m, rows +8 (m % 2),
-  // chunk + m / 2).
-  auto load_tile = [&](const unsigned char* tile, uint32_t(&frag)[kSteps][4]) {
-    const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
-    const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
-#pragma unroll
-    for (int kk = 0; kk < kSteps; ++kk) {
-      ptx::ldmatrix_x4(frag[kk], row_addr + (((2 * kk + m / 2) ^ (row % 8)) * 16));
-    }
-  };
 
   float dk[kGradRegs], dv[kGradRegs];
 #pragma unroll
@@ -150,24 +214,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // This thread's 16 queries are columns 8j + 2 * (lane % 4) + e of the score tiles.
     const float(&lse_q)[kBlockM] = s_stats[stage][0];
     const float(&delta_q)[kBlockM] = s_stats[stage][1];
-    auto query_of = [&](int i) { return accumulator_column(i, lane); };
 
     // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T (64 keys x kBlockM queries).
     float s[kScoreRegs];
     ptx::mbarrier_wait(&bars->q_full[stage], parity);
     ptx::mbarrier_wait(&bars->dout_full[stage], parity);
     fence_registers(s);
-    const uint64_t queries_stage_desc = desc_advance(queries_desc, stage_offset);
+    const uint64_t queries_stage_desc = desc_advance(desc.queries, stage_offset);
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kBlockM>(s, desc_advance(keys_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)),
+      ptx::wgmma_ss<Elem, kBlockM>(s, desc_advance(desc.keys, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)),
                                    desc_advance(queries_stage_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
                                    kk > 0);
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
-    fence_registers(s);
+    wgmma_wait_fenced<0>(s);
 
     uint32_t p_frag[kSteps][4], ds_frag[kSteps][4];
     unsigned char* ds_tile = s_ds + (tile % Cfg::kDsBuffers) * Cfg::kDsBytes;
@@ -186,18 +248,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // same instruction.)
     ptx::named_barrier_sync(kPtReady, kConsumerThreads);
     if (consumer == 1) {
-      // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs (and
-      // times the cap's derivative). With dropout (Z: 0 where dropped,
-      // 1 / (1 - p) where kept), dS^T = P^T * (Z dP^T - delta).
-      load_tile(s_pt, p_frag);
+      // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
+      load_transposed_tile(s_pt, p_frag, tid, lane);
       const float keep_scale = kDropout ? bars->dropout.keep_scale : 1.f;
-#pragma unroll
-      for (int i = 0; i < kScoreRegs; ++i) {
-        const float pt = from_fragments<Elem>(p_frag, i);
-        const float dpt = kDropout ? (dropout.keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
-        s[i] = pt * (dpt - delta_q[query_of(i)]);
-        if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
-      }
+      ds_from_rounded_probabilities<Elem, kDropout, kSoftcap>(s, p_frag, dropout, keep_scale, softcap, lse_q, delta_q,
+                                                              lane);
       if constexpr (kDropout) dropout.drop(p_frag);
       zero_lone_key_rows<kBlockM, kWindow>(s, params, seen, col0, row0, holds_first_key, lane);
       // dS^T to its buffer (read by both consumers' dQ wgmma: the async
@@ -208,30 +263,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_proxy_async();
     }
     // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
-    accumulate_key_gradient<Elem>(dv, p_frag, dout_rows_desc, stage_offset);
+    accumulate_key_gradient<Elem>(dv, p_frag, desc.dout_rows, stage_offset);
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
-    if (consumer == 0) load_tile(ds_tile, ds_frag);
+    if (consumer == 0) load_transposed_tile(ds_tile, ds_frag, tid, lane);
 
     // dK += dS^T Q, then the two slices of this consumer's dQ columns = dS K
     // over the block's keys, each added to the tile's dq_accum slice (one
     // float4 a thread and register quad: dq_accum's layout).
-    accumulate_key_gradient<Elem>(dk, ds_frag, q_rows_desc, stage_offset);
-    const uint64_t ds_tile_desc = desc_advance(ds_dq_desc, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
+    accumulate_key_gradient<Elem>(dk, ds_frag, desc.q_rows, stage_offset);
+    const uint64_t ds_tile_desc = desc_advance(desc.ds_dq, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
     float* dq_tile = block.dq_accum + (head_in_group * padded_len_q + row0) * kHeadDim;
 #pragma unroll
     for (int slice = 0; slice < Cfg::kGradCols / kDqAccumSliceCols; ++slice) {
       float dq[kDqRegs];
-      fence_registers(dq);
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(
-            dq, desc_advance(ds_tile_desc, n_major_step_bytes(kk)),
-            desc_advance(k_dq_desc, slice * Cfg::kKVColBlockBytes + n_major_step_bytes(kk)), kk > 0);
-      }
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      fence_registers(dq);
+      issue_dq_slice_gemm<Elem, Cfg>(dq, ds_tile_desc, desc.k_dq, slice);
+      wgmma_wait_fenced<0>(dq);
       if (slice == 0) {  // dV and dK are done (wgmma groups complete in order): Q's and dO's stages are free
         fence_registers(dv);
         fence_registers(dk);
@@ -241,11 +287,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::mbarrier_arrive(&bars->q_empty[stage]);
       }
       float* dq_slice = dq_tile + (grad_col0 / kDqAccumSliceCols + slice) * kDqAccumRowMultiple * kDqAccumSliceCols;
-#pragma unroll
-      for (int j = 0; j < kDqRegs / 4; ++j) {
-        ptx::red_add_v4_f32(dq_slice + (j * kWarpgroupThreads + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
-                            dq[4 * j + 3]);
-      }
+      add_dq_slice(dq_slice, dq, tid);
     }
   }
 

@@ -1,0 +1,135 @@
+// The Hopper backward's tile scheduler (both kernels, flash_bwd_sm90.cuh):
+// the kernel parameters, a block's place in the grid (its keys, key/value
+// head and batch, backward_block) and its walk over the query tiles it
+// streams, past those an attn_mask's block map hides (next_query_tile), which
+// every role of the block follows.
+#pragma once
+
+#include "cuda/flash_common.cuh"
+#include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
+#include "cuda/sm90/tile_config.h"
+
+namespace flashattn_ext::cuda::sm90::backward_kernel {
+
+// What the kernels read: the call, and tensor maps of q, k, v, dout and the
+// attn_mask (a __grid_constant__ parameter: the copy engine reads the maps in place).
+struct BwdKernelParams {
+  BwdParams call;
+  CUtensorMap q_map, k_map, v_map, dout_map, mask_map;
+  int order_chunks;  // causal: heaviest_first_position's chunks
+  MaskTileShape mask;
+};
+
+// One of a block's query tiles: query head `head` of the group, query block
+// m_begin + m. unmasked: the attn_mask hides none of its pairs (or there is
+// none). Starts before the first tile.
+struct QueryTile {
+  int head = 0, m = -1;
+  int unmasked = 1;
+};
+
+// A block's keys and the query tiles it streams: kBlockN keys from col0 of key
+// head h_kv of batch b; m_count query blocks from m_begin on (those that see
+// any of the keys) of each of the group's query heads, less those the
+// attn_mask's block map hides: tiles of them in all (next_query_tile).
+// dq_accum: where the dQ rows of the group's first query head start in
+// dq_accum (the next heads' follow). q_start, k_start: the sequence's first
+// query and key row in a packed batch (0 in a dense call), len_q and len_k its
+// lengths (the call's in a dense one); dq_accum_head_rows: dq_accum's rows a
+// query head.
+struct BwdBlock {
+  int64_t h_kv, b, col0, group, m_begin;
+  int m_count, tiles;
+  float* dq_accum;
+  int64_t q_start, k_start, len_q, len_k, dq_accum_head_rows;
+};
+
+// Moves t to the block's next query tile (query blocks within a head, then
+// heads), past those the attn_mask's block map hides; false past the last.
+// Every role of the block walks the same sequence.
+template <typename Cfg>
+__device__ __forceinline__ bool next_query_tile(const BwdParams& params, const BwdBlock& block, QueryTile& t) {
+  if (block.m_count == 0) return false;
+  while (true) {
+    if (++t.m == block.m_count) {
+      t.m = 0;
+      ++t.head;
+    }
+    if (t.head == block.group) return false;
+    if constexpr (!Cfg::Mask::kPresent) {
+      return true;
+    } else {
+      static_assert(Cfg::kBlockN == kKeyBlockKeys && Cfg::kBlockM % kMaskBlockRows == 0, "tiles of whole map blocks");
+      const BlockVisibility seen =
+          tile_visibility(params.mask_blocks, block.b, block.h_kv * block.group + t.head,
+                          (block.m_begin + t.m) * Cfg::kBlockM, Cfg::kBlockM, block.len_q, block.col0 / Cfg::kBlockN);
+      if (seen == BlockVisibility::kHidden) continue;
+      t.unmasked = seen == BlockVisibility::kVisible;
+      return true;
+    }
+  }
+}
+
+// kWindow: the call has a sliding window (the kernels' template flag), whose
+// edges bound the query blocks on both sides. kVarlen: a packed batch (the
+// grid's batch is the sequence; blocks past its keys have no tiles).
+template <typename Cfg, bool kWindow, bool kVarlen = false>
+__device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
+  const BwdParams& params = kp.call;
+  const AttentionProblem& p = params.problem;
+  const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN);
+  // The grid covers the (batch, key/value head) pairs whose rows dq_accum
+  // holds (a chunk of the call's, or all), numbered from dq_accum_pair0.
+  const GridPosition position =
+      p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
+                                            static_cast<int>(params.dq_accum_pairs), kp.order_chunks)
+                  : grid_position(blockIdx.x, n_blocks, p.heads_kv);
+  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head;
+  const int64_t pair = params.dq_accum_pair0 + pair_in_chunk;
+  BwdBlock block;
+  block.h_kv = pair % p.heads_kv;
+  block.b = pair / p.heads_kv;
+  block.col0 = position.block * Cfg::kBlockN;  // causal: the first key blocks have the most queries
+  block.group = p.heads_q / p.heads_kv;
+  if constexpr (kVarlen) {
+    const PackedSequences& packed = params.packed;
+    const int b = static_cast<int>(block.b);
+    const SequenceSpan queries = sequence_span(packed.cu_seqlens_q, packed.total_q, p.len_q, b);
+    const SequenceSpan keys = sequence_span(packed.cu_seqlens_k, packed.total_k, p.len_k, b);
+    block.q_start = queries.start;
+    block.k_start = keys.start;
+    block.len_q = queries.length;
+    block.len_k = keys.length;
+    block.dq_accum_head_rows = packed_dq_accum_start(packed.total_q, p.batch);
+    block.dq_accum = params.dq_accum + (block.h_kv * block.group * block.dq_accum_head_rows +
+                                        packed_dq_accum_start(queries.start, b)) * Cfg::kHeadDim;
+  } else {
+    block.q_start = block.k_start = 0;
+    block.len_q = p.len_q;
+    block.len_k = p.len_k;
+    block.dq_accum_head_rows = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
+    block.dq_accum = params.dq_accum + pair_in_chunk * block.group * block.dq_accum_head_rows * Cfg::kHeadDim;
+  }
+  if constexpr (kWindow || kVarlen) {
+    const Visibility seen(p, block.len_q, block.len_k);
+    const int64_t query_begin = seen.query_begin(block.col0);
+    const int64_t query_end = seen.query_end(min(block.col0 + Cfg::kBlockN, block.len_k) - 1);
+    block.m_begin = query_begin / Cfg::kBlockM;
+    block.m_count = query_end > query_begin && block.col0 < block.len_k
+                        ? static_cast<int>(ceil_div(query_end, Cfg::kBlockM) - block.m_begin)
+                        : 0;
+  } else {
+    block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
+    block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
+  }
+  block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
+  if (Cfg::Mask::kPresent && params.mask_blocks.visibility != nullptr) {
+    // Less those the mask hides; none left: dK = dV = 0, and no dQ.
+    QueryTile t;
+    for (block.tiles = 0; next_query_tile<Cfg>(params, block, t);) ++block.tiles;
+  }
+  return block;
+}
+
+}  // namespace flashattn_ext::cuda::sm90::backward_kernel
