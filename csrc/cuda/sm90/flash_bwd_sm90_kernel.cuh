@@ -36,6 +36,9 @@
 
 #include <cmath>
 
+#include "cuda/dq_accum.cuh"
+#include "cuda/dropout_flags.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
@@ -172,7 +175,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int lane = tid % kWarpSize;
   const int key_row = consumer * 64 + (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
   // Whether this thread holds key 0's dS (four lanes of the first key block's
-  // CTAs), which is exactly 0 for rows that see key 0 alone (flash_common.cuh).
+  // CTAs), which is exactly 0 for rows that see key 0 alone (visibility.cuh).
   const bool holds_first_key = col0 + key_row == 0;
 
   const uint32_t k_addr = ptx::smem_addr(s_k), v_addr = ptx::smem_addr(s_v), q_addr = ptx::smem_addr(s_q),

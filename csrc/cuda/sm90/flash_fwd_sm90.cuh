@@ -38,11 +38,17 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/attn_mask.cuh"
+#include "cuda/dropout_flags.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
+#include "cuda/tile_order.cuh"
+#include "cuda/views.cuh"
+#include "cuda/visibility.cuh"
 
 // The kernel template and its launch, instantiated by flash_fwd_sm90.cu
 // (no attn_mask) and flash_fwd_sm90_masked.cu, which compile in parallel.
