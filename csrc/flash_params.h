@@ -1,5 +1,5 @@
 // Plain description of one attention call, shared by the CPU and CUDA kernels.
-// No torch headers here: the torch glue (csrc/ops.cpp) fills these structs.
+// No torch headers here: the torch glue (csrc/ops_*.cpp) fills these structs.
 #pragma once
 
 #include <cstdint>
