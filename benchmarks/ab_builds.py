@@ -76,7 +76,9 @@ def main() -> None:
     parser.add_argument("--build", action="append", required=True, help="NAME=TREE (twice)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--shapes", nargs="*", help="only the shapes whose names contain one of these")
     args = parser.parse_args()
+    shapes = [s for s in SHAPES if not args.shapes or any(part in s[0] for part in args.shapes)]
     builds = [tuple(text.split("=", 1)) for text in args.build]
     assert len(builds) == 2, "two builds: --build NAME=TREE --build NAME=TREE"
     runs = {name: [] for name, _ in builds}
@@ -84,7 +86,7 @@ def main() -> None:
         order = builds if round_index % 2 == 0 else builds[::-1]
         for name, tree in order:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
-            result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(SHAPES), str(args.calls)], env=env,
+            result = subprocess.run([sys.executable, "-c", CHILD, json.dumps(shapes), str(args.calls)], env=env,
                                     capture_output=True, text=True, cwd="/")
             line = [l for l in result.stdout.splitlines() if l.startswith("RESULT ")]
             if result.returncode != 0 or not line:
@@ -94,10 +96,13 @@ def main() -> None:
     print(f"{args.rounds} rounds, {args.calls} calls a burst; medians in ms; {second} / {first}")
     print(f"| shape | {first} fwd | {second} fwd | ratio | {first} fwd+bwd | {second} fwd+bwd | ratio |")
     print("|---|---|---|---|---|---|---|")
-    for name, *_ in SHAPES:
+    for name, *_ in shapes:
         med = {b: [statistics.median(r[name][i] for r in runs[b]) for i in (0, 1)] for b in runs}
         a, c = med[first], med[second]
         print(f"| {name} | {a[0]:.3f} | {c[0]:.3f} | {c[0] / a[0]:.3f} | {a[1]:.3f} | {c[1]:.3f} | {c[1] / a[1]:.3f} |")
+    print("\nEach round's forward ms (first build / second):")
+    for name, *_ in shapes:
+        print(name, " ".join(f"{r1[name][0]:.3f}/{r2[name][0]:.3f}" for r1, r2 in zip(runs[first], runs[second])))
 
 
 if __name__ == "__main__":

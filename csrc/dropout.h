@@ -19,7 +19,7 @@
 //   16 bits: two calls a group, call qp; half kh of output kp * 2 + qh.
 // A lane pair of a fragment thus makes one call each for two groups and swaps
 // halves (8 bits), or one call for each of its own halves (16 bits, queries as
-// rows) (flash_common.cuh).
+// rows) (cuda/dropout_flags.cuh).
 //
 // The counter follows torch's Philox convention (curand's subsequence and
 // offset): its high 64 bits are the call's index (the group's with 8 bits,

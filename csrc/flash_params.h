@@ -1,5 +1,5 @@
 // Plain description of one attention call, shared by the CPU and CUDA kernels.
-// No torch headers here: the torch glue (csrc/ops.cpp) fills these structs.
+// No torch headers here: the torch glue (csrc/ops_*.cpp) fills these structs.
 #pragma once
 
 #include <cstdint>
@@ -168,7 +168,7 @@ struct BwdParams {
   // A packed batch (the Hopper backward at head dims up to 128 alone; no mask
   // or dropout): q, k, v, out, dout, dq, dk, dv as in FwdParams, lse and delta
   // (heads_q, total_q), dq_accum laid out by packed_dq_accum_start
-  // (cuda/flash_common.cuh). The tile order is not used.
+  // (cuda/dq_accum.cuh). The tile order is not used.
   PackedSequences packed;
 };
 

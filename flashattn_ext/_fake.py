@@ -1,12 +1,12 @@
 """Fake (meta) kernels: the output shapes, dtypes and strides of each op, without
-computing anything. They mirror the allocations in csrc/ops.cpp and the device files."""
+computing anything. They mirror the allocations in csrc/ops_*.cpp and the device files."""
 import torch
 
 from .options import lse_dtype
 
 
 def _empty_in_layout_of(query: torch.Tensor, sizes) -> torch.Tensor:
-    """empty_in_layout_of in csrc/ops.cpp: dims 0-2 in the memory order of query's (by stride, ties in dim
+    """empty_in_layout_of in csrc/ops_checks.cpp: dims 0-2 in the memory order of query's (by stride, ties in dim
     order; sorted() is stable), the last dim contiguous."""
     order = sorted(range(3), key=lambda dim: -query.stride(dim))
     out = query.new_empty([sizes[dim] for dim in order] + [sizes[3]])

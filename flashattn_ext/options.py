@@ -53,7 +53,8 @@ def per_head_slopes(alibi_slopes: Optional[Tensor], batch: Tuple[int, ...], head
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The log-sum-exp's dtype for inputs of dtype (csrc/ops.cpp's lse_dtype): float64 for float64, else float32."""
+    """The log-sum-exp's dtype for inputs of dtype (csrc/ops_checks.cpp's lse_dtype): float64 for float64, else
+    float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -8,6 +8,7 @@
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

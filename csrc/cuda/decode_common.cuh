@@ -8,7 +8,8 @@
 
 #include <algorithm>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 
 namespace flashattn_ext::cuda::decoding {
 

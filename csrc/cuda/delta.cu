@@ -3,8 +3,10 @@
 // float32 dQ accumulator that the backward kernels then add into.
 #include <cstdint>
 
-#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/views.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

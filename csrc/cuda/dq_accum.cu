@@ -1,7 +1,10 @@
 // The float32 dQ accumulator of the atomic backwards of both kernel families:
-// its size and its final scaling and rounding into dq (layout in flash_common.cuh).
-#include "cuda/flash_common.cuh"
+// its size and its final scaling and rounding into dq (layout in dq_accum.cuh).
+#include "cuda/dq_accum.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/views.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

@@ -1,7 +1,7 @@
 // Dropout's random state on the device: the {seed, offset} a call draws, and
 // the keep mask itself (for the dropout_mask op and the ATen fallback).
-#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

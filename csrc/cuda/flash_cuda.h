@@ -31,7 +31,7 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
 
 // Floats of a dq_accum workspace of the atomic-dQ backwards that holds the dQ
 // rows of `pairs` (batch, key/value head) pairs (its layout:
-// kDqAccumRowMultiple in flash_common.cuh). Which calls have one:
+// kDqAccumRowMultiple in dq_accum.cuh). Which calls have one:
 // attention_backward_cuda (ops_cuda.cpp).
 int64_t dq_accum_floats(const AttentionProblem& p, int64_t pairs);
 // The same for a packed batch's call (params.packed; layout: packed_dq_accum_start).
@@ -57,7 +57,7 @@ void plan_packed_forward(FwdParams& params, int64_t block_rows, int32_t* workspa
 // After a packed batch's backward: dq, dk and dv NaN where its bounds are bad.
 void poison_gradients_of_bad_bounds(const BwdParams& params, ElementType type, cudaStream_t stream);
 
-// How a backward laid out dq_accum (flash_common.cuh): rows with permuted
+// How a backward laid out dq_accum (dq_accum.cuh): rows with permuted
 // columns (the sm80 atomics) or, within each tile, wgmma's register order (sm90).
 enum class DqAccumLayout { kRows, kWgmmaTiles };
 
@@ -86,7 +86,7 @@ int64_t mask_key_extent_batches(const TensorView4d& mask, const AttentionProblem
 void mask_key_extents(const TensorView4d& mask, const AttentionProblem& p, int32_t* extents, cudaStream_t stream);
 
 // Sets the delta of the query rows that params' attn_mask leaves exactly one
-// key (mask_blocks.cu) to kOneKeyRowDelta (flash_common.cuh); with no mask, nothing.
+// key (mask_blocks.cu) to kOneKeyRowDelta (visibility.cuh); with no mask, nothing.
 void mark_rows_seeing_one_key(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 // Decoding (decode.cu, sm80/decode.cu), float16 and bfloat16, head dims up to kMaxHeadDim:

@@ -12,13 +12,14 @@
 //    past the last key that the mask leaves visible to any of its rows, so
 //    that the kernels read no further (a static cache's unused slots).
 //  - Before the backward, the query rows that the mask leaves exactly one key:
-//    their delta becomes kOneKeyRowDelta (flash_common.cuh), which the masked
+//    their delta becomes kOneKeyRowDelta (visibility.cuh), which the masked
 //    backward kernels read as dS = 0.
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/visibility.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

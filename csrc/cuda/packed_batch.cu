@@ -8,8 +8,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

@@ -4,8 +4,10 @@
 // launches besides; this pass reads and writes out once at full width).
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
+#include "cuda/views.cuh"
 
 namespace flashattn_ext::cuda {
 namespace {

@@ -15,6 +15,8 @@
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_tiles.cuh"
 #include "cuda/sm80/tile_config.h"
 
 namespace flashattn_ext::cuda {

@@ -18,9 +18,17 @@
 #include <cmath>
 #include <type_traits>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/attn_mask.cuh"
+#include "cuda/dq_accum.cuh"
+#include "cuda/dropout_flags.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_tiles.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm80/tile_config.h"
+#include "cuda/tile_order.cuh"
+#include "cuda/views.cuh"
+#include "cuda/visibility.cuh"
 
 namespace flashattn_ext::cuda::sm80 {
 namespace {

@@ -2,8 +2,10 @@
 // newer), in one place.
 #pragma once
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dq_accum.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/mma_tiles.cuh"
 
 namespace flashattn_ext::cuda::sm80 {
 

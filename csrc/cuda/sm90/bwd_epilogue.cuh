@@ -4,7 +4,9 @@
 // head dims up to 128, flash_bwd_sm90_kernel.cuh, by atomics at 256.)
 #pragma once
 
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/bwd_scheduler.cuh"
+#include "cuda/views.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 

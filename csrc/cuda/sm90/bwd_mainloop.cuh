@@ -8,9 +8,12 @@
 
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dropout_flags.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
+#include "cuda/visibility.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 
@@ -80,7 +83,7 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], con
 }
 
 // In the first key block (col0 == 0), zeroes the dS^T of key 0 for the
-// tile's queries that see key 0 alone, exactly 0 there (flash_common.cuh):
+// tile's queries that see key 0 alone, exactly 0 there (visibility.cuh):
 // the holder's key 0 scores are its registers at row offset 0.
 template <int kBlockM, int kRegs>
 __device__ __forceinline__ void zero_first_key_alone(float (&dst)[kRegs], const AttentionProblem& p,
@@ -161,7 +164,7 @@ __device__ __forceinline__ void zero_lone_key_rows(float (&dst)[kRegs], const Bw
 }
 
 // Zeroes the dS^T of the tile's queries that an attn_mask leaves one key
-// (their delta marked kOneKeyRowDelta, their dS^T so far NaN: flash_common.cuh).
+// (their delta marked kOneKeyRowDelta, their dS^T so far NaN: visibility.cuh).
 // The warp's lanes first look at the tile's kBlockM rows together, so that a
 // tile with none (nearly all) costs a few loads and a vote, not a select a score.
 template <int kBlockM, int kRegs>

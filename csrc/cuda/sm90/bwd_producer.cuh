@@ -4,6 +4,9 @@
 // delta (and attn_mask tile) into the next free stage.
 #pragma once
 
+#include "cuda/dropout_flags.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/bwd_scheduler.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {

@@ -5,10 +5,15 @@
 // every role of the block follows.
 #pragma once
 
-#include "cuda/flash_common.cuh"
+#include "cuda/attn_mask.cuh"
+#include "cuda/dq_accum.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
+#include "cuda/tile_order.cuh"
+#include "cuda/views.cuh"
+#include "cuda/visibility.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 

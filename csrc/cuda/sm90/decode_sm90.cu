@@ -5,6 +5,7 @@
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/decode_sm90_kernel.cuh"
 #include "cuda/sm90/descriptors.cuh"
 

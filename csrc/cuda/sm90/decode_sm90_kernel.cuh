@@ -40,6 +40,7 @@
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
 

@@ -3,6 +3,7 @@
 // instantiations without an attn_mask at head dims up to 128
 // (flash_bwd_sm90_kernel.cuh has the kernel; flash_bwd_sm90_masked.cu the
 // instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256).
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90_kernel.cuh"
 
 namespace flashattn_ext::cuda::sm90 {

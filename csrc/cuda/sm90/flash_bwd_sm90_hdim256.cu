@@ -18,6 +18,9 @@
 // DqAccumLayout::kWgmmaTiles); delta = rowsum(dO * O) comes first.
 #include <cmath>
 
+#include "cuda/dq_accum.cuh"
+#include "cuda/dropout_flags.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
@@ -180,7 +183,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int lane = tid % kWarpSize;
   const int key_row = (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
   const int grad_col0 = consumer * Cfg::kGradCols;       // this consumer's columns of dK, dV and dQ
-  // Whether this thread holds key 0's dS (flash_common.cuh: exactly 0 for rows that see key 0 alone).
+  // Whether this thread holds key 0's dS (visibility.cuh: exactly 0 for rows that see key 0 alone).
   const bool holds_first_key = col0 + key_row == 0;
 
   const SplitBwdDescriptors<Cfg> desc(s_k, s_v, s_q, s_dout, s_ds, consumer);

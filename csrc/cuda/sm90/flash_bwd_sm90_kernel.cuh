@@ -36,6 +36,9 @@
 
 #include <cmath>
 
+#include "cuda/dq_accum.cuh"
+#include "cuda/dropout_flags.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
@@ -220,7 +223,7 @@ struct BwdConsumer {
   const int consumer, tid, lane;
   const int key_row;  // and key_row + 8, in the block
   // Whether this thread holds key 0's dS (four lanes of the first key block's
-  // CTAs), which is exactly 0 for rows that see key 0 alone (flash_common.cuh).
+  // CTAs), which is exactly 0 for rows that see key 0 alone (visibility.cuh).
   const bool holds_first_key;
   // wgmma descriptors at their first k16 step, built once; a stage, a buffer
   // and a step move them by constant offsets. K-major: this consumer's 64 rows

@@ -3,6 +3,7 @@
 // (flash_fwd_sm90.cuh has the kernel; flash_fwd_sm90_masked.cu the
 // instantiations with a mask, flash_fwd_sm90_hdim256.cu those of head dim 256,
 // flash_fwd_sm90_varlen.cu those of a packed batch).
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90 {

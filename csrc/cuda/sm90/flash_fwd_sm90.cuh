@@ -44,8 +44,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dropout_flags.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/fwd_epilogue.cuh"
 #include "cuda/sm90/fwd_mainloop.cuh"
@@ -53,6 +55,7 @@
 #include "cuda/sm90/fwd_shared.cuh"
 #include "cuda/sm90/fwd_tile_scheduler.cuh"
 #include "cuda/sm90/tile_config.h"
+#include "cuda/tile_order.cuh"
 
 // The kernel template and its launch, instantiated by flash_fwd_sm90.cu
 // (no attn_mask) and flash_fwd_sm90_masked.cu, which compile in parallel.

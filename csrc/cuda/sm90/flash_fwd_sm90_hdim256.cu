@@ -1,6 +1,7 @@
 // The Hopper forward's instantiations at head dim 256 (head dims 129 to 256,
 // zero-padded), without an attn_mask: a translation unit of their own, so that
 // they compile in parallel with the rest.
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::forward_kernel {

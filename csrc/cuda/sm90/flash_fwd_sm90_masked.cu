@@ -1,6 +1,7 @@
 // The Hopper forward's instantiations with an attn_mask (bool or additive),
 // with and without dropout: a translation unit of their own, so that they
 // compile in parallel with the rest.
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::forward_kernel {

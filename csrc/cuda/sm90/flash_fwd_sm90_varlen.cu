@@ -2,6 +2,7 @@
 // different lengths in one launch, without an attn_mask, dropout, softcap or
 // ALiBi): a translation unit of their own, so that they compile in parallel
 // with the rest.
+#include "cuda/launch.cuh"
 #include "cuda/sm90/flash_fwd_sm90.cuh"
 
 namespace flashattn_ext::cuda::sm90::forward_kernel {

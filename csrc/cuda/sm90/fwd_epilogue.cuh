@@ -8,9 +8,10 @@
 // registers.
 #pragma once
 
-#include "cuda/flash_common.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/fwd_shared.cuh"
 #include "cuda/sm90/tile_config.h"
+#include "cuda/views.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {

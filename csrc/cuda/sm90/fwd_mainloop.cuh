@@ -12,7 +12,8 @@
 
 #include <type_traits>
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dropout_flags.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/fwd_score_modifiers.cuh"

@@ -12,6 +12,8 @@
 // (out_free).
 #pragma once
 
+#include "cuda/attn_mask.cuh"
+#include "cuda/ptx.cuh"
 #include "cuda/sm90/fwd_shared.cuh"
 #include "cuda/sm90/fwd_tile_scheduler.cuh"
 #include "cuda/sm90/tile_config.h"

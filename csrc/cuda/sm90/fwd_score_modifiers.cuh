@@ -15,9 +15,9 @@
 
 #include <cmath>
 
-#include "cuda/flash_common.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/fwd_shared.cuh"
+#include "cuda/sm90/tile_config.h"
 
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {

@@ -3,8 +3,9 @@
 // and the block's shared-memory state and buffers.
 #pragma once
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dropout_flags.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/sm90/descriptors.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {

@@ -7,7 +7,11 @@
 // order of tile_order (built on the device: cuda::plan_packed_forward).
 #pragma once
 
+#include "cuda/launch.cuh"
 #include "cuda/sm90/fwd_shared.cuh"
+#include "cuda/tile_order.cuh"
+#include "cuda/views.cuh"
+#include "cuda/visibility.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {

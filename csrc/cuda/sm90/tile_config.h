@@ -1,8 +1,9 @@
 // Every tile shape and pipeline depth of the Hopper (sm_90a) kernels, in one place.
 #pragma once
 
-#include "cuda/flash_common.cuh"
+#include "cuda/dq_accum.cuh"
 #include "cuda/flash_cuda.h"
+#include "cuda/launch.cuh"
 
 namespace flashattn_ext::cuda::sm90 {
 
