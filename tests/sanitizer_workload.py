@@ -62,6 +62,16 @@ def run(case, dtype, dropout_p=0.0):
             raise RuntimeError(f"{name} is not finite for {case} in {dtype}")
 
 
+def run_dense(dtype):
+    """The CASES, and in bfloat16 the DROPOUT_CASES with dropout (a section of its own: main runs
+    them in both dQ modes)."""
+    for case in CASES:
+        run(case, dtype)
+    if dtype == torch.bfloat16:
+        for case in DROPOUT_CASES:
+            run(case, dtype, dropout_p=0.3)
+
+
 def run_sinks(dtype):
     """Attention sinks through the kernels' backward: causal (a row that sees key 0 alone), head dims
     64 and 256, GQA."""
