@@ -29,6 +29,8 @@ SHAPES = [
     ("d256 n4k causal", 2, 16, 16, 4096, 256, True, {}),
     ("d128 n4k gqa 16:4 causal", 4, 16, 4, 4096, 128, True, {}),
     ("d128 n4k key-padding mask", 4, 16, 16, 4096, 128, False, {"mask": True}),
+    ("d64 n4k key-padding mask", 4, 32, 32, 4096, 64, False, {"mask": True}),
+    ("d64 n2k (B,1,L,S) mask dropout 0.1", 8, 12, 12, 2048, 64, False, {"mask": "rows", "dropout_p": 0.1}),
     ("d128 n8k window (1024, 0)", 2, 16, 16, 8192, 128, False, {"window": (1024, 0)}),
     ("d128 n4k softcap 30", 4, 16, 16, 4096, 128, True, {"softcap": 30.0}),
     ("d128 n4k dropout 0.1", 4, 16, 16, 4096, 128, True, {"dropout_p": 0.1}),
@@ -58,7 +60,9 @@ for name, b, hq, hkv, n, d, causal, opts in shapes:
     if "softcap" in opts: extra["softcap"] = opts["softcap"]
     if opts.get("mask"):
         lengths = torch.randint(n // 2, n + 1, (b,), device="cuda")
-        kwargs["attn_mask"] = (torch.arange(n, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+        mask = (torch.arange(n, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+        # "rows": every row materialized, as transformers' BERT passes it
+        kwargs["attn_mask"] = mask.expand(b, 1, n, n).contiguous() if opts["mask"] == "rows" else mask
     def forward():
         return flashattn_ext.attention_with_lse(q, k, v, **kwargs, **extra)[0]
     def step():
