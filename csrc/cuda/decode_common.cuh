@@ -10,6 +10,7 @@
 
 #include "cuda/launch.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 
 namespace flashattn_ext::cuda::decoding {
 
@@ -103,7 +104,7 @@ struct LaneRows {
       head[half] = (row0 + r) / (group * len_q);
       begin[half] = r >= rows ? 0 : vis.key_begin(row.token);
       end[half] = r >= rows ? 0 : min(vis.key_end(row.token), key_end);
-      alibi_log2[half] = kTerm == ScoreTerm::kAlibi && r < rows ? alibi_slope(p, b, row.head) * float(M_LOG2E) : 0.f;
+      alibi_log2[half] = kTerm == ScoreTerm::kAlibi && r < rows ? alibi_slope_log2(p, b, row.head) : 0.f;
       mask_row[half] = kTerm == ScoreTerm::kMask
                            ? static_cast<const uint8_t*>(params.mask.data) + b * params.mask.stride_batch +
                                  row.head * params.mask.stride_head + row.token * params.mask.stride_row
@@ -136,16 +137,14 @@ __device__ __forceinline__ uint32_t mask_bits(const LaneRows<kTerm>& rows, int64
 }
 
 // How raw scores become log2-unit logits: scale * x, or with softcapping
-// softcap * tanh(scale * x / softcap).
+// softcap * tanh(scale * x / softcap) (score_modifiers.cuh).
 struct ScoreScale {
-  float scale_log2, scale_over_cap, cap_log2;
+  float scale_log2;
+  SoftcapLog2 softcap;
   bool softcapped;
 
   __device__ __forceinline__ explicit ScoreScale(const AttentionProblem& p)
-      : scale_log2(static_cast<float>(p.scale * M_LOG2E)),
-        scale_over_cap(static_cast<float>(p.scale / p.softcap)),
-        cap_log2(static_cast<float>(p.softcap * M_LOG2E)),
-        softcapped(p.softcap > 0.0) {}
+      : scale_log2(score_scale_log2(p)), softcap(p), softcapped(p.softcap > 0.0) {}
 };
 
 // A warp's scores of 16 (key, key/value head) pairs from pair0 of a tile
@@ -160,7 +159,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
                                               int lane, uint32_t visible) {
   if (scale.softcapped) {  // one branch a tile, not one per score
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.cap_log2 * tanhf(s[i / 4][i % 4] * scale.scale_over_cap);
+    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.softcap.cap(s[i / 4][i % 4]);
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i / 4][i % 4] *= scale.scale_log2;

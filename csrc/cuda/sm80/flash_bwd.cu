@@ -21,6 +21,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/mma_tiles.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm80/tile_config.h"
 #include "cuda/tile_order.cuh"
 #include "cuda/views.cuh"
@@ -111,7 +112,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
   const uint32_t q_trans = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t do_rows = ptx::smem_addr(s_do) + b_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t do_trans = ptx::smem_addr(s_do) + a_lane_offset<kStride>(lane) * kElemBytes;
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale_log2 = score_scale_log2(p);
 
   DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
@@ -264,7 +265,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
   const uint32_t k_rows = ptx::smem_addr(s_k) + b_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t k_trans = ptx::smem_addr(s_k) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t v_rows = ptx::smem_addr(s_v) + b_lane_offset<kStride>(lane) * kElemBytes;
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale_log2 = score_scale_log2(p);
 
   DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);

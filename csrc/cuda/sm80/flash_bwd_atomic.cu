@@ -25,6 +25,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/mma_tiles.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm80/tile_config.h"
 #include "cuda/tile_order.cuh"
 #include "cuda/views.cuh"
@@ -103,7 +104,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
   const int dq_col0 = (warp / Cfg::kDqWarpRows) * Cfg::kDqNTiles * 8;
   const uint32_t k_smem = ptx::smem_addr(s_k), v_smem = ptx::smem_addr(s_v), q_smem = ptx::smem_addr(s_q),
                  do_smem = ptx::smem_addr(s_do), pt_smem = ptx::smem_addr(s_pt), dst_smem = ptx::smem_addr(s_dst);
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale_log2 = score_scale_log2(p);
   // dq_accum is (batch, heads_q, padded_len_q, kDqCols): rows and columns past
   // the ends take the zeros that dS (P = 0) and K (zero-filled) give them, so
   // the atomics need no bounds checks.

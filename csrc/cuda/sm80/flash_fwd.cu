@@ -15,6 +15,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/mma_tiles.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm80/tile_config.h"
 #include "cuda/views.cuh"
 #include "cuda/visibility.cuh"
@@ -91,7 +92,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const uint32_t v_frag = ptx::smem_addr(s_v) + a_lane_offset<kStride>(lane) * kElemBytes;
 
   // Scores are kept in log2 units: exp(x * scale) = exp2(x * scale * log2(e)).
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale_log2 = score_scale_log2(p);
   float acc_o[kMTiles][kDimTiles][4] = {};
   float row_max[kMTiles][2], row_sum[kMTiles][2];
   DropoutState dropout{};

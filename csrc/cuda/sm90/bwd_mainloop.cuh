@@ -11,6 +11,7 @@
 #include "cuda/dropout_flags.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/visibility.cuh"
@@ -21,14 +22,10 @@ namespace flashattn_ext::cuda::sm90::backward_kernel {
 // (softcap * tanh(scale * s / softcap), in log2 units), and dS^T times the
 // cap's derivative 1 - tanh^2, its tanh taken back from the float P^T and the
 // lse (log2 P + lse is the capped score): no registers kept for it.
-struct Softcap {
-  float scale_over_cap = 0.f, cap_log2 = 0.f;
-
+struct Softcap : SoftcapLog2 {
   Softcap() = default;
-  __device__ __forceinline__ explicit Softcap(const AttentionProblem& p)
-      : scale_over_cap(static_cast<float>(p.scale / p.softcap)), cap_log2(static_cast<float>(p.softcap * M_LOG2E)) {}
+  __device__ __forceinline__ explicit Softcap(const AttentionProblem& p) : SoftcapLog2(p) {}
 
-  __device__ __forceinline__ float cap(float s) const { return cap_log2 * ptx::tanh_approx(s * scale_over_cap); }
   // (0 where P is: the pair is hidden or its weight underflowed, and its dS is 0.)
   __device__ __forceinline__ float derivative(float p, float lse_log2) const {
     const float t = (ptx::log2_approx(p) + lse_log2) / cap_log2;
@@ -55,7 +52,7 @@ __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], con
   // i + offset - j at the tile's (key 0, query 0): 32 bits, as the tile coordinates.
   const int corner = kAlibi ? static_cast<int>(row0 + seen.offset - col0) : 0;
   auto log2_score = [&](float s, int key, int query) {
-    if constexpr (kSoftcap) return softcap.cap(s);
+    if constexpr (kSoftcap) return softcap.cap_approx(s);
     if constexpr (kAlibi) return fmaf(s, score_scale, -alibi_log2 * fabsf(static_cast<float>(corner + query - key)));
     return s * score_scale;
   };

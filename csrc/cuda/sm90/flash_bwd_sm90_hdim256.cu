@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const SplitBwdDescriptors<Cfg> desc(s_k, s_v, s_q, s_dout, s_ds, consumer);
 
-  const float scale_log2 = static_cast<float>(p.scale * M_LOG2E);
+  const float scale_log2 = score_scale_log2(p);
   const Softcap softcap = kSoftcap ? Softcap(p) : Softcap();
 
   float dk[kGradRegs], dv[kGradRegs];
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const uint32_t parity = (tile / kStages) & 1;
     const uint32_t stage_offset = stage * Cfg::kQBytes;
     const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
-    const float alibi_log2 = kAlibi ? alibi_slope(p, block.b, head) * float(M_LOG2E) : 0.f;
+    const float alibi_log2 = kAlibi ? alibi_slope_log2(p, block.b, head) : 0.f;
     // Dropout's decisions for the tile (the same in both consumers).
     TileDropout<kBlockM> dropout;
     if constexpr (kDropout) dropout.draw(bars->dropout, p, block.b * p.heads_q + head, row0, col0 + key_row, lane);

@@ -253,7 +253,7 @@ struct BwdConsumer {
         q_rows_desc(n_major_desc(ptx::smem_addr(shared.q), Cfg::kQColBlockBytes)),
         dout_rows_desc(n_major_desc(ptx::smem_addr(shared.dout), Cfg::kQColBlockBytes)),
         scale(static_cast<float>(p.scale)),
-        scale_log2(static_cast<float>(p.scale * M_LOG2E)),
+        scale_log2(score_scale_log2(p)),
         softcap(kSoftcap ? Softcap(p) : Softcap()) {}
 
   // The next tile's query block (m_begin + m_index) and query head, where the
@@ -386,7 +386,7 @@ struct BwdConsumer {
       row0 = (block.m_begin + count.m_index) * kBlockM;
     }
     const int64_t bh = block.b * p.heads_q + count.head;
-    const float alibi_log2 = kAlibi ? alibi_slope(p, block.b, count.head) * float(M_LOG2E) : 0.f;
+    const float alibi_log2 = kAlibi ? alibi_slope_log2(p, block.b, count.head) : 0.f;
     if (!Cfg::Mask::kPresent && ++count.m_index == block.m_count) {
       count.m_index = 0;
       ++count.head;

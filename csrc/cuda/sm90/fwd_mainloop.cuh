@@ -14,6 +14,7 @@
 
 #include "cuda/dropout_flags.cuh"
 #include "cuda/ptx.cuh"
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/fwd_score_modifiers.cuh"
@@ -187,7 +188,7 @@ struct FwdMainloop {
     const Visibility seen(p, len_q, len_k);
     const FwdTileModifiers<Cfg, kWindow, kAlibi> tile_modifiers{
         p,    seen, row0, len_k, tile_row, lane, modifiers.scale_log2,
-        kAlibi ? alibi_slope(p, t.batch, t.head) * float(M_LOG2E) : 0.f};
+        kAlibi ? alibi_slope_log2(p, t.batch, t.head) : 0.f};
     const int first_block = kWindow ? t.first_block : 0, n_blocks = t.n_blocks;
 
     // Frees the K of the tile's index-th key tile; its last Q K^T is its last

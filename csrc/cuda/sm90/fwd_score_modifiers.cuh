@@ -15,6 +15,7 @@
 
 #include <cmath>
 
+#include "cuda/score_modifiers.cuh"
 #include "cuda/sm90/accumulators.cuh"
 #include "cuda/sm90/fwd_shared.cuh"
 #include "cuda/sm90/tile_config.h"
@@ -25,13 +26,9 @@ namespace forward_kernel {
 template <typename Elem, typename Cfg, MaskKind kMask, bool kSoftcap>
 struct FwdScoreModifiers {
   const float scale, scale_log2;
-  // Softcapping: the scores become softcap * tanh(scale * s / softcap), in log2
-  // units, as they come in; the softmax then takes them as they are. tanh.approx
-  // (FlashAttention's choice): a logit of 10 moves by up to 0.005, one of 50 by
-  // 0.025, against probabilities rounded to 16 bits anyway; tanhf ran the
-  // forward at 0.47x the speed of no softcap, tanh.approx at 0.72x (H200, bf16,
-  // D=128, N=8192). (The decode kernel, bound by memory, keeps tanhf.)
-  const float scale_over_cap, cap_log2;
+  // Softcapping: the scores capped as they come in (SoftcapLog2::cap_approx);
+  // the softmax then takes them as they are.
+  const SoftcapLog2 softcap;
   // attn_mask: this thread's values in a stage's mask tile are those of its
   // two rows (r and r + 8; in a one-row tile, both row 0) at its columns 8 j
   // + 2 (lane % 4) and the next (as its score registers 4 j + 2 half and the
@@ -44,9 +41,8 @@ struct FwdScoreModifiers {
   __device__ __forceinline__ FwdScoreModifiers(const FwdKernelParams& kp, const unsigned char* s_mask, int tile_row,
                                                int lane)
       : scale(static_cast<float>(kp.call.problem.scale)),
-        scale_log2(static_cast<float>(kp.call.problem.scale * M_LOG2E)),
-        scale_over_cap(kSoftcap ? static_cast<float>(kp.call.problem.scale / kp.call.problem.softcap) : 0.f),
-        cap_log2(static_cast<float>(kp.call.problem.softcap * M_LOG2E)),
+        scale_log2(score_scale_log2(kp.call.problem)),
+        softcap(kSoftcap ? SoftcapLog2(kp.call.problem) : SoftcapLog2()),
         mask(kp.mask),
         mask_thread(s_mask + (kp.mask.rows_full ? tile_row * kSwizzleRowBytes : 0) +
                     (lane % 4) * 2 * Cfg::Mask::kElemBytes),
@@ -62,7 +58,7 @@ struct FwdScoreModifiers {
   __device__ __forceinline__ void cap(float (&s)[kRegs]) const {
     if constexpr (kSoftcap) {
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) s[i] = cap_log2 * ptx::tanh_approx(s[i] * scale_over_cap);
+      for (int i = 0; i < kRegs; ++i) s[i] = softcap.cap_approx(s[i]);
     }
   }
 
