@@ -499,12 +499,8 @@ void attention_backward(const BwdParams& params) {
   }
 }
 
-#define FLASHATTN_EXT_INSTANTIATE(T) \
-  template void attention_backward<T>(const BwdParams&);
-FLASHATTN_EXT_INSTANTIATE(double)
-FLASHATTN_EXT_INSTANTIATE(float)
-FLASHATTN_EXT_INSTANTIATE(c10::Half)
-FLASHATTN_EXT_INSTANTIATE(c10::BFloat16)
+#define FLASHATTN_EXT_INSTANTIATE(T) template void attention_backward<T>(const BwdParams&);
+FLASHATTN_EXT_CPU_FOR_EACH_TYPE(FLASHATTN_EXT_INSTANTIATE)
 #undef FLASHATTN_EXT_INSTANTIATE
 
 }  // namespace flashattn_ext::cpu

@@ -127,12 +127,8 @@ void dropout_mask(const DropoutMaskShape& shape, const DropoutParams& dropout, b
   });
 }
 
-#define FLASHATTN_EXT_INSTANTIATE(T) \
-  template void decode_attention<T>(const DecodeParams&);
-FLASHATTN_EXT_INSTANTIATE(double)
-FLASHATTN_EXT_INSTANTIATE(float)
-FLASHATTN_EXT_INSTANTIATE(c10::Half)
-FLASHATTN_EXT_INSTANTIATE(c10::BFloat16)
+#define FLASHATTN_EXT_INSTANTIATE(T) template void decode_attention<T>(const DecodeParams&);
+FLASHATTN_EXT_CPU_FOR_EACH_TYPE(FLASHATTN_EXT_INSTANTIATE)
 #undef FLASHATTN_EXT_INSTANTIATE
 
 }  // namespace flashattn_ext::cpu

@@ -4,6 +4,10 @@
 
 #include "flash_params.h"
 
+// X(T) for each element type the kernels are built for: their instantiations
+// (forward.cpp, backward.cpp, decode.cpp) take the list from here.
+#define FLASHATTN_EXT_CPU_FOR_EACH_TYPE(X) X(double) X(float) X(c10::Half) X(c10::BFloat16)
+
 namespace flashattn_ext::cpu {
 
 template <typename T>

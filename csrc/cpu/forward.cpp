@@ -27,12 +27,8 @@ void attention_forward(const FwdParams& params) {
   forward_tiles<T>(params, lse);
 }
 
-#define FLASHATTN_EXT_INSTANTIATE(T) \
-  template void attention_forward<T>(const FwdParams&);
-FLASHATTN_EXT_INSTANTIATE(double)
-FLASHATTN_EXT_INSTANTIATE(float)
-FLASHATTN_EXT_INSTANTIATE(c10::Half)
-FLASHATTN_EXT_INSTANTIATE(c10::BFloat16)
+#define FLASHATTN_EXT_INSTANTIATE(T) template void attention_forward<T>(const FwdParams&);
+FLASHATTN_EXT_CPU_FOR_EACH_TYPE(FLASHATTN_EXT_INSTANTIATE)
 #undef FLASHATTN_EXT_INSTANTIATE
 
 }  // namespace flashattn_ext::cpu

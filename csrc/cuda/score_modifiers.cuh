@@ -21,7 +21,8 @@ __device__ __forceinline__ float score_scale_log2(const AttentionProblem& p) {
 
 // Logit softcapping: raw scores x become softcap * tanh(scale * x / softcap)
 // (times log2(e)); the backward multiplies dS by the cap's derivative
-// 1 - tanh^2. Built only where p.softcap > 0.
+// 1 - tanh^2. Meaningful only where p.softcap > 0 (without softcapping its
+// values are infinite, and the kernels do not use them).
 struct SoftcapLog2 {
   float scale_over_cap = 0.f, cap_log2 = 0.f;
 
