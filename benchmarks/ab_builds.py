@@ -34,10 +34,12 @@ SHAPES = [
     ("d128 n8k window (1024, 0)", 2, 16, 16, 8192, 128, False, {"window": (1024, 0)}),
     ("d128 n4k softcap 30", 4, 16, 16, 4096, 128, True, {"softcap": 30.0}),
     ("d128 n4k dropout 0.1", 4, 16, 16, 4096, 128, True, {"dropout_p": 0.1}),
+    ("d128 n4k alibi causal", 4, 16, 16, 4096, 128, True, {"alibi": True}),
+    ("d64 n4k sm80 key-padding mask", 4, 32, 32, 4096, 64, False, {"mask": True, "kernels": "sm80"}),
 ]
 
 CHILD = r"""
-import json, statistics, sys
+import json, os, statistics, sys
 import torch
 import flashattn_ext
 shapes, calls = json.loads(sys.argv[1]), int(sys.argv[2])
@@ -58,6 +60,10 @@ for name, b, hq, hkv, n, d, causal, opts in shapes:
     extra = {}
     if "window" in opts: extra["window"] = tuple(opts["window"])
     if "softcap" in opts: extra["softcap"] = opts["softcap"]
+    if "alibi" in opts: extra["alibi_slopes"] = torch.rand(hq, device="cuda")
+    # "kernels": FLASHATTN_EXT_KERNELS for this shape (read at each call), e.g. sm80 on a Hopper GPU
+    os.environ.pop("FLASHATTN_EXT_KERNELS", None)
+    if "kernels" in opts: os.environ["FLASHATTN_EXT_KERNELS"] = opts["kernels"]
     if opts.get("mask"):
         lengths = torch.randint(n // 2, n + 1, (b,), device="cuda")
         mask = (torch.arange(n, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]

@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 
+#include "score_modifiers.h"
+
 namespace flashattn_ext {
 namespace {
 
@@ -45,14 +47,14 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
                         const AttentionProblem& p, int64_t r0, int64_t rows, at::Tensor* softcap_grad = nullptr) {
   at::Tensor s = ungrouped(at::matmul(q_rows, k_acc.transpose(-2, -1)).mul_(p.scale), p, rows);
   if (p.softcap > 0.0) {
-    const at::Tensor t = at::tanh(s / p.softcap);  // out of place: double backward differentiates through it
-    if (softcap_grad != nullptr) *softcap_grad = 1 - t * t;
-    s = t * p.softcap;
+    const Softcap<double> softcap(p, 1.0, kNaturalUnits);  // (s comes scaled)
+    const at::Tensor t = at::tanh(softcap.tanh_argument(s));  // out of place: double backward differentiates through it
+    if (softcap_grad != nullptr) *softcap_grad = Softcap<double>::derivative(t);
+    s = softcap.from_tanh(t);
   }
-  // Query row r0 + r and key j, and the diagonal's offset (causal, window, ALiBi).
-  const int64_t right = p.is_causal ? 0 : p.window_right;
-  const bool windowed = right >= 0 || p.window_left >= 0;
-  const int64_t offset = p.causal_lower_right ? p.len_k - p.len_q : 0;
+  // Query row r0 + r and key j (causal, window, ALiBi), Visibility's tests in tensor form.
+  const Visibility vis(p);
+  const bool windowed = vis.right >= 0 || vis.left >= 0;
   at::Tensor query, key;
   if (windowed || p.alibi_slopes != nullptr) {
     query = at::arange(r0, r0 + rows, s.options().dtype(at::kLong)).unsqueeze(1);
@@ -63,7 +65,8 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
     const at::Tensor slopes = at::from_blob(const_cast<float*>(p.alibi_slopes), {p.batch, p.heads_q, 1, 1},
                                             {p.alibi_stride_batch, p.alibi_stride_head, 1, 1},
                                             s.options().dtype(at::kFloat));
-    s.sub_(slopes.to(s.scalar_type()) * (query + offset - key).abs().to(s.scalar_type()));
+    const at::Tensor distance = (query + vis.offset - key).abs().to(s.scalar_type());
+    s.add_(alibi_bias(slopes.to(s.scalar_type()), distance));
   }
   if (attn_mask.has_value()) {
     const at::Tensor mask = attn_mask->narrow(2, r0, rows);
@@ -73,11 +76,8 @@ at::Tensor chunk_scores(const at::Tensor& q_rows, const at::Tensor& k_acc, const
       s.add_(mask);
     }
   }
-  // Causal: query i sees key j iff j <= i + offset; the window bounds j on both sides around i + offset.
-  if (windowed) {
-    if (right >= 0) s.masked_fill_(key > query + offset + right, -kInf);
-    if (p.window_left >= 0) s.masked_fill_(key < query + offset - p.window_left, -kInf);
-  }
+  if (vis.right >= 0) s.masked_fill_(key > query + vis.offset + vis.right, -kInf);
+  if (vis.left >= 0) s.masked_fill_(key < query + vis.offset - vis.left, -kInf);
   return s;
 }
 

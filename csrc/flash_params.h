@@ -206,6 +206,10 @@ struct Visibility {
   FLASHATTN_EXT_HOST_DEVICE int64_t key_end(int64_t last_row) const {
     return right < 0 ? len_k : clamp_index(last_row + offset + right + 1, 0, len_k);
   }
+  // key_end of the rows [row0, row0 + rows) that lie before len_q.
+  FLASHATTN_EXT_HOST_DEVICE int64_t key_end_of_rows(int64_t row0, int64_t rows) const {
+    return key_end((row0 + rows < len_q ? row0 + rows : len_q) - 1);
+  }
   // The queries that see some key of [first_key, last_key] lie in [query_begin, query_end).
   FLASHATTN_EXT_HOST_DEVICE int64_t query_begin(int64_t first_key) const {
     return right < 0 ? 0 : clamp_index(first_key - offset - right, 0, len_q);
@@ -224,11 +228,6 @@ struct Visibility {
            (left >= 0 && col0 < row0 + rows - 1 + offset - left);
   }
 };
-
-// ALiBi's slope of (batch b, query head h); 0 without ALiBi.
-FLASHATTN_EXT_HOST_DEVICE float alibi_slope(const AttentionProblem& p, int64_t b, int64_t h) {
-  return p.alibi_slopes == nullptr ? 0.f : p.alibi_slopes[b * p.alibi_stride_batch + h * p.alibi_stride_head];
-}
 
 // A decoding step: a few query tokens of each sequence against its key/value
 // cache. q and out are as in FwdParams, lse (batch, heads_q, len_q) likewise.

@@ -37,7 +37,7 @@ namespace {
 // v_t hold the tile's keys and values as columns, rows ld_kv apart.
 // Rows with lse = -inf see no key. With softcapping, softcap_grad receives the
 // cap's derivative, for the caller to carry dS through it (see
-// raw_score_gradient). (b, h): the head, for ALiBi's slope. With
+// raw_score_gradient); terms: the head's score modifiers. With
 // same_as_forward (the forward's products, holding the head's keys and these
 // rows' queries), S comes from the products the forward's came from, to the
 // same bits: P = exp(S - lse) is then as exact as with the float products (1
@@ -46,20 +46,18 @@ namespace {
 // from them: dO and V are in T already, so in T the product loses nothing.
 template <typename T, typename A, typename G>
 void recompute_probabilities(const G* q, const G* k_t, const G* v_t, int64_t ld_kv, const G* dout, const A* lse,
-                             int64_t rows, int64_t cols, const AttentionProblem& p, int64_t b, int64_t h,
-                             const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+                             int64_t rows, int64_t cols, const AttentionProblem& p, const Visibility& vis,
+                             const HeadScoreTerms<T, A>& terms, int64_t row0, int64_t col0,
                              DualTile<A, G>& prob_tile, DualTile<A, G>& dscore_tile, A* softcap_grad,
                              ReducedProducts<T>* same_as_forward, ReducedProducts<T>* dout_values) {
-  const A softcap = static_cast<A>(p.softcap), slope = static_cast<A>(alibi_slope(p, b, h));
   if constexpr (kIs16Bit<T>) {
     if (same_as_forward != nullptr) {
       same_as_forward->scores(rows, cols, col0 / kBlockK, prob_tile);
-      adjust_scores(prob_tile.acc(), rows, cols, softcap, slope, vis, mask, row0, col0, softcap_grad);
+      adjust_scores(prob_tile.acc(), rows, cols, terms, vis, row0, col0, softcap_grad);
     }
   }
   if (same_as_forward == nullptr) {
-    compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, softcap, slope, vis, mask, row0, col0, prob_tile,
-                   softcap_grad);
+    compute_scores(q, k_t, ld_kv, rows, cols, p.head_dim, terms, vis, row0, col0, prob_tile, softcap_grad);
   }
   if constexpr (kIs16Bit<T>) {
     if (dout_values != nullptr) dout_values->raw_scores(rows, cols, col0 / kBlockK, dscore_tile);
@@ -299,7 +297,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
       std::fill(dv_t.begin(), dv_t.end(), A(0));
       for (int64_t item = split; item < items; item += splits) {
         const int64_t h = h_kv * group + item / q_blocks, q_block = item % q_blocks;
-        const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+        const HeadScoreTerms<T, A> terms(p, params.mask_kind, params.mask, b, h);
         const HeadDropout<A> dropout(params.dropout, p, b, h);
         const int64_t row0 = q_block * block_q;
         const int64_t rows = std::min(block_q, p.len_q - row0);
@@ -322,7 +320,7 @@ void backward_tiles(const BwdParams& params, const A* lse_all, bool renormalize 
         // P and dP of one tile pair, recomputed into prob_tile and dscore_tile.
         auto recompute = [&](int64_t col0, int64_t cols) {
           recompute_probabilities(q.data(), keys.k_t + col0 * dim, keys.v_t + col0 * dim_v, kBlockK, dout.data(),
-                                  lse, rows, cols, p, b, h, vis, mask, row0, col0, prob_tile, dscore_tile,
+                                  lse, rows, cols, p, vis, terms, row0, col0, prob_tile, dscore_tile,
                                   softcap_grad.data(), same_as_forward ? &*same_as_forward : nullptr,
                                   dout_values ? &*dout_values : nullptr);
         };

@@ -16,6 +16,7 @@
 #include "cpu/score_terms.h"
 #include "cpu/tiles.h"
 #include "cpu/vector_math.h"
+#include "score_modifiers.h"
 
 namespace flashattn_ext::cpu {
 
@@ -65,7 +66,10 @@ void decode_attention(const DecodeParams& params) {
   if (params.len_new > 0) append_to_cache<T>(params);
   if (p.heads_kv == 0) return;  // then no query heads either
   const int64_t group = p.heads_q / p.heads_kv, dim = p.head_dim, dim_v = p.head_dim_v;
-  const A scale = static_cast<A>(p.scale), softcap = static_cast<A>(p.softcap);
+  const A scale = static_cast<A>(p.scale);
+  const bool softcapped = p.softcap > 0.0;
+  const Softcap<A> softcap = softcapped ? Softcap<A>(p, p.scale, kNaturalUnits) : Softcap<A>();
+  auto tanh = [](A x) { return std::tanh(x); };
   auto* lse = static_cast<Lse<T>*>(params.lse);
   // One task per query row, over every key it sees: the scores of a row (up to
   // the capacity) in a buffer, then softmax and P V in two passes.
@@ -77,7 +81,7 @@ void decode_attention(const DecodeParams& params) {
       // bottom-right (p.causal_lower_right): keys [key_begin, key_end).
       const Visibility vis(p, p.len_q, params.cache_seqlens.at(0, b) + params.len_new);
       const int64_t key_begin = vis.key_begin(i), key_end = std::max(vis.key_end(i), key_begin);
-      const A slope = static_cast<A>(alibi_slope(p, b, h));
+      const A slope = alibi_slope(p, b, h, A(kNaturalUnits));
       load_tile<T>(params.q, b, h, i, 1, dim, q.data());
       scores.resize(key_end - key_begin);
       A row_max = kNegInf<A>;
@@ -86,9 +90,8 @@ void decode_attention(const DecodeParams& params) {
         A dot = 0;
         for (int64_t c = 0; c < dim; ++c) dot += q[c] * static_cast<A>(k[c * params.k_cache.stride_col]);
         A& score = scores[j - key_begin];
-        score = dot * scale;
-        if (softcap > A(0)) score = softcap * std::tanh(score / softcap);
-        score -= slope * static_cast<A>(vis.distance(i, j));
+        score = (softcapped ? softcap.apply(dot, tanh) : dot * scale) +
+                alibi_bias(slope, static_cast<A>(vis.distance(i, j)));
         row_max = std::max(row_max, score);
       }
       std::fill(acc.begin(), acc.end(), A(0));

@@ -43,7 +43,6 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
   const int64_t block_q = query_block_rows(p, Products::kMaxRows);
   const int64_t q_blocks = ceil_div(p.len_q, block_q);
   const Visibility vis(p);
-  const A softcap = static_cast<A>(p.softcap);
 
   // A thread keeps the keys and values of the head its last task read, each
   // tile loaded once for all the head's query blocks (a thread's tasks are
@@ -105,9 +104,8 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
       const int64_t row0 = q_block * block_q;
       const int64_t rows = std::min(block_q, p.len_q - row0);
 
-      const HeadMask<T, A> mask(params.mask_kind, params.mask, b, h);
+      const HeadScoreTerms<T, A> terms(p, params.mask_kind, params.mask, b, h);
       const HeadDropout<A> dropout(params.dropout, p, b, h);
-      const A slope = static_cast<A>(alibi_slope(p, b, h));
       products.load_queries(params.q, b, h, row0, rows);
       std::fill(acc.begin(), acc.end(), A(0));
       std::fill(row_max.begin(), row_max.end(), kNegInf<A>);
@@ -127,10 +125,10 @@ void forward_tiles(const FwdParams& params, L* lse_all) {
         // The scores scaled and adjusted, then each row's max; where adjust_scores
         // leaves the tile as it is (most tiles), scaled in the max's sweep.
         const A raw_scale = static_cast<A>(products.raw_scale());
-        const bool adjusting = adjusts_scores(softcap, slope, vis, mask, row0, rows, col0, cols);
+        const bool adjusting = adjusts_scores(terms, vis, row0, rows, col0, cols);
         if (adjusting) {
           if (raw_scale != A(1)) scale_in_place(scores, rows * cols, raw_scale);
-          adjust_scores(scores, rows, cols, softcap, slope, vis, mask, row0, col0);
+          adjust_scores(scores, rows, cols, terms, vis, row0, col0);
         }
 
         // Online softmax: fold this tile into the running max, sum and output.

@@ -1,8 +1,9 @@
 // The terms that turn a tile's products into its scores, and the scores into
-// what the softmax takes: logit softcapping (apply_softcap), an attn_mask
-// (HeadMask), ALiBi, the causal mask and the window (adjust_scores), dropout's
-// factors (HeadDropout, which dropout_mask draws too), and compute_scores, a
-// tile's scores from its queries and keys with all of these applied.
+// what the softmax takes: the score modifiers of a head (HeadScoreTerms, from
+// score_modifiers.h), applied with the causal mask and the window
+// (adjust_scores); dropout's factors (HeadDropout, which dropout_mask draws
+// too); and compute_scores, a tile's scores from its queries and keys with all
+// of these applied.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -13,47 +14,36 @@
 #include "cpu/tiles.h"
 #include "dropout.h"
 #include "flash_params.h"
+#include "score_modifiers.h"
 
 namespace flashattn_ext::cpu {
 namespace detail FLASHATTN_EXT_CPU_HIDDEN {
 
-// Logit softcapping of n scaled scores: s = softcap * tanh(s / softcap); with
-// grad, also d(capped)/d(scaled) = 1 - tanh^2 there, for the backward.
-template <typename A>
-void apply_softcap(A* scores, int64_t n, A softcap, A* grad) {
-  for (int64_t i = 0; i < n; ++i) scores[i] /= softcap;
-  at::Tensor t = tile_tensor(scores, n);
-  at::tanh_(t);
-  for (int64_t i = 0; i < n; ++i) {
-    if (grad != nullptr) grad[i] = A(1) - scores[i] * scores[i];
-    scores[i] *= softcap;
-  }
-}
-
-// The attn_mask of one (batch, head): applied to the scaled score of query i and key j.
+// The score modifiers (score_modifiers.h) of one (batch b, query head h), in
+// natural units, on scores that come scaled (the queries are: see
+// load_scaled_queries and Products::raw_scale).
 template <typename T, typename A>
-struct HeadMask {
-  MaskKind kind = MaskKind::kNone;
-  const char* base = nullptr;
-  int64_t stride_row = 0, stride_col = 0;
+struct HeadScoreTerms {
+  bool softcapped;
+  Softcap<A> softcap;
+  A alibi_slope;  // 0: no ALiBi
+  HeadMask<T, A> mask;
 
-  HeadMask(MaskKind kind_, const TensorView4d& mask, int64_t b, int64_t h) : kind(kind_) {
-    if (kind == MaskKind::kNone) return;
-    const int64_t elem_size = kind == MaskKind::kBool ? sizeof(bool) : sizeof(T);
-    base = static_cast<const char*>(mask.data) + (b * mask.stride_batch + h * mask.stride_head) * elem_size;
-    stride_row = mask.stride_row;
-    stride_col = mask.stride_col;
-  }
+  HeadScoreTerms(const AttentionProblem& p, MaskKind mask_kind, const TensorView4d& mask_view, int64_t b, int64_t h)
+      : softcapped(p.softcap > 0.0),
+        softcap(softcapped ? Softcap<A>(p, 1.0, kNaturalUnits) : Softcap<A>()),
+        alibi_slope(flashattn_ext::alibi_slope(p, b, h, A(kNaturalUnits))),
+        mask(mask_kind, mask_view, b, h, kNaturalUnits) {}
 
-  A apply(A score, int64_t i, int64_t j) const {
-    const int64_t offset = i * stride_row + j * stride_col;
-    switch (kind) {
-      case MaskKind::kBool:
-        return reinterpret_cast<const bool*>(base)[offset] ? score : kNegInf<A>;
-      case MaskKind::kAdditive:
-        return score + static_cast<A>(reinterpret_cast<const T*>(base)[offset]);
-      default:
-        return score;
+  // Softcaps n scores, the tanh of all at once (vectorized); with grad, also
+  // the cap's derivative there, for the backward.
+  void apply_softcap(A* scores, int64_t n, A* grad) const {
+    for (int64_t i = 0; i < n; ++i) scores[i] = softcap.tanh_argument(scores[i]);
+    at::Tensor tile = tile_tensor(scores, n);
+    at::tanh_(tile);
+    for (int64_t i = 0; i < n; ++i) {
+      if (grad != nullptr) grad[i] = Softcap<A>::derivative(scores[i]);
+      scores[i] = softcap.from_tanh(scores[i]);
     }
   }
 };
@@ -155,17 +145,18 @@ struct HeadDropout {
   }
 };
 
-// The scaled scores of queries row0 on and keys col0 on (rows x cols, dense),
-// softcapped (softcap > 0; its derivative into softcap_grad where given), less
-// ALiBi's alibi_slope times the distance from the diagonal (slope 0: none),
-// with the mask applied, or -inf where query row0 + r may not see key col0 + c.
+// The scores of queries row0 on and keys col0 on (rows x cols, dense) with
+// the head's score terms applied (softcapped, with its derivative into
+// softcap_grad where given; less ALiBi's bias; masked), and -inf where query
+// row0 + r may not see key col0 + c.
 template <typename T, typename A>
-void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slope, const Visibility& vis,
-                   const HeadMask<T, A>& mask, int64_t row0, int64_t col0, A* softcap_grad = nullptr) {
-  if (softcap > A(0)) apply_softcap(scores, rows * cols, softcap, softcap_grad);
+void adjust_scores(A* scores, int64_t rows, int64_t cols, const HeadScoreTerms<T, A>& terms, const Visibility& vis,
+                   int64_t row0, int64_t col0, A* softcap_grad = nullptr) {
+  if (terms.softcapped) terms.apply_softcap(scores, rows * cols, softcap_grad);
   const bool partial = vis.tile_is_partial(row0, rows, col0, cols);
-  if (!partial && mask.kind == MaskKind::kNone && alibi_slope == A(0)) return;  // the common tile
-  if (mask.kind == MaskKind::kNone && alibi_slope == A(0)) {
+  const bool per_pair = terms.mask.present() || terms.alibi_slope != A(0);
+  if (!partial && !per_pair) return;  // the common tile
+  if (!per_pair) {
     // Causal or windowed: each row sees one range of keys, the rest is hidden.
     for (int64_t r = 0; r < rows; ++r) {
       A* row = scores + r * cols;
@@ -180,17 +171,21 @@ void adjust_scores(A* scores, int64_t rows, int64_t cols, A softcap, A alibi_slo
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = row0 + r, j = col0 + c;
       A& score = scores[r * cols + c];
-      const A biased = score - alibi_slope * static_cast<A>(vis.distance(i, j));
-      score = partial && !vis.visible(i, j) ? kNegInf<A> : mask.apply(biased, i, j);
+      const A biased = score + alibi_bias(terms.alibi_slope, static_cast<A>(vis.distance(i, j)));
+      if (partial && !vis.visible(i, j)) {
+        score = kNegInf<A>;
+      } else {
+        score = terms.mask.present() ? terms.mask.apply(biased, i, j) : biased;
+      }
     }
   }
 }
 
 // Whether adjust_scores changes any score of the tile (most tiles it leaves as they are).
 template <typename T, typename A>
-bool adjusts_scores(A softcap, A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0,
-                    int64_t rows, int64_t col0, int64_t cols) {
-  return softcap > A(0) || alibi_slope != A(0) || mask.kind != MaskKind::kNone ||
+bool adjusts_scores(const HeadScoreTerms<T, A>& terms, const Visibility& vis, int64_t row0, int64_t rows,
+                    int64_t col0, int64_t cols) {
+  return terms.softcapped || terms.alibi_slope != A(0) || terms.mask.present() ||
          vis.tile_is_partial(row0, rows, col0, cols);
 }
 
@@ -198,12 +193,11 @@ bool adjusts_scores(A softcap, A alibi_slope, const Visibility& vis, const HeadM
 // load_scaled_queries; k transposed: key c is column c of k_t, whose rows lie
 // ld_k apart), adjusted (see adjust_scores).
 template <typename T, typename A, typename G>
-void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim, A softcap,
-                    A alibi_slope, const Visibility& vis, const HeadMask<T, A>& mask, int64_t row0, int64_t col0,
+void compute_scores(const G* q, const G* k_t, int64_t ld_k, int64_t rows, int64_t cols, int64_t dim,
+                    const HeadScoreTerms<T, A>& terms, const Visibility& vis, int64_t row0, int64_t col0,
                     DualTile<A, G>& score_tile, A* softcap_grad = nullptr) {
   matmul(rows, cols, dim, q, dim, k_t, ld_k, score_tile.gemm(), cols);
-  adjust_scores(score_tile.from_gemm(rows * cols), rows, cols, softcap, alibi_slope, vis, mask, row0, col0,
-                softcap_grad);
+  adjust_scores(score_tile.from_gemm(rows * cols), rows, cols, terms, vis, row0, col0, softcap_grad);
 }
 
 }  // namespace detail

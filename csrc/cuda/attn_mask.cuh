@@ -1,5 +1,6 @@
 // The attn_mask in the kernels: a tile's visibility from the mask's block map,
-// one head's mask read element by element, and the additive mask's gradient.
+// and the additive mask's gradient (its element test: HeadMaskLog2,
+// score_modifiers.cuh).
 // Included by the forwards and backwards of both families.
 #pragma once
 
@@ -30,30 +31,6 @@ __device__ __forceinline__ BlockVisibility tile_visibility(const MaskBlockMap& m
   }
   return static_cast<BlockVisibility>(first);
 }
-
-// The attn_mask of one (batch, query head), read in place through its strides
-// (0 where it broadcasts), one element at a time: rare enough a path that the
-// reads need no layout of their own.
-template <typename Elem>
-struct HeadMask {
-  MaskKind kind;
-  const char* base;
-  int64_t stride_row, stride_col;
-
-  __device__ __forceinline__ HeadMask(MaskKind kind_, const TensorView4d& mask, int64_t b, int64_t h)
-      : kind(kind_), stride_row(mask.stride_row), stride_col(mask.stride_col) {
-    const int64_t elem_size = kind == MaskKind::kBool ? sizeof(bool) : sizeof(Elem);
-    base = static_cast<const char*>(mask.data) + (b * mask.stride_batch + h * mask.stride_head) * elem_size;
-  }
-
-  // A score of query row i and key j in log2 units, with the mask applied: -inf
-  // where a bool mask is false; plus the additive mask, times log2(e).
-  __device__ __forceinline__ float apply(float score, int64_t i, int64_t j) const {
-    const int64_t offset = i * stride_row + j * stride_col;
-    if (kind == MaskKind::kBool) return reinterpret_cast<const bool*>(base)[offset] ? score : -INFINITY;
-    return score + ptx::to_float(reinterpret_cast<const Elem*>(base)[offset]) * float(M_LOG2E);
-  }
-};
 
 // Writes the gradient of an additive mask for query row i and key j (dS there).
 template <typename Elem>

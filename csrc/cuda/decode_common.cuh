@@ -159,7 +159,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
                                               int lane, uint32_t visible) {
   if (scale.softcapped) {  // one branch a tile, not one per score
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.softcap.cap(s[i / 4][i % 4]);
+    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.softcap.capped(s[i / 4][i % 4]);
   } else {
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i / 4][i % 4] *= scale.scale_log2;
@@ -174,7 +174,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
           !(visible >> (nt * 4 + e) & 1)) {
         s[nt][e] = -INFINITY;
       } else if constexpr (kTerm == ScoreTerm::kAlibi) {
-        s[nt][e] -= rows.alibi_log2[e / 2] * static_cast<float>(vis.distance(rows.token[e / 2], j));
+        s[nt][e] += alibi_bias(rows.alibi_log2[e / 2], static_cast<float>(vis.distance(rows.token[e / 2], j)));
       }
     }
   }

@@ -1,6 +1,6 @@
-// Which keys a query row sees: the causal offset and the bounds it gives a
-// tile, and the rows that see one key or none (exact zeros in dS, the
-// kOneKeyRowDelta mark, lse_log2's +inf). Included by the forwards and
+// The rows that see one key or none (exact zeros in dS, the kOneKeyRowDelta
+// mark, lse_log2's +inf); which keys a query row sees is flash_params.h's
+// Visibility. Included by the forwards and
 // backwards of both families and by mask_blocks.cu (the mark).
 #pragma once
 
@@ -10,20 +10,6 @@
 #include "flash_params.h"
 
 namespace flashattn_ext::cuda {
-
-// Causal visibility: query i sees key j iff j <= i + offset (offset 0 for
-// top-left alignment, len_k - len_q for bottom-right).
-__device__ __forceinline__ int64_t causal_offset(const AttentionProblem& p) {
-  return p.causal_lower_right ? p.len_k - p.len_q : 0;
-}
-
-// Keys [0, key_end) that some query row of [row0, row0 + rows) sees; offset
-// from causal_offset.
-__device__ __forceinline__ int64_t visible_key_end(const AttentionProblem& p, int64_t offset, int64_t row0,
-                                                   int64_t rows) {
-  const int64_t last_row = min(row0 + rows, p.len_q) - 1;
-  return p.is_causal ? max(int64_t(0), min(p.len_k, last_row + offset + 1)) : p.len_k;
-}
 
 // Query rows that see key 0 and no other (a causal row whose diagonal passes
 // through key 0, or any row when there is one key) have probability 1 there,
@@ -65,12 +51,6 @@ __device__ __forceinline__ bool marks_one_key_row(float delta) { return __float_
 template <bool kMasked>
 __device__ __forceinline__ float score_gradient(float p, float dp, float delta) {
   return kMasked && marks_one_key_row(delta) ? 0.f : p * (dp - delta);
-}
-
-// The first query row that sees key col0 or a later one (len_q if none does);
-// offset from causal_offset.
-__device__ __forceinline__ int64_t first_visible_query(const AttentionProblem& p, int64_t offset, int64_t col0) {
-  return p.is_causal ? min(max(col0 - offset, int64_t(0)), p.len_q) : 0;
 }
 
 // The log-sum-exp in log2 units, with rows that see no key (lse = -inf) and rows

@@ -82,8 +82,9 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
                                                   col0, p.len_k, dim);
 
   // Query blocks that see some key of this block, for each query head of the group.
-  const int64_t offset = causal_offset(p);
-  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockStream;
+  const Visibility seen(p);
+  const int64_t offset = seen.offset;
+  const int64_t m_begin = seen.query_begin(col0) / kBlockStream;
   const int64_t m_count = ceil_div(p.len_q, kBlockStream) - m_begin;
   const int64_t steps = m_count * group;
 
@@ -134,7 +135,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dkdv_kernel
     // Key r of this warp, query c of the tile: hidden iff r - c > diagonal.
     // Only tiles that cross the diagonal pay for the test.
     const int diagonal = static_cast<int>(min(max(m0 + offset - col0, int64_t(-kBlockRows - 1)), int64_t(kBlockStream)));
-    const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h_kv * group + step / m_count);
+    const HeadMaskLog2<Elem> mask(params.mask_kind, params.mask, b, h_kv * group + step / m_count);
     auto probabilities = [&](auto mask_tag) {
 #pragma unroll
       for (int nt = 0; nt < kQueryTiles; ++nt) {
@@ -239,8 +240,9 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
                                                   row0, p.len_q, dim);
   load_tile_async<kBlockRows, kHeadDim, kBlockThreads>(s_do, head_ptr<const Elem>(params.dout, b, h),
                                                   params.dout.stride_row, row0, p.len_q, dim);
-  const int64_t offset = causal_offset(p);
-  const int n_steps = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockRows), kBlockStream));
+  const Visibility seen(p);
+  const int64_t offset = seen.offset;
+  const int n_steps = static_cast<int>(ceil_div(seen.key_end_of_rows(row0, kBlockRows), kBlockStream));
   auto load_keys = [&](int step) {
     const int buf = step & 1;
     load_tile_async<kBlockStream, kHeadDim, kBlockThreads>(s_k + buf * kTile, k, params.k.stride_row,
@@ -269,7 +271,7 @@ __global__ void __launch_bounds__(kBlockWarps * kWarpSize) attention_dq_kernel(c
 
   DropoutState dropout{};
   if constexpr (kDropout) dropout = dropout_state(params.dropout);
-  const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
+  const HeadMaskLog2<Elem> mask(params.mask_kind, params.mask, b, h);
   float dq[1][kHeadDim / 8][4] = {};
   for (int step = 0; step < n_steps; ++step) {
     if (step + 1 < n_steps) load_keys(step + 1);

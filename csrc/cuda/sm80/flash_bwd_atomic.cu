@@ -68,8 +68,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
                                                p.len_k, dim);
 
   // Query tiles that see some key of this block, for each query head of the group.
-  const int64_t offset = causal_offset(p);
-  const int64_t m_begin = first_visible_query(p, offset, col0) / kBlockM, m_end = ceil_div(p.len_q, kBlockM);
+  const Visibility seen(p);
+  const int64_t offset = seen.offset;
+  const int64_t m_begin = seen.query_begin(col0) / kBlockM, m_end = ceil_div(p.len_q, kBlockM);
   const int64_t steps = (m_end - m_begin) * group;
 
   // A step's work: query tile m (rows m * kBlockM..) of query head h. Steps run
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_backward_atomic_dq_ke
       const float2 l = *reinterpret_cast<const float2*>(lse + c), d = *reinterpret_cast<const float2*>(delta + c);
       col_lse[nt][0] = l.x, col_lse[nt][1] = l.y, col_delta[nt][0] = d.x, col_delta[nt][1] = d.y;
     }
-    const HeadMask<Elem> mask(params.mask_kind, params.mask, b, work.h);
+    const HeadMaskLog2<Elem> mask(params.mask_kind, params.mask, b, work.h);
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll

@@ -69,9 +69,10 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_forward_kernel(const 
   const Elem* v = head_ptr<Elem>(params.v, b, h_kv);
   const int dim = static_cast<int>(p.head_dim);
 
-  const HeadMask<Elem> mask(params.mask_kind, params.mask, b, h);
-  const int64_t offset = causal_offset(p);
-  const int n_blocks = static_cast<int>(ceil_div(visible_key_end(p, offset, row0, kBlockM), kBlockN));
+  const HeadMaskLog2<Elem> mask(params.mask_kind, params.mask, b, h);
+  const Visibility seen(p);
+  const int64_t offset = seen.offset;
+  const int n_blocks = static_cast<int>(ceil_div(seen.key_end_of_rows(row0, kBlockM), kBlockN));
 
   auto load_kv = [&](int n_block) {
     const int buf = n_block & 1;

@@ -22,14 +22,14 @@ namespace flashattn_ext::cuda::sm90::backward_kernel {
 // (softcap * tanh(scale * s / softcap), in log2 units), and dS^T times the
 // cap's derivative 1 - tanh^2, its tanh taken back from the float P^T and the
 // lse (log2 P + lse is the capped score): no registers kept for it.
-struct Softcap : SoftcapLog2 {
-  Softcap() = default;
-  __device__ __forceinline__ explicit Softcap(const AttentionProblem& p) : SoftcapLog2(p) {}
+struct BackwardSoftcap : SoftcapLog2 {
+  BackwardSoftcap() = default;
+  __device__ __forceinline__ explicit BackwardSoftcap(const AttentionProblem& p) : SoftcapLog2(p) {}
 
   // (0 where P is: the pair is hidden or its weight underflowed, and its dS is 0.)
-  __device__ __forceinline__ float derivative(float p, float lse_log2) const {
-    const float t = (ptx::log2_approx(p) + lse_log2) / cap_log2;
-    return p > 0.f ? 1.f - t * t : 0.f;
+  __device__ __forceinline__ float cap_derivative(float p, float lse_log2) const {
+    const float t = tanh_of(ptx::log2_approx(p) + lse_log2);  // (taken whatever p: no branch)
+    return p > 0.f ? derivative(t) : 0.f;
   }
 };
 
@@ -48,12 +48,14 @@ template <int kBlockN, bool kWindow, bool kSoftcap = false, bool kAlibi = false,
 __device__ __forceinline__ void transposed_probabilities(float (&st)[kRegs], const AttentionProblem& p, int64_t col0,
                                                          int64_t row0, const Visibility& seen, int key_row, int lane,
                                                          const float (&lse_q)[kBlockM], float score_scale,
-                                                         const Softcap& softcap = {}, float alibi_log2 = 0.f) {
+                                                         const BackwardSoftcap& softcap = {}, float alibi_log2 = 0.f) {
   // i + offset - j at the tile's (key 0, query 0): 32 bits, as the tile coordinates.
   const int corner = kAlibi ? static_cast<int>(row0 + seen.offset - col0) : 0;
   auto log2_score = [&](float s, int key, int query) {
-    if constexpr (kSoftcap) return softcap.cap_approx(s);
-    if constexpr (kAlibi) return fmaf(s, score_scale, -alibi_log2 * fabsf(static_cast<float>(corner + query - key)));
+    if constexpr (kSoftcap) return softcap.capped_approx(s);
+    if constexpr (kAlibi) {
+      return fmaf(s, score_scale, alibi_bias(alibi_log2, fabsf(static_cast<float>(corner + query - key))));
+    }
     return s * score_scale;
   };
   const bool crosses_edge = kWindow ? seen.tile_is_partial(row0, kBlockM, col0, kBlockN)

@@ -125,7 +125,7 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
                         ? static_cast<int>(ceil_div(query_end, Cfg::kBlockM) - block.m_begin)
                         : 0;
   } else {
-    block.m_begin = first_visible_query(p, causal_offset(p), block.col0) / Cfg::kBlockM;
+    block.m_begin = Visibility(p).query_begin(block.col0) / Cfg::kBlockM;
     block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
   }
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs

@@ -55,14 +55,15 @@ __device__ __forceinline__ void load_transposed_tile(const unsigned char* tile, 
 template <typename Elem, bool kDropout, bool kSoftcap, int kBlockM, int kRegs, int kSteps>
 __device__ __forceinline__ void ds_from_rounded_probabilities(float (&s)[kRegs], const uint32_t (&p_frag)[kSteps][4],
                                                               const TileDropout<kBlockM>& dropout, float keep_scale,
-                                                              const Softcap& softcap, const float (&lse_q)[kBlockM],
+                                                              const BackwardSoftcap& softcap,
+                                                              const float (&lse_q)[kBlockM],
                                                               const float (&delta_q)[kBlockM], int lane) {
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) {
     const float pt = from_fragments<Elem>(p_frag, i);
     const float dpt = kDropout ? (dropout.keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
     s[i] = pt * (dpt - delta_q[accumulator_column(i, lane)]);
-    if constexpr (kSoftcap) s[i] *= softcap.derivative(pt, lse_q[accumulator_column(i, lane)]);
+    if constexpr (kSoftcap) s[i] *= softcap.cap_derivative(pt, lse_q[accumulator_column(i, lane)]);
   }
 }
 
@@ -119,8 +120,8 @@ struct SplitBwdDescriptors {
 };
 
 // kDropout: dropout. kWindow: a sliding window (backward_block). kSoftcap:
-// logit softcapping (Softcap; consumer 1 takes the cap's derivative from the
-// rounded P^T it reads back). kAlibi: ALiBi's bias on the recomputed scores.
+// logit softcapping (BackwardSoftcap; consumer 1 takes the cap's derivative
+// from the rounded P^T it reads back). kAlibi: ALiBi's bias on the recomputed scores.
 // Softcap, ALiBi and dropout: one at most.
 template <typename Elem, typename Cfg, bool kDropout, bool kWindow, bool kSoftcap, bool kAlibi>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const SplitBwdDescriptors<Cfg> desc(s_k, s_v, s_q, s_dout, s_ds, consumer);
 
   const float scale_log2 = score_scale_log2(p);
-  const Softcap softcap = kSoftcap ? Softcap(p) : Softcap();
+  const BackwardSoftcap softcap = kSoftcap ? BackwardSoftcap(p) : BackwardSoftcap();
 
   float dk[kGradRegs], dv[kGradRegs];
 #pragma unroll

@@ -231,7 +231,7 @@ struct BwdConsumer {
   // dK += dS^T Q and dV += P^T dO (a step: 16 rows of queries).
   const uint64_t k_desc, v_desc, q_desc, dout_desc, q_rows_desc, dout_rows_desc;
   const float scale, scale_log2;
-  const Softcap softcap;
+  const BackwardSoftcap softcap;
 
   __device__ __forceinline__ BwdConsumer(const BwdKernelParams& kp_, const BwdBlock& block_,
                                          const BwdSharedMemory<Cfg>& shared_, const Visibility& seen_, int consumer_)
@@ -254,7 +254,7 @@ struct BwdConsumer {
         dout_rows_desc(n_major_desc(ptx::smem_addr(shared.dout), Cfg::kQColBlockBytes)),
         scale(static_cast<float>(p.scale)),
         scale_log2(score_scale_log2(p)),
-        softcap(kSoftcap ? Softcap(p) : Softcap()) {}
+        softcap(kSoftcap ? BackwardSoftcap(p) : BackwardSoftcap()) {}
 
   // The next tile's query block (m_begin + m_index) and query head, where the
   // consumers count them (locate_tile).
@@ -446,7 +446,7 @@ struct BwdConsumer {
     for (int i = 0; i < kScoreRegs; ++i) {
       const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
       dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
-      if constexpr (kSoftcap) dpt[i] *= softcap.derivative(pt, lse_q[query_of(i)]);
+      if constexpr (kSoftcap) dpt[i] *= softcap.cap_derivative(pt, lse_q[query_of(i)]);
     }
   }
 
@@ -496,8 +496,8 @@ struct BwdConsumer {
 };
 
 // kWindow: a sliding window (backward_block). kSoftcap: logit softcapping
-// (Softcap), without a mask or dropout; the cap's derivative from P^T in float
-// (64-query tiles) or from its rounded fragments (128-query tiles, head dim 64:
+// (BackwardSoftcap), without a mask or dropout; the cap's derivative from P^T
+// in float (64-query tiles) or from its rounded fragments (128-query tiles, head dim 64:
 // log2 P off by up to 2^-8 moves tanh by that over softcap * log2(e)).
 // kAlibi: ALiBi's bias on the recomputed scores (it has no gradient), without a
 // mask, dropout or softcap. kVarlen: a packed batch (backward_block), with

@@ -217,8 +217,8 @@ struct FwdMainloop {
     if (n_blocks > 0) {
       // The keys of the tile's last key tile: their GEMMs run narrow where
       // they fit (not in a first tile: a call of a few keys).
-      const int last_keys = static_cast<int>(seen.key_end(min(len_q, row0 + kBlockM) - 1) -
-                                             int64_t(first_block + n_blocks - 1) * kBlockN);
+      const int last_keys =
+          static_cast<int>(seen.key_end_of_rows(row0, kBlockM) - int64_t(first_block + n_blocks - 1) * kBlockN);
       const int last_width = !Cfg::kNarrowLastTile || n_blocks == 1 ? kBlockN
                              : last_keys <= Cfg::kNarrowKeys0     ? Cfg::kNarrowKeys0
                              : last_keys <= Cfg::kNarrowKeys1     ? Cfg::kNarrowKeys1

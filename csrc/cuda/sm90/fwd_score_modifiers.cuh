@@ -26,7 +26,7 @@ namespace forward_kernel {
 template <typename Elem, typename Cfg, MaskKind kMask, bool kSoftcap>
 struct FwdScoreModifiers {
   const float scale, scale_log2;
-  // Softcapping: the scores capped as they come in (SoftcapLog2::cap_approx);
+  // Softcapping: the scores capped as they come in (SoftcapLog2::capped_approx);
   // the softmax then takes them as they are.
   const SoftcapLog2 softcap;
   // attn_mask: this thread's values in a stage's mask tile are those of its
@@ -58,7 +58,7 @@ struct FwdScoreModifiers {
   __device__ __forceinline__ void cap(float (&s)[kRegs]) const {
     if constexpr (kSoftcap) {
 #pragma unroll
-      for (int i = 0; i < kRegs; ++i) s[i] = softcap.cap_approx(s[i]);
+      for (int i = 0; i < kRegs; ++i) s[i] = softcap.capped_approx(s[i]);
     }
   }
 
@@ -129,7 +129,7 @@ struct FwdTileModifiers {
 #pragma unroll
       for (int i = 0; i < kRegs; ++i) {
         const int c = accumulator_column(i, lane), r = tile_row + accumulator_row_offset(i);
-        s[i] = fmaf(s[i], scale_log2, -alibi_log2 * fabsf(static_cast<float>(corner + r - c)));
+        s[i] = fmaf(s[i], scale_log2, alibi_bias(alibi_log2, fabsf(static_cast<float>(corner + r - c))));
       }
     }
   }

@@ -57,12 +57,12 @@ __device__ __forceinline__ FwdTile fwd_tile(const FwdKernelParams& kp, int tile,
   if constexpr (kWindow || kVarlen) {
     const Visibility seen(p, t.len_q, t.len_k);
     const int64_t key_begin = seen.key_begin(t.row0);
-    const int64_t key_end = seen.key_end(min(int64_t{t.len_q}, t.row0 + int64_t{Cfg::kBlockM}) - 1);
+    const int64_t key_end = seen.key_end_of_rows(t.row0, Cfg::kBlockM);
     t.first_block = static_cast<int>(key_begin / Cfg::kBlockN);
     t.n_blocks = key_end > key_begin ? static_cast<int>(ceil_div(key_end, Cfg::kBlockN)) - t.first_block : 0;
   } else {
     t.first_block = 0;
-    t.n_blocks = static_cast<int>(ceil_div(visible_key_end(p, causal_offset(p), t.row0, Cfg::kBlockM), Cfg::kBlockN));
+    t.n_blocks = static_cast<int>(ceil_div(Visibility(p).key_end_of_rows(t.row0, Cfg::kBlockM), Cfg::kBlockN));
   }
   return t;
 }
