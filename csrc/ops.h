@@ -13,9 +13,11 @@
 
 namespace flashattn_ext {
 
-// The options of one attention call, as they appear in the op schemas.
+// The options of one attention call, in the op schemas' order: each op's
+// entry point gathers its flat arguments into one, which everything below it
+// takes. (A value: copies share the tensors.)
 struct AttentionOptions {
-  const std::optional<at::Tensor>& attn_mask;
+  std::optional<at::Tensor> attn_mask;
   double dropout_p;
   bool is_causal;
   bool causal_lower_right;
@@ -161,18 +163,17 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::
 BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
-// The attention_forward and attention_backward ops' signatures (schemas in
-// schemas.cpp) and their typed handles, looked up once: for the C++ code that
-// calls them through the dispatcher (autograd.cpp, varlen.cpp).
-using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,
-    double, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-using AttentionBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool, double, bool, int64_t, int64_t, double,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op();
-c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op();
+// The attention_forward and attention_backward ops called through the
+// dispatcher, options spelled out as their schemas' arguments: for the C++
+// code that calls them (autograd.cpp, varlen.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                      const at::Tensor& v,
+                                                                      const AttentionOptions& options,
+                                                                      const std::optional<at::Tensor>& sinks);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& rng_state, const AttentionOptions& options, bool compute_grad_attn_mask,
+    const std::optional<at::Tensor>& sinks);
 
 // The packed batch's forward and backward as one attention_forward (or
 // attention_backward) call per sequence on views of the packed tensors, their
