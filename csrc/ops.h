@@ -125,12 +125,11 @@ struct PackedBatch {
 };
 
 // Checks the varlen ops' arguments but the values in cu_seqlens (see
-// read_sequence_bounds); the options are the ops' own (no attn_mask, no dropout).
+// read_sequence_bounds). The options are the ops' own: no attn_mask, no
+// dropout (their schemas have neither).
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
-                               int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes);
+                               int64_t max_seqlen_k, const AttentionOptions& options);
 
 // A packed batch's sequence bounds (sequences + 1 each), read to the host and
 // checked: from 0 to the packed rows, not decreasing, no sequence longer than

@@ -30,9 +30,10 @@ std::tuple<Tensor, Tensor> varlen_forward_cpu(const Tensor& q, const Tensor& k, 
                                               bool causal_lower_right, double scale, int64_t window_left,
                                               int64_t window_right, double softcap,
                                               const std::optional<Tensor>& alibi_slopes) {
-  return varlen_forward_by_sequence(check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k, is_causal, causal_lower_right, scale,
-                                                      window_left, window_right, softcap, alibi_slopes));
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  return varlen_forward_by_sequence(
+      check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options));
 }
 
 std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& grad_out, const Tensor& q, const Tensor& k,
@@ -42,9 +43,10 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward_cpu(const Tensor& grad_out, c
                                                        bool causal_lower_right, double scale, int64_t window_left,
                                                        int64_t window_right, double softcap,
                                                        const std::optional<Tensor>& alibi_slopes) {
-  const PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               is_causal, causal_lower_right, scale, window_left, window_right,
-                                               softcap, alibi_slopes);
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  const PackedBatch batch =
+      check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options);
   return varlen_backward_by_sequence(batch, grad_out, out, lse);
 }
 

@@ -271,9 +271,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                         causal_lower_right, scale, window_left, window_right, softcap,
-                                         alibi_slopes);
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options);
   if (cuda::route_packed_forward(q, packed_forward_params(batch)).family != cuda::Family::kSm90) {
     return varlen_forward_by_sequence(batch);
   }
@@ -302,9 +302,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                         causal_lower_right, scale, window_left, window_right, softcap,
-                                         alibi_slopes);
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options);
   if (cuda::route_packed_backward(q, packed_backward_params(batch)).family != cuda::Family::kSm90) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
