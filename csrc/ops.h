@@ -84,12 +84,9 @@ struct DecodeArguments {
   const std::optional<at::Tensor>& block_table;
   const std::optional<at::Tensor>& k_new;
   const std::optional<at::Tensor>& v_new;
-  bool is_causal;
-  double scale;
-  int64_t window_left = -1;  // see AttentionProblem
-  int64_t window_right = -1;
-  double softcap = 0.0;
-  std::optional<at::Tensor> alibi_slopes = std::nullopt;  // float32 (batch, heads_q)
+  // No attn_mask, no dropout; causal_lower_right (a decoding step's queries
+  // are its sequences' last rows).
+  AttentionOptions options;
 };
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the

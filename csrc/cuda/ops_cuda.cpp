@@ -385,8 +385,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
-  const DecodeArguments args{q,     k_cache,   v_cache, cache_seqlens, block_table, k_new,  v_new,
-                             is_causal, scale, window_left, window_right, softcap, alibi_slopes};
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, /*causal_lower_right=*/true, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  const DecodeArguments args{q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options};
   const DecodeParams params = prepare_decode(args, out, lse);
   if (input_checks_requested()) check_decode_values(args, params);
   check_sinks(q, sinks);
