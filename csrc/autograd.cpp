@@ -10,6 +10,9 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <type_traits>
+#include <utility>
+
 #include "fallback.h"
 #include "ops.h"
 
@@ -20,30 +23,36 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using at::Tensor;
 
-// The options after the tensors, kept in an autograd context's saved_data.
-struct SavedOptions {
-  double dropout_p;
-  bool is_causal, causal_lower_right;
-  double scale;
-  int64_t window_left, window_right;
-  double softcap;
+// Calls visit(name, field) on each of the options' scalars, which an
+// autograd context keeps in saved_data (the tensors, attn_mask and
+// alibi_slopes, go to save_for_backward with the inputs): the one list that
+// save_options and load_options share.
+template <typename Options, typename Visit>
+void for_each_scalar_option(Options& options, Visit visit) {
+  visit("dropout_p", options.dropout_p);
+  visit("is_causal", options.is_causal);
+  visit("causal_lower_right", options.causal_lower_right);
+  visit("scale", options.scale);
+  visit("window_left", options.window_left);
+  visit("window_right", options.window_right);
+  visit("softcap", options.softcap);
+}
 
-  void save(AutogradContext* ctx) const {
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["causal_lower_right"] = causal_lower_right;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-  }
-  static SavedOptions load(AutogradContext* ctx) {
-    return {ctx->saved_data["dropout_p"].toDouble(),   ctx->saved_data["is_causal"].toBool(),
-            ctx->saved_data["causal_lower_right"].toBool(), ctx->saved_data["scale"].toDouble(),
-            ctx->saved_data["window_left"].toInt(),    ctx->saved_data["window_right"].toInt(),
-            ctx->saved_data["softcap"].toDouble()};
-  }
-};
+void save_options(AutogradContext* ctx, const AttentionOptions& options) {
+  for_each_scalar_option(options, [&](const char* name, const auto& value) { ctx->saved_data[name] = value; });
+}
+
+// The options that save_options saved, with their tensors as saved.
+AttentionOptions load_options(AutogradContext* ctx, std::optional<Tensor> attn_mask,
+                              std::optional<Tensor> alibi_slopes) {
+  AttentionOptions options{};
+  for_each_scalar_option(options, [&](const char* name, auto& value) {
+    value = ctx->saved_data.at(name).to<std::decay_t<decltype(value)>>();
+  });
+  options.attn_mask = std::move(attn_mask);
+  options.alibi_slopes = std::move(alibi_slopes);
+  return options;
+}
 
 // A saved optional tensor (undefined: absent).
 std::optional<Tensor> optional_saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
@@ -56,12 +65,12 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
                                double softcap, const std::optional<Tensor>& alibi_slopes,
                                const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [out, lse, rng_state] = attention_forward_op().call(q, k, v, attn_mask, dropout_p, is_causal,
-                                                             causal_lower_right, scale, window_left, window_right,
-                                                             softcap, alibi_slopes, sinks);
+    const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
+                                   window_left, window_right, softcap,   alibi_slopes};
+    auto [out, lse, rng_state] = call_attention_forward(q, k, v, options, sinks);
     ctx->save_for_backward({q, k, v, out, lse, rng_state, attn_mask.value_or(Tensor()),
                             alibi_slopes.value_or(Tensor()), sinks.value_or(Tensor())});
-    SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
+    save_options(ctx, options);
     ctx->mark_non_differentiable({lse, rng_state});
     // lse and rng_state get no gradient: without this the engine would fill
     // a tensor of zeros for each, every backward.
@@ -78,22 +87,20 @@ class FlashAttentionFunction : public torch::autograd::Function<FlashAttentionFu
     const Tensor& out = saved[3];
     const Tensor& lse = saved[4];
     const Tensor& rng_state = saved[5];
-    const std::optional<Tensor> attn_mask = optional_saved(saved[6]), alibi_slopes = optional_saved(saved[7]);
+    const AttentionOptions options = load_options(ctx, optional_saved(saved[6]), optional_saved(saved[7]));
     const std::optional<Tensor> sinks = optional_saved(saved[8]);
-    const bool grad_attn_mask_needed = attn_mask.has_value() && ctx->needs_input_grad(3);
+    const bool has_mask = options.attn_mask.has_value(), has_slopes = options.alibi_slopes.has_value();
+    const bool grad_attn_mask_needed = has_mask && ctx->needs_input_grad(3);
     // (The backward op's own autograd recomputes attention without the sinks.)
     TORCH_CHECK_NOT_IMPLEMENTED(!sinks.has_value() || !at::GradMode::is_enabled(),
                                 "flashattn_ext: double backward of attention with sinks is not supported");
 
-    const SavedOptions o = SavedOptions::load(ctx);
     auto [dq, dk, dv, dmask] =
-        attention_backward_op().call(grads[0], q, k, v, out, lse, rng_state, attn_mask, o.dropout_p, o.is_causal,
-                                     o.causal_lower_right, o.scale, grad_attn_mask_needed, o.window_left,
-                                     o.window_right, o.softcap, alibi_slopes, sinks);
+        call_attention_backward(grads[0], q, k, v, out, lse, rng_state, options, grad_attn_mask_needed, sinks);
     Tensor dsinks;
     // (needs_input_grad counts the tensor arguments given: q, k, v, then those
     // of attn_mask, alibi_slopes and sinks that are.)
-    if (sinks.has_value() && ctx->needs_input_grad(3 + attn_mask.has_value() + alibi_slopes.has_value())) {
+    if (sinks.has_value() && ctx->needs_input_grad(3 + has_mask + has_slopes)) {
       static const auto sinks_backward = c10::Dispatcher::singleton()
                                              .findSchemaOrThrow("flashattn_ext::sinks_backward", "")
                                              .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>();
@@ -133,21 +140,20 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
                                int64_t window_left, int64_t window_right, double softcap,
                                const std::optional<Tensor>& alibi_slopes, const std::optional<Tensor>& sinks) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    const AttentionOptions options{attn_mask,   dropout_p,    is_causal, causal_lower_right, scale,
+                                   window_left, window_right, softcap,   alibi_slopes};
     // (With sinks, FlashAttentionFunction refuses the double backward that
     // would differentiate this: attention_for_double_backward has none.)
     auto [dq, dk, dv, dmask] =
-        attention_backward_op().call(dout, q, k, v, out, lse, rng_state, attn_mask, dropout_p, is_causal,
-                                     causal_lower_right, scale, compute_grad_attn_mask, window_left, window_right,
-                                     softcap, alibi_slopes, sinks);
+        call_attention_backward(dout, q, k, v, out, lse, rng_state, options, compute_grad_attn_mask, sinks);
     ctx->save_for_backward(
         {dout, q, k, v, rng_state, attn_mask.value_or(Tensor()), alibi_slopes.value_or(Tensor())});
-    SavedOptions{dropout_p, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
+    save_options(ctx, options);
     return {dq, dk, dv, dmask};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
-    const SavedOptions o = SavedOptions::load(ctx);
     const bool has_mask = saved[5].defined();
     const bool float_mask = has_mask && saved[5].scalar_type() != at::kBool;
     // Triple backward differentiates this one in turn, when the engine runs with create_graph.
@@ -159,9 +165,7 @@ class FlashAttentionBackwardFunction : public torch::autograd::Function<FlashAtt
     if (has_mask) attn_mask = float_mask ? saved[5].detach().requires_grad_() : saved[5];
     if (float_mask) leaves.push_back(*attn_mask);
 
-    const AttentionOptions options{attn_mask, o.dropout_p,   o.is_causal,    o.causal_lower_right,
-                                   o.scale,   o.window_left, o.window_right, o.softcap,
-                                   optional_saved(saved[6])};
+    const AttentionOptions options = load_options(ctx, attn_mask, optional_saved(saved[6]));
     const Tensor out = attention_for_double_backward(leaves[1], leaves[2], leaves[3], saved[4], options);
     // The first gradients as functions of the leaves, then their vector-Jacobian
     // product with the incoming gradients (of dq, dk, dv[, dmask]).
@@ -225,7 +229,7 @@ class VarlenFunction : public torch::autograd::Function<VarlenFunction> {
     auto [out, lse] = op.call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
                               causal_lower_right, scale, window_left, window_right, softcap, alibi_slopes);
     ctx->save_for_backward({q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes.value_or(Tensor())});
-    SavedOptions{0.0, is_causal, causal_lower_right, scale, window_left, window_right, softcap}.save(ctx);
+    save_options(ctx, {std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right, softcap});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->mark_non_differentiable({lse});
@@ -240,11 +244,11 @@ class VarlenFunction : public torch::autograd::Function<VarlenFunction> {
                                .typed<VarlenBackwardOp>();
     TORCH_CHECK(!at::GradMode::is_enabled(), "flashattn_ext: varlen_attention has no double backward");
     const variable_list s = ctx->get_saved_variables();
-    const SavedOptions o = SavedOptions::load(ctx);
+    const AttentionOptions o = load_options(ctx, std::nullopt, optional_saved(s[7]));
     auto [dq, dk, dv] = op.call(grads[0], s[0], s[1], s[2], s[3], s[4], s[5], s[6],
                                 ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
                                 o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
-                                optional_saved(s[7]));
+                                o.alibi_slopes);
     variable_list result(14);
     result[0] = dq;
     result[1] = dk;

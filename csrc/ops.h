@@ -13,9 +13,11 @@
 
 namespace flashattn_ext {
 
-// The options of one attention call, as they appear in the op schemas.
+// The options of one attention call, in the op schemas' order: each op's
+// entry point gathers its flat arguments into one, which everything below it
+// takes. (A value: copies share the tensors.)
 struct AttentionOptions {
-  const std::optional<at::Tensor>& attn_mask;
+  std::optional<at::Tensor> attn_mask;
   double dropout_p;
   bool is_causal;
   bool causal_lower_right;
@@ -82,12 +84,9 @@ struct DecodeArguments {
   const std::optional<at::Tensor>& block_table;
   const std::optional<at::Tensor>& k_new;
   const std::optional<at::Tensor>& v_new;
-  bool is_causal;
-  double scale;
-  int64_t window_left = -1;  // see AttentionProblem
-  int64_t window_right = -1;
-  double softcap = 0.0;
-  std::optional<at::Tensor> alibi_slopes = std::nullopt;  // float32 (batch, heads_q)
+  // No attn_mask, no dropout; causal_lower_right (a decoding step's queries
+  // are its sequences' last rows).
+  AttentionOptions options;
 };
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the
@@ -123,12 +122,11 @@ struct PackedBatch {
 };
 
 // Checks the varlen ops' arguments but the values in cu_seqlens (see
-// read_sequence_bounds); the options are the ops' own (no attn_mask, no dropout).
+// read_sequence_bounds). The options are the ops' own: no attn_mask, no
+// dropout (their schemas have neither).
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
-                               int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes);
+                               int64_t max_seqlen_k, const AttentionOptions& options);
 
 // A packed batch's sequence bounds (sequences + 1 each), read to the host and
 // checked: from 0 to the packed rows, not decreasing, no sequence longer than
@@ -161,18 +159,17 @@ FwdParams prepare_packed_forward(const PackedBatch& batch, at::Tensor& out, at::
 BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& grad_out, const at::Tensor& out,
                                   const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv);
 
-// The attention_forward and attention_backward ops' signatures (schemas in
-// schemas.cpp) and their typed handles, looked up once: for the C++ code that
-// calls them through the dispatcher (autograd.cpp, varlen.cpp).
-using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,
-    double, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-using AttentionBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool, double, bool, int64_t, int64_t, double,
-    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
-c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op();
-c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op();
+// The attention_forward and attention_backward ops called through the
+// dispatcher, options spelled out as their schemas' arguments: for the C++
+// code that calls them (autograd.cpp, varlen.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                      const at::Tensor& v,
+                                                                      const AttentionOptions& options,
+                                                                      const std::optional<at::Tensor>& sinks);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& rng_state, const AttentionOptions& options, bool compute_grad_attn_mask,
+    const std::optional<at::Tensor>& sinks);
 
 // The packed batch's forward and backward as one attention_forward (or
 // attention_backward) call per sequence on views of the packed tensors, their

@@ -1,6 +1,6 @@
 // The dense attention ops' glue: the forward's and backward's checks,
-// outputs and kernel params, attention sinks, the ops' typed handles and the
-// dropout_mask op's checks (the schemas: schemas.cpp).
+// outputs and kernel params, attention sinks, the ops' calls through the
+// dispatcher and the dropout_mask op's checks (the schemas: schemas.cpp).
 #include <cmath>
 #include <vector>
 
@@ -130,6 +130,17 @@ BwdParams prepare_backward(const at::Tensor& dout, const at::Tensor& q, const at
   return params;
 }
 
+namespace {
+
+// The ops' signatures (schemas.cpp) and typed handles, looked up once.
+using AttentionForwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool,
+    double, int64_t, int64_t, double, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+using AttentionBackwardOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, double, bool, bool, double, bool, int64_t, int64_t, double,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&);
+
 c10::TypedOperatorHandle<AttentionForwardOp> attention_forward_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("flashattn_ext::attention_forward", "")
@@ -142,6 +153,27 @@ c10::TypedOperatorHandle<AttentionBackwardOp> attention_backward_op() {
                              .findSchemaOrThrow("flashattn_ext::attention_backward", "")
                              .typed<AttentionBackwardOp>();
   return op;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                                      const at::Tensor& v,
+                                                                      const AttentionOptions& options,
+                                                                      const std::optional<at::Tensor>& sinks) {
+  const AttentionOptions& o = options;
+  return attention_forward_op().call(q, k, v, o.attn_mask, o.dropout_p, o.is_causal, o.causal_lower_right, o.scale,
+                                     o.window_left, o.window_right, o.softcap, o.alibi_slopes, sinks);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& rng_state, const AttentionOptions& options, bool compute_grad_attn_mask,
+    const std::optional<at::Tensor>& sinks) {
+  const AttentionOptions& o = options;
+  return attention_backward_op().call(dout, q, k, v, out, lse, rng_state, o.attn_mask, o.dropout_p, o.is_causal,
+                                      o.causal_lower_right, o.scale, compute_grad_attn_mask, o.window_left,
+                                      o.window_right, o.softcap, o.alibi_slopes, sinks);
 }
 
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,

@@ -147,6 +147,13 @@ AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, con
   p.len_k = k.size(2);
   p.head_dim = q.size(3);
   p.head_dim_v = v.size(3);
+  set_options(p, options);
+  return p;
+}
+
+// The options' part of a problem whose sizes are set (the window's bounds
+// depend on them); attn_mask and dropout are not the problem's.
+void set_options(AttentionProblem& p, const AttentionOptions& options) {
   p.scale = options.scale;
   p.is_causal = options.is_causal;
   p.causal_lower_right = options.causal_lower_right;
@@ -155,7 +162,6 @@ AttentionProblem attention_problem(const at::Tensor& q, const at::Tensor& k, con
   p.softcap = options.softcap;
   set_alibi(p, options.alibi_slopes);
   open_wide_window(p);
-  return p;
 }
 
 at::ScalarType lse_dtype(at::ScalarType input_dtype) {

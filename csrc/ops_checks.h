@@ -20,6 +20,7 @@ void check_options(const AttentionOptions& options);
 void open_wide_window(AttentionProblem& p);
 void check_alibi(const std::optional<at::Tensor>& slopes, int64_t batch, int64_t heads_q, const at::Tensor& q);
 void set_alibi(AttentionProblem& p, const std::optional<at::Tensor>& slopes);
+void set_options(AttentionProblem& p, const AttentionOptions& options);
 AttentionProblem check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const AttentionOptions& options);
 void check_saved(const at::Tensor& t, const char* name, at::IntArrayRef expected_shape, at::ScalarType dtype,

@@ -17,8 +17,10 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   const at::Tensor& q = args.q;
   check_rank4(q, "query");
   check_floating(q, "query");
-  check_options({std::nullopt, 0.0, args.is_causal, /*causal_lower_right=*/true, args.scale, args.window_left,
-                 args.window_right, args.softcap});
+  const AttentionOptions& options = args.options;
+  TORCH_INTERNAL_ASSERT(!options.attn_mask.has_value() && options.dropout_p == 0.0 && options.causal_lower_right,
+                        "flashattn_ext: decode_attention takes no attn_mask, no dropout, and aligns bottom-right");
+  check_options(options);
   const bool paged = args.block_table.has_value();
   const char* cache_dims = paged ? "(num_blocks, block_size, heads, head_dim) with block_table"
                                  : "(batch, heads, capacity, head_dim) without block_table";
@@ -99,15 +101,8 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   p.len_k = capacity;
   p.head_dim = q.size(3);
   p.head_dim_v = v4.size(3);
-  p.scale = args.scale;
-  p.is_causal = args.is_causal;
-  p.causal_lower_right = true;
-  p.window_left = args.window_left;
-  p.window_right = args.window_right;
-  p.softcap = args.softcap;
-  check_alibi(args.alibi_slopes, p.batch, p.heads_q, q);
-  set_alibi(p, args.alibi_slopes);
-  open_wide_window(p);
+  check_alibi(options.alibi_slopes, p.batch, p.heads_q, q);
+  set_options(p, options);
 
   out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));

@@ -43,9 +43,9 @@ void check_sequence_bounds(const std::vector<int64_t>& bounds, const char* name,
 
 PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                               int64_t max_seqlen_k, bool is_causal, bool causal_lower_right, double scale,
-                               int64_t window_left, int64_t window_right, double softcap,
-                               const std::optional<at::Tensor>& alibi_slopes) {
+                               int64_t max_seqlen_k, const AttentionOptions& options) {
+  TORCH_INTERNAL_ASSERT(!options.attn_mask.has_value() && options.dropout_p == 0.0,
+                        "flashattn_ext: the varlen ops take no attn_mask and no dropout");
   for (const auto& [t, name] : {std::pair{&q, "query"}, std::pair{&k, "key"}, std::pair{&v, "value"}}) {
     TORCH_CHECK(t->dim() == 3, "flashattn_ext: ", name, " must be 3-d (total_tokens, heads, head_dim), got shape ",
                 t->sizes());
@@ -67,14 +67,13 @@ PackedBatch check_packed_batch(const at::Tensor& q, const at::Tensor& k, const a
   // more (and would overflow where the kernels add it to an index).
   max_seqlen_q = std::min(max_seqlen_q, q.size(0));
   max_seqlen_k = std::min(max_seqlen_k, k.size(0));
-  static const std::optional<at::Tensor> no_attn_mask;  // (AttentionOptions holds a reference to it)
-  const AttentionOptions options{no_attn_mask, 0.0,     is_causal, causal_lower_right, scale, window_left,
-                                 window_right, softcap, alibi_slopes};
   PackedBatch batch{heads_first(q), heads_first(k), heads_first(v), cu_seqlens_q, cu_seqlens_k,
                     max_seqlen_q,   max_seqlen_k,   options};
-  // (The 4-d views checked as a dense call's: dtypes, devices, heads, head dims, options.)
-  check_qkv(batch.q, batch.k, batch.v, {options.attn_mask, 0.0, options.is_causal, options.causal_lower_right,
-                                        options.scale, options.window_left, options.window_right, options.softcap});
+  // The 4-d views checked as a dense call's (dtypes, devices, heads, head
+  // dims, options), but the slopes: one row a sequence, not a batch of one.
+  AttentionOptions without_slopes = options;
+  without_slopes.alibi_slopes = std::nullopt;
+  check_qkv(batch.q, batch.k, batch.v, without_slopes);
   check_alibi(options.alibi_slopes, batch.sequences(), q.size(1), q);
   return batch;
 }

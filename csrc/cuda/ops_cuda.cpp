@@ -271,9 +271,9 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
                                                        const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                         causal_lower_right, scale, window_left, window_right, softcap,
-                                         alibi_slopes);
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options);
   if (cuda::route_packed_forward(q, packed_forward_params(batch)).family != cuda::Family::kSm90) {
     return varlen_forward_by_sequence(batch);
   }
@@ -302,9 +302,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
     int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal,
-                                         causal_lower_right, scale, window_left, window_right, softcap,
-                                         alibi_slopes);
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, causal_lower_right, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  PackedBatch batch = check_packed_batch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options);
   if (cuda::route_packed_backward(q, packed_backward_params(batch)).family != cuda::Family::kSm90) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
@@ -385,8 +385,9 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
-  const DecodeArguments args{q,     k_cache,   v_cache, cache_seqlens, block_table, k_new,  v_new,
-                             is_causal, scale, window_left, window_right, softcap, alibi_slopes};
+  const AttentionOptions options{std::nullopt, 0.0,          is_causal, /*causal_lower_right=*/true, scale,
+                                 window_left,  window_right, softcap,   alibi_slopes};
+  const DecodeArguments args{q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options};
   const DecodeParams params = prepare_decode(args, out, lse);
   if (input_checks_requested()) check_decode_values(args, params);
   check_sinks(q, sinks);
