@@ -1,4 +1,4 @@
-"""Shared helpers: devices and kernel paths, a float64 reference written out naively, error measures,
+"""Shared helpers: kernel paths, a float64 reference written out naively, error measures,
 and the inputs, masks and profiler look-ups that the tests of several features share."""
 import math
 
@@ -8,21 +8,6 @@ from torch.nn.attention.bias import CausalBias
 from torch.profiler import ProfilerActivity, profile
 
 CUDA_REASON = "needs a CUDA GPU"
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)]),
-]
-
-
-def device_dtype_params(dtypes):
-    """pytest params (device, dtype) for each device of DEVICES and each of dtypes[device], with the
-    device's marks, ids like "cpu-float32"."""
-    params = []
-    for device in DEVICES:
-        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
-        for dtype in dtypes[name]:
-            params.append(pytest.param(name, dtype, marks=marks, id=f"{name}-{str(dtype).split('.')[-1]}"))
-    return params
 
 
 def cuda_test(fn):
@@ -65,6 +50,19 @@ def on_paths(*names):
     which path it runs."""
     return pytest.mark.parametrize("path", [pytest.param(n, marks=PATH_MARKS[n], id=n) for n in names],
                                    indirect=True)
+
+
+def on_paths_each(argname, values_by_path, ids=str):
+    """Like on_paths, for a test that takes its own values of argname on each path (say the dtypes
+    each path's kernels take): parametrizes (path, argname) over the pairs, ids like "cpu-float32"."""
+    params = [pytest.param(name, value, marks=PATH_MARKS[name], id=f"{name}-{ids(value)}")
+              for name, values in values_by_path.items() for value in values]
+    return pytest.mark.parametrize(("path", argname), params, indirect=["path"])
+
+
+def dtype_name(dtype):
+    """float32 for torch.float32: a short test id."""
+    return str(dtype).removeprefix("torch.")
 
 
 def kernel_names(fn):

@@ -1,9 +1,9 @@
 """Dense attention: values, log-sum-exps and gradients against a naive float64 reference and torch
 SDPA, over shapes (ragged lengths, Nq != Nk, GQA/MQA, head dims), causal alignments, scales and dtypes.
 
-Each test runs on CPU, and on CUDA where a GPU is present; the Hopper kernels' own cases (path sm90,
-their name in the profiler) at the end. Shapes, layouts and broadcasting: test_shapes.py; attn_mask:
-test_mask.py."""
+Each test runs on the cpu path, and on the cuda path (the GPU's default kernels) where a GPU is present;
+the Hopper kernels' own cases (path sm90, their name in the profiler) at the end. Shapes, layouts and
+broadcasting: test_shapes.py; attn_mask: test_mask.py."""
 import math
 
 import pytest
@@ -15,7 +15,6 @@ from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
 from helpers import (
-    DEVICES,
     ERROR_FLOOR,
     POISON_BYTES,
     assert_within_twice_sdpa,
@@ -48,11 +47,12 @@ SHAPES = [
 SHAPE_IDS = ["x".join(map(str, shape)) for shape in SHAPES]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_float64_matches_naive_reference(shape, mode, device):
+def test_float64_matches_naive_reference(shape, mode, path):
     """In float64 the kernel must agree with the naive formula to rounding."""
+    device = path.device
     inputs = make_inputs(shape, torch.float64, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
     gqa = shape[1] != shape[2]
@@ -75,12 +75,13 @@ def test_float64_matches_naive_reference(shape, mode, device):
         assert relative_error(g, w, zero_scale=problem_scale) < 1e-12, name
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, device):
+def test_low_precision_error_within_twice_sdpa(shape, is_causal, dtype, path):
     """Error against a float64 reference: at most twice torch SDPA's own error in the same dtype, plus a floor."""
+    device = path.device
     inputs = make_inputs(shape, dtype, device)
     gqa = shape[1] != shape[2]
     grad_out = random_grad_out(shape, device)
@@ -122,11 +123,12 @@ def test_cpu_any_thread_count(shape, threads, dtype):
     assert_within_twice_sdpa(got, baseline, want, dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("scale", [-0.3, 0.0, 2.0], ids=["negative", "zero", "large"])
-def test_any_scale_error_within_twice_sdpa(scale, device):
+def test_any_scale_error_within_twice_sdpa(scale, path):
     """The forward's fast path folds a positive scale into the row max; zero and negative scales take
     the general path. With whole key tiles (200 keys) both paths run; each must give SDPA's answer."""
+    device = path.device
     dtype = torch.bfloat16
     shape = (2, 4, 2, 130, 200, 64, 64)
     inputs = make_inputs(shape, dtype, device)
@@ -147,9 +149,10 @@ def test_any_scale_error_within_twice_sdpa(scale, device):
     assert_within_twice_sdpa(got, baseline, want, dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("mode", ["full", "causal", "causal_lower_right"])
-def test_lse_is_logsumexp_of_scaled_scores(mode, device):
+def test_lse_is_logsumexp_of_scaled_scores(mode, path):
+    device = path.device
     q, k, v = make_inputs((2, 4, 2, 65, 130, 32, 32), torch.float32 if device == "cpu" else torch.bfloat16, device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
     _, lse = flashattn_ext.attention_with_lse(
@@ -160,19 +163,19 @@ def test_lse_is_logsumexp_of_scaled_scores(mode, device):
     torch.testing.assert_close(lse.double(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_matches_torch_sdpa_lower_right_causal_bias(device):
+@on_paths("cpu", "cuda")
+def test_matches_torch_sdpa_lower_right_causal_bias(path):
     """Bottom-right alignment means what torch's causal_lower_right bias means."""
-    q, k, v = make_inputs((1, 2, 2, 40, 100, 16, 16), torch.float64, device)
+    q, k, v = make_inputs((1, 2, 2, 40, 100, 16, 16), torch.float64, path.device)
     ours, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_bias.causal_lower_right(40, 100))
     torch.testing.assert_close(ours, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_that_see_no_key_give_zero_and_finite_gradients(device):
+@on_paths("cpu", "cuda")
+def test_rows_that_see_no_key_give_zero_and_finite_gradients(path):
     """Bottom-right causal with len_q > len_k: the first len_q - len_k rows see no key."""
-    q, k, v = make_inputs((1, 2, 2, 9, 4, 8, 8), torch.float64, device)
+    q, k, v = make_inputs((1, 2, 2, 9, 4, 8, 8), torch.float64, path.device)
     out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, causal_lower_right=True)
     assert (out[:, :, :5] == 0).all() and torch.isneginf(lse[:, :, :5]).all()
     want, want_lse = naive_attention(q, k, v, is_causal=True, causal_lower_right=True)

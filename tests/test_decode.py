@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import POISON_BYTES, DEVICES, cuda_test, kernel_names, naive_attention, on_paths, poison_cuda_allocator
+from helpers import POISON_BYTES, cuda_test, kernel_names, naive_attention, on_paths, poison_cuda_allocator
 from helpers import relative_error
 
 # Largest error relative to the output's scale: the kernels accumulate 16-bit inputs in float32 (and
@@ -72,8 +72,9 @@ def reference(query, key_cache, value_cache, lengths, block_table, is_causal, sc
 @pytest.mark.parametrize("block_size", [None, 1, 16], ids=["contiguous", "paged1", "paged16"])
 @pytest.mark.parametrize("len_q, is_causal", [(1, False), (3, False), (3, True)])
 @pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (8, 2), (12, 2)])  # (12, 2): 18 rows a key head
-@pytest.mark.parametrize("device", DEVICES)
-def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv, device):
+@on_paths("cpu", "cuda")
+def test_matches_float64(dtype, block_size, len_q, is_causal, heads_q, heads_kv, path):
+    device = path.device
     skip_unless_covered(device, dtype)
     gen = torch.Generator().manual_seed(0)
     capacity, dim = 40, 32
@@ -126,25 +127,25 @@ def check_small_cache(device, dtype, block_size, seed, is_causal, **options):
     [dict(window=(5, 0), is_causal=True), dict(window=(6, 2)), dict(softcap=1.5), dict(softcap=1.5, window=(3, None))],
     ids=["causal_window", "two_sided_window", "softcap", "softcap_left_window"],
 )
-@pytest.mark.parametrize("device", DEVICES)
-def test_window_and_softcap(options, block_size, dtype, device):
+@on_paths("cpu", "cuda")
+def test_window_and_softcap(options, block_size, dtype, path):
     """Windows around the bottom-right diagonal and softcapping; rows whose window holds no key get 0."""
     options = dict(options)
     is_causal = options.pop("is_causal", False)
-    out, seen = check_small_cache(device, dtype, block_size, 6, is_causal, **options)
+    out, seen = check_small_cache(path.device, dtype, block_size, 6, is_causal, **options)
     assert torch.all(out[~seen] == 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
 @pytest.mark.parametrize("per_sequence", [False, True], ids=["per_head", "per_sequence"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_alibi(per_sequence, block_size, dtype, device):
+@on_paths("cpu", "cuda")
+def test_alibi(per_sequence, block_size, dtype, path):
     """ALiBi's distances from the bottom-right diagonal, with a causal window on top."""
     slopes = torch.tensor([2.0 ** -(h + 1) for h in range(8)])
     if per_sequence:
         slopes = torch.stack([slopes, slopes.flip(0), slopes * 0.5])
-    check_small_cache(device, dtype, block_size, 8, True, window=(30, None), alibi_slopes=slopes)
+    check_small_cache(path.device, dtype, block_size, 8, True, window=(30, None), alibi_slopes=slopes)
 
 
 # ALiBi's usual slopes for 32 heads: 2^-0.25 down to 2^-8.
@@ -181,10 +182,11 @@ def test_window_and_softcap_across_chunks_on_cuda(options, block_size):
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("device", DEVICES)
-def test_index_tensors_are_read_in_place_through_their_strides(index_dtype, device):
+@on_paths("cpu", "cuda")
+def test_index_tensors_are_read_in_place_through_their_strides(index_dtype, path):
     """cache_seqlens and block_table as strided views of larger tensors (no copy is made of them): the
     same result as contiguous copies, against the float64 reference."""
+    device = path.device
     gen = torch.Generator().manual_seed(8)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     capacity, dim = 40, 16
@@ -210,8 +212,9 @@ def test_index_tensors_are_read_in_place_through_their_strides(index_dtype, devi
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_new_keys_are_written_into_the_cache_then_seen(block_size, device):
+@on_paths("cpu", "cuda")
+def test_new_keys_are_written_into_the_cache_then_seen(block_size, path):
+    device = path.device
     gen = torch.Generator().manual_seed(1)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     capacity, dim, dim_v, len_new = 24, 16, 8, 2
@@ -243,11 +246,12 @@ def test_new_keys_are_written_into_the_cache_then_seen(block_size, device):
 
 
 @pytest.mark.parametrize("layout", ["sequence_major", "column_strided", "odd_dims"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_strided_views_and_sdpa_agree(layout, device):
+@on_paths("cpu", "cuda")
+def test_strided_views_and_sdpa_agree(layout, path):
     """Caches in layouts other than (B, H, capacity, D) contiguous, and a sequence-major query, against
     SDPA: a (B, capacity, H, D) cache seen as (B, H, capacity, D); a cache whose columns are strided (a
     transposed (B, H, D, capacity) store); head dims 20 and 12, whose rows are no whole 16-byte pieces."""
+    device = path.device
     gen = torch.Generator().manual_seed(2)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dim, dim_v = (20, 12) if layout == "odd_dims" else (16, 16)
@@ -267,8 +271,9 @@ def test_strided_views_and_sdpa_agree(layout, device):
 
 
 @pytest.mark.parametrize("with_new", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck(with_new, device):
+@on_paths("cpu", "cuda")
+def test_opcheck(with_new, path):
+    device = path.device
     gen = torch.Generator().manual_seed(3)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     key_cache, value_cache, table = make_cache(2, 2, 12, 8, 8, dtype, 4, gen)

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, POISON_BYTES, cuda_test, draw_rng_state, kernel_names, math_with_dropout_mask
+from helpers import ERROR_FLOOR, POISON_BYTES, cuda_test, draw_rng_state, kernel_names, math_with_dropout_mask
 from helpers import on_paths, poison_cuda_allocator, random_attn_mask, random_inputs, relative_error
 from helpers import dropout_bits  # noqa: F401  (a fixture)
 
@@ -77,8 +77,9 @@ def test_dropout_bits_setting():
     assert flashattn_ext.get_dropout_bits() == 8
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_mask_op_matches_numpy_philox(device, dropout_bits):
+@on_paths("cpu", "cuda")
+def test_mask_op_matches_numpy_philox(path, dropout_bits):
+    device = path.device
     torch.manual_seed(11)
     for dropout_p, shape in ((0.3, (2, 3, 37, 29)), (0.875, (1, 2, 16, 70)), (0.6, (1, 1, 50, 40)), (1.0, (1, 1, 5, 6))):
         rng_state = draw_rng_state(device, dropout_p)
@@ -93,8 +94,9 @@ def test_mask_op_matches_numpy_philox(device, dropout_bits):
             assert torch.equal(ops.dropout_mask(rng_state, dropout_p, *shape, begin, end), got[:, :, begin:end])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_kept_fraction_and_independence(device, dropout_bits):
+@on_paths("cpu", "cuda")
+def test_kept_fraction_and_independence(path, dropout_bits):
+    device = path.device
     torch.manual_seed(0)
     for dropout_p in (0.1, 0.5, 0.9):
         mask = ops.dropout_mask(draw_rng_state(device, dropout_p), dropout_p, 2, 4, 128, 256, 0, 128).double()
@@ -118,10 +120,11 @@ def test_kept_fraction_and_independence(device, dropout_bits):
     assert torch.equal(again, ops.dropout_mask(draw_rng_state(device, 0.5), 0.5, 1, 2, 64, 64, 0, 64))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_backward_draws_what_its_forward_drew(device):
+@on_paths("cpu", "cuda")
+def test_backward_draws_what_its_forward_drew(path):
     """A forward with 16-bit numbers, the setting changed to 8 before its backward: the backward
     still drops what the forward dropped (its rng_state records the bits)."""
+    device = path.device
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     q, k, v = (torch.randn(1, 2, 48, 64, device=device, dtype=dtype) for _ in range(3))
     grad_out = torch.randn_like(q)
@@ -200,18 +203,19 @@ def test_cpu_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwar
     assert 0 < keep.float().mean().item() < 1
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_dropout_one_gives_zeros_and_zero_gradients(device):
-    q, k, v = (torch.randn(1, 2, 20, 16, device=device, requires_grad=True) for _ in range(3))
+@on_paths("cpu", "cuda")
+def test_dropout_one_gives_zeros_and_zero_gradients(path):
+    q, k, v = (torch.randn(1, 2, 20, 16, device=path.device, requires_grad=True) for _ in range(3))
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
     assert torch.equal(out, torch.zeros_like(out))
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_dropout_with_a_mask_and_causal_bias(device):
+@on_paths("cpu", "cuda")
+def test_dropout_with_a_mask_and_causal_bias(path):
     """Dropout composes with attn_mask (tensor and CausalBias), compared with the math backend."""
+    device = path.device
     torch.manual_seed(3)
     q, k, v = (torch.randn(1, 2, 24, 8, device=device, dtype=torch.float64) for _ in range(3))
     bool_mask = torch.rand(24, 24, device=device) > 0.3
@@ -235,14 +239,13 @@ CUDA_CASES = [
 ]
 
 
-@cuda_test
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@on_paths("cuda", "deterministic")
 @pytest.mark.parametrize("dtype,shape,dropout_p,kwargs", CUDA_CASES, ids=lambda x: str(x))
-def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs, deterministic, dropout_bits):
+def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwargs, path, dropout_bits):
     batch, heads_q, heads_kv, len_q, len_k, dim = shape
     q = torch.randn(batch, heads_q, len_q, dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(batch, heads_kv, len_k, dim, dtype=dtype, device="cuda") for _ in range(2))
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(path.name == "deterministic")
     try:
         _, keep = check_against_mask_reference(q, k, v, dropout_p, **kwargs)
     finally:

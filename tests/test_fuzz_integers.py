@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, cuda_test, naive_attention, relative_error
+from helpers import cuda_test, naive_attention, on_paths, relative_error
 from test_decode import make_cache, reference
 
 EXTREMES = [0, 1, -1, 2**31 - 1, 2**31, -(2**31), 2**63 - 1, -(2**63)]
@@ -135,8 +135,9 @@ def check_decode(device, query, key_cache, value_cache, lengths, table, new, seq
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("with_new", [False, True], ids=["", "append"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_lengths(device, paged, with_new, index_dtype):
+@on_paths("cpu", "cuda")
+def test_decode_lengths(path, paged, with_new, index_dtype):
+    device = path.device
     query, key_cache, value_cache, table, new = decode_case(device, paged, with_new)
     room = CAPACITY - (1 if with_new else 0)
     for value in EXTREMES + [room, room + 1, CAPACITY]:
@@ -147,9 +148,10 @@ def test_decode_lengths(device, paged, with_new, index_dtype):
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
 @pytest.mark.parametrize("with_new", [False, True], ids=["", "append"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_block_table(device, with_new, index_dtype):
+@on_paths("cpu", "cuda")
+def test_decode_block_table(path, with_new, index_dtype):
     """Sequence 1's second block (which its 7 keys reach) and its third (which they do not: never read)."""
+    device = path.device
     query, key_cache, value_cache, table, new = decode_case(device, True, with_new)
     num_blocks = key_cache.shape[0]
     for column, read in ((1, True), (2, False)):
@@ -161,8 +163,9 @@ def test_decode_block_table(device, with_new, index_dtype):
                 check_decode(device, query, key_cache, value_cache, [5, 7], bad_table, new, [True, ok])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_index_types_and_devices(device):
+@on_paths("cpu", "cuda")
+def test_decode_index_types_and_devices(path):
+    device = path.device
     query, key_cache, value_cache, table, new = decode_case(device, True, True)
     lengths = torch.tensor([5, 7])
     for bad_lengths in (lengths.float(), lengths.to(torch.int16), lengths.bool(), lengths.to("meta"), [5, 7],
@@ -179,8 +182,9 @@ def test_decode_index_types_and_devices(device):
 
 
 # The repro of issue 44: an int64 length near 2^63 with new keys overflowed the length check.
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_length_near_int64_max_with_new_keys(device):
+@on_paths("cpu", "cuda")
+def test_decode_length_near_int64_max_with_new_keys(path):
+    device = path.device
     query, key_cache, value_cache, table, new = decode_case(device, True, True)
     check_decode(device, query, key_cache, value_cache, torch.tensor([5, 2**63 - 1]), table, new, [True, False])
 
@@ -189,8 +193,9 @@ WINDOWS = [(None, 2**63 - 1), (2**63 - 1, None), (2**63 - 1, 2**63 - 1), (2**31,
            (1, 2**62), (2**63 - 1, 0)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_windows(device):
+@on_paths("cpu", "cuda")
+def test_decode_windows(path):
+    device = path.device
     query, key_cache, value_cache, table, new = decode_case(device, True, True)
     for window in WINDOWS:
         check_decode(device, query, key_cache, value_cache, [5, 7], table, new, [True, True], window=window)
@@ -207,8 +212,9 @@ def reference_window(window):
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
-def test_dense_windows(device, is_causal):
+@on_paths("cpu", "cuda")
+def test_dense_windows(path, is_causal):
+    device = path.device
     gen = torch.Generator().manual_seed(1)
     dtype = dtype_on(device)
     q, k, v = (torch.randn(2, 2, n, 16, generator=gen, dtype=torch.float64).to(dtype).double() for n in (24, 40, 40))
@@ -268,8 +274,9 @@ def check_varlen(device, q, k, v, cu_seqlens, max_seqlen, valid, **options):
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("device", DEVICES)
-def test_varlen_bounds(device, index_dtype):
+@on_paths("cpu", "cuda")
+def test_varlen_bounds(path, index_dtype):
+    device = path.device
     q, k, v = varlen_case(device)
     bounds = [0, 5, 5, 14]
     for position in (0, 1, 3):
@@ -282,8 +289,9 @@ def test_varlen_bounds(device, index_dtype):
                 check_varlen(device, q, k, v, torch.tensor(bad, dtype=index_dtype), 9, valid, is_causal=True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_varlen_max_seqlen(device):
+@on_paths("cpu", "cuda")
+def test_varlen_max_seqlen(path):
+    device = path.device
     q, k, v = varlen_case(device)
     cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
     for value in EXTREMES + [8, 9, 2**63, 9.0, True, None]:
@@ -291,8 +299,9 @@ def test_varlen_max_seqlen(device):
         check_varlen(device, q, k, v, cu, value, valid)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_varlen_index_types_and_devices(device):
+@on_paths("cpu", "cuda")
+def test_varlen_index_types_and_devices(path):
+    device = path.device
     q, k, v = varlen_case(device)
     cu = torch.tensor([0, 5, 5, 14], dtype=torch.int32)
     for bad in (cu.float(), cu.to(torch.int16), cu.bool(), cu.to("meta"), [0, 5, 5, 14], cu[None], cu[:0]):
@@ -301,9 +310,10 @@ def test_varlen_index_types_and_devices(device):
         check_varlen(device, q, k, v, cu, 9, True, window=window, is_causal=True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_meta_tensors_beside_real_ones(device):
+@on_paths("cpu", "cuda")
+def test_meta_tensors_beside_real_ones(path):
     """A meta tensor among real ones dispatches to the fake kernels, which must raise as the real ones do."""
+    device = path.device
     dtype = dtype_on(device)
     q, k, v = (torch.randn(1, 2, 8, 16, device=device, dtype=dtype) for _ in range(3))
     mask = torch.ones(8, 8, dtype=torch.bool)
@@ -313,8 +323,9 @@ def test_meta_tensors_beside_real_ones(device):
         assert raises_clearly(call)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_dropout_mask_rows(device):
+@on_paths("cpu", "cuda")
+def test_dropout_mask_rows(path):
+    device = path.device
     # (the rng_state of a forward with dropout, as the op returns it)
     _, _, rng_state = torch.ops.flashattn_ext.attention_forward(
         *(torch.randn(1, 1, 4, 8, device=device, dtype=dtype_on(device)) for _ in range(3)), None, 0.5, False, False,

@@ -11,7 +11,6 @@ from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
 from helpers import (
-    DEVICES,
     ERROR_FLOOR,
     POISON_BYTES,
     assert_within_twice_sdpa,
@@ -113,10 +112,11 @@ def random_mask(shape, dtype, seed):
     return torch.randn(shape, generator=gen, dtype=dtype)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("mask_name", list(MASKS))
-def test_attn_mask_matches_sdpa(mask_name, device):
+def test_attn_mask_matches_sdpa(mask_name, path):
     """Bool and float masks of broadcast shapes, read in place; the float mask's gradient too."""
+    device = path.device
     shape, dtype = MASKS[mask_name]
     q, k, v = random_qkv((2, 3, 70, 16), (2, 3, 90, 16), (2, 3, 90, 16), torch.float64, device)
     mask = random_mask(shape, dtype, seed=1).to(device)
@@ -145,12 +145,11 @@ KERNEL_MASKS = {
 }
 
 
-@cuda_test
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@on_paths("cuda", "deterministic")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mask_name", list(KERNEL_MASKS))
-def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, deterministic):
+def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, path):
     """The CUDA kernels read bool and float masks in place and give a float mask's gradient:
     within twice torch SDPA's own error in the same dtype, against float64, in both dQ modes."""
     shape = KERNEL_MASKS[mask_name]
@@ -173,7 +172,7 @@ def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, deterministic):
         wrt = leaves + ([mask_leaf] if mask.requires_grad else [])
         return (out.detach(), *torch.autograd.grad(out, wrt, grad_out.to(out.dtype)))
 
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(path.name == "deterministic")
     try:
         got = run(flashattn_ext.scaled_dot_product_attention, q, k, v, mask)
     finally:
@@ -201,10 +200,10 @@ def test_cuda_kernels_rows_a_mask_hides_entirely():
         assert torch.isfinite(t.grad).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("variant", ["upper_left", "lower_right"])
-def test_causal_bias_objects_match_sdpa(variant, device):
-    q, k, v = random_qkv((1, 2, 40, 16), (1, 2, 100, 16), (1, 2, 100, 16), torch.float64, device)
+def test_causal_bias_objects_match_sdpa(variant, path):
+    q, k, v = random_qkv((1, 2, 40, 16), (1, 2, 100, 16), (1, 2, 100, 16), torch.float64, path.device)
     causal = getattr(sdpa_bias, f"causal_{variant}")(40, 100)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, attn_mask=causal)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=causal)
@@ -215,9 +214,10 @@ def test_causal_bias_objects_match_sdpa(variant, device):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rows_a_mask_hides_entirely_give_zero(device):
+@on_paths("cpu", "cuda")
+def test_rows_a_mask_hides_entirely_give_zero(path):
     """A bool mask that hides every key of some rows: those rows get 0, as in torch SDPA, and finite gradients."""
+    device = path.device
     q, k, v = random_qkv((1, 2, 20, 8), (1, 2, 30, 8), (1, 2, 30, 8), torch.float64, device)
     mask = random_mask((20, 30), torch.bool, seed=3).to(device)
     mask[[0, 7, 19]] = False

@@ -8,7 +8,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import CUDA_REASON, DEVICES, random_qkv, seq_major_qkv
+from helpers import CUDA_REASON, on_paths, random_qkv, seq_major_qkv
 
 ops = torch.ops.flashattn_ext
 
@@ -17,7 +17,7 @@ def forward_args(q, k, v, is_causal=False, lower_right=False, scale=0.5):
     return (q, k, v, None, 0.0, is_causal, lower_right, scale)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize(
     "mode,heads_kv,len_q,len_k",
     [
@@ -27,8 +27,8 @@ def forward_args(q, k, v, is_causal=False, lower_right=False, scale=0.5):
         ("causal_lower_right", 2, 5, 9),
     ],
 )
-def test_gradcheck(mode, heads_kv, len_q, len_k, device):
-    q, k, v = random_qkv((2, 2, len_q, 6), (2, heads_kv, len_k, 6), (2, heads_kv, len_k, 7), torch.float64, device)
+def test_gradcheck(mode, heads_kv, len_q, len_k, path):
+    q, k, v = random_qkv((2, 2, len_q, 6), (2, heads_kv, len_k, 6), (2, heads_kv, len_k, 7), torch.float64, path.device)
     is_causal, lower_right = mode != "full", mode == "causal_lower_right"
 
     def out_of_op(q, k, v):
@@ -37,8 +37,9 @@ def test_gradcheck(mode, heads_kv, len_q, len_k, device):
     assert torch.autograd.gradcheck(out_of_op, (q, k, v))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gradcheck_through_a_float_mask(device):
+@on_paths("cpu", "cuda")
+def test_gradcheck_through_a_float_mask(path):
+    device = path.device
     q, k, v = random_qkv((1, 2, 5, 6), (1, 2, 7, 6), (1, 2, 7, 6), torch.float64, device)
     mask = torch.randn(1, 1, 5, 7, dtype=torch.float64, device=device, requires_grad=True)
     assert torch.autograd.gradcheck(
@@ -46,8 +47,9 @@ def test_gradcheck_through_a_float_mask(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_with_masks(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_with_masks(path):
+    device = path.device
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), torch.float64, device)
     bool_mask = (torch.rand(33, 17, device=device) > 0.2).expand(2, 4, 33, 17)
     float_mask = torch.randn(2, 1, 33, 17, dtype=torch.float64, device=device).expand(2, 4, 33, 17)
@@ -62,23 +64,24 @@ def test_opcheck_with_masks(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gradcheck_shim_with_views(device):
-    q, k, v = seq_major_qkv(1, 11, 2, 8, device, seed=3)
+@on_paths("cpu", "cuda")
+def test_gradcheck_shim_with_views(path):
+    q, k, v = seq_major_qkv(1, 11, 2, 8, path.device, seed=3)
     assert torch.autograd.gradcheck(
         lambda q, k, v: flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v)
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_opcheck_forward(dtype, device):
-    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
+def test_opcheck_forward(dtype, path):
+    q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, path.device)
     torch.library.opcheck(ops.attention_forward.default, forward_args(q, k, v, is_causal=True))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_backward(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_backward(path):
+    device = path.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
     q, k, v = (t.detach() for t in (q, k, v))
@@ -89,9 +92,10 @@ def test_opcheck_backward(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_and_gradcheck_with_alibi(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_and_gradcheck_with_alibi(path):
     """ALiBi's slopes as an (Hq,) vector expanded to (batch, Hq): read in place through stride 0."""
+    device = path.device
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), torch.float64, device)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=device).expand(2, 4)
     args = (q, k, v, None, 0.0, True, True, 0.5, -1, -1, 0.0, slopes)
@@ -105,9 +109,10 @@ def test_opcheck_and_gradcheck_with_alibi(device):
     )
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_and_gradcheck_varlen(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_and_gradcheck_varlen(path):
     """The packed-batch ops: an empty sequence, GQA, causal bottom-right, int64 bounds."""
+    device = path.device
     q = torch.randn(12, 4, 8, dtype=torch.float64, device=device, requires_grad=True)
     k, v = (torch.randn(15, 2, 8, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
     cu_q, cu_k = torch.tensor([0, 5, 5, 12], device=device), torch.tensor([0, 9, 11, 15], device=device)
@@ -119,8 +124,9 @@ def test_opcheck_and_gradcheck_varlen(device):
     torch.library.opcheck(ops.varlen_backward.default, (torch.randn_like(out), q, k, v, out, lse, *args))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_with_dropout(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_with_dropout(path):
+    device = path.device
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 33, 16), (2, 2, 17, 16), (2, 2, 17, 16), dtype, device)
     torch.library.opcheck(ops.attention_forward.default, (q, k, v, None, 0.3, True, False, 0.5))
@@ -134,9 +140,9 @@ def test_opcheck_with_dropout(device):
     torch.library.opcheck(ops.dropout_mask.default, (rng_state, 0.3, 2, 4, 33, 17, 5, 20))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
-    q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, device)
+@on_paths("cpu", "cuda")
+def test_lse_is_not_differentiable_and_only_needed_grads_flow(path):
+    q, k, v = random_qkv((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4), torch.float64, path.device)
     v.requires_grad_(False)
     out, lse = flashattn_ext.attention_with_lse(q, k, v)
     assert out.requires_grad and not lse.requires_grad
@@ -144,11 +150,12 @@ def test_lse_is_not_differentiable_and_only_needed_grads_flow(device):
     assert q.grad is not None and k.grad is not None and v.grad is None
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("case", ["causal_gqa", "lower_right", "float_mask", "bool_mask", "dropout"])
-def test_gradgradcheck(case, device):
+def test_gradgradcheck(case, path):
     """Second derivatives (gradgradcheck, float64) through every kind of call, including a float
     mask's and dropout's (the same mask on every call: the seed is fixed inside)."""
+    device = path.device
     q, k, v = random_qkv((1, 4, 6, 5), (1, 2, 7, 5), (1, 2, 7, 3), torch.float64, device)
     mask = None
     if case == "float_mask":
@@ -249,9 +256,10 @@ def test_bad_arguments_to_the_ops():
 
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiles_without_graph_breaks(device):
+@on_paths("cpu", "cuda")
+def test_compiles_without_graph_breaks(path):
     """The shim traces into one graph (fullgraph=True), forward and backward, and matches eager."""
+    device = path.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 40, 16), (2, 2, 40, 16), (2, 2, 40, 16), dtype, device)
 
@@ -268,10 +276,11 @@ def test_compiles_without_graph_breaks(device):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiles_with_dropout_without_graph_breaks(device):
+@on_paths("cpu", "cuda")
+def test_compiles_with_dropout_without_graph_breaks(path):
     """Dropout inside a compiled graph draws from torch's generator as eager does: the same seed
     gives eager's values and gradients, another seed another mask."""
+    device = path.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     q, k, v = random_qkv((2, 4, 40, 16), (2, 4, 40, 16), (2, 4, 40, 16), dtype, device)
 
@@ -289,9 +298,10 @@ def test_compiles_with_dropout_without_graph_breaks(device):
     assert not torch.equal(results["compiled"][0], results["other seed"][0])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_compiles_with_masks_without_graph_breaks(device):
+@on_paths("cpu", "cuda")
+def test_compiles_with_masks_without_graph_breaks(path):
     """A float mask that requires grad, and a CausalBias object, trace into one graph too."""
+    device = path.device
     q, k, v = random_qkv((2, 4, 40, 16), (2, 4, 40, 16), (2, 4, 40, 16), torch.float32, device)
     mask = torch.randn(40, 40, device=device, requires_grad=True)
     causal = causal_lower_right(40, 40)  # dynamo cannot construct a CausalBias inside the graph

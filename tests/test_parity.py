@@ -16,16 +16,15 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, draw_rng_state, math_with_dropout_mask, relative_error
+from helpers import ERROR_FLOOR, draw_rng_state, math_with_dropout_mask, on_paths_each, relative_error
 
-CASES_PER_DEVICE = {"cpu": 40, "cuda": 40}
+SEEDS_BY_PATH = {"cpu": range(40), "cuda": range(40)}  # one case a seed
 MASK_KINDS = ("none", "is_causal", "bool", "float", "float_grad", "causal_upper_left", "causal_lower_right")
 
 
@@ -160,15 +159,9 @@ def dropout_mask_of_call(call, device, seed):
     return keep.reshape(*call.leading, heads_q, call.len_q, call.len_k)
 
 
-def parity_params():
-    for device in DEVICES:
-        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
-        for seed in range(CASES_PER_DEVICE[name]):
-            yield pytest.param(name, seed, marks=marks, id=f"{name}-seed{seed}")
-
-
-@pytest.mark.parametrize("device,seed", list(parity_params()))
-def test_parity_with_sdpa(device, seed):
+@on_paths_each("seed", SEEDS_BY_PATH, ids=lambda seed: f"seed{seed}")
+def test_parity_with_sdpa(path, seed):
+    device = path.device
     call, redraw = draw_call(seed), seed
     while sees_no_key(call):  # draw again until every query row sees a key
         redraw += 10_000

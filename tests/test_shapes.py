@@ -1,6 +1,7 @@
 """Shapes and layouts: empty dimensions, no heads, SDPA's leading dims and broadcasting, views and
 strides, storage offsets, explicit scales and partial requires_grad, and a module swapped onto the
-shim, against torch SDPA. Each test runs on CPU, and on CUDA where a GPU is present."""
+shim, against torch SDPA. Each test runs on the cpu path, and on the cuda path (the GPU's default kernels)
+where a GPU is present."""
 import math
 
 import pytest
@@ -8,12 +9,13 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import DEVICES, make_inputs, random_qkv, seq_major_qkv
+from helpers import make_inputs, on_paths, random_qkv, seq_major_qkv
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("len_q,len_k,batch", [(5, 0, 2), (0, 7, 2), (5, 7, 0)])
-def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
+def test_empty_dimensions_match_sdpa(len_q, len_k, batch, path):
+    device = path.device
     q, k, v = make_inputs((batch, 2, 2, len_q, len_k, 8, 8), torch.float32 if device == "cpu" else torch.bfloat16, device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v)
     # torch's SDPA on CUDA returns None for batch 0, so the expectation comes from the CPU.
@@ -25,27 +27,27 @@ def test_empty_dimensions_match_sdpa(len_q, len_k, batch, device):
         assert t.grad.shape == t.shape and (t.grad == 0).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_zero_heads(dtype, device):
+def test_zero_heads(dtype, path):
     """No heads at all, through the kernels (bfloat16 on CUDA) and the ATen fallback (float32 on
     CUDA, whose query-head grouping divided 0 by 0 before)."""
-    q = torch.randn(2, 0, 5, 8, dtype=dtype, device=device, requires_grad=True)
+    q = torch.randn(2, 0, 5, 8, dtype=dtype, device=path.device, requires_grad=True)
     out = flashattn_ext.scaled_dot_product_attention(q, q, q, dropout_p=0.2)
     assert out.shape == (2, 0, 5, 8)
     out.sum().backward()
     assert q.grad.shape == q.shape
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_inputs_at_odd_storage_offsets(device):
+@on_paths("cpu", "cuda")
+def test_inputs_at_odd_storage_offsets(path):
     """q, k, v and grad_out that start 2 bytes into their storage, so no row is 16-byte aligned: the CUDA
     glue copies them to aligned rows first. Results match those of aligned copies of the same values."""
     shape = (2, 3, 70, 64)
 
     def at_odd_offset(seed):
         values = torch.randn(1 + math.prod(shape), generator=torch.Generator().manual_seed(seed))
-        return values.to(device=device, dtype=torch.bfloat16)[1:].view(shape)
+        return values.to(device=path.device, dtype=torch.bfloat16)[1:].view(shape)
 
     q, k, v, grad_out = (at_odd_offset(seed) for seed in range(4))
     results = []
@@ -58,10 +60,10 @@ def test_inputs_at_odd_storage_offsets(device):
         torch.testing.assert_close(got, want, msg=name)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_views_and_non_contiguous_grad_out(device):
+@on_paths("cpu", "cuda")
+def test_views_and_non_contiguous_grad_out(path):
     """(B, N, H, D) memory transposed to (B, H, N, D), and the stride-0 grad of out.sum()."""
-    q, k, v = seq_major_qkv(2, 33, 3, 16, device, seed=1)
+    q, k, v = seq_major_qkv(2, 33, 3, 16, path.device, seed=1)
     assert not q.is_contiguous()
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.sum().backward()
@@ -75,7 +77,7 @@ def test_views_and_non_contiguous_grad_out(device):
         torch.testing.assert_close(got, t.grad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@on_paths("cpu", "cuda")
 @pytest.mark.parametrize(
     "shape_q,shape_k,shape_v,enable_gqa",
     [
@@ -87,8 +89,8 @@ def test_views_and_non_contiguous_grad_out(device):
         ((2, 3, 4, 5, 8), (2, 1, 2, 6, 8), (2, 1, 2, 6, 8), True),  # GQA with a broadcast batch dim
     ],
 )
-def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, device):
-    q, k, v = random_qkv(shape_q, shape_k, shape_v, torch.float64, device)
+def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, path):
+    q, k, v = random_qkv(shape_q, shape_k, shape_v, torch.float64, path.device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     assert out.shape == want.shape
@@ -101,13 +103,13 @@ def test_sdpa_shapes_and_broadcasting(shape_q, shape_k, shape_v, enable_gqa, dev
 
 
 @pytest.mark.parametrize("enable_gqa", [False, True])
-@pytest.mark.parametrize("device", DEVICES)
-def test_four_dim_inputs_reach_the_op_as_they_are(enable_gqa, device):
+@on_paths("cpu", "cuda")
+def test_four_dim_inputs_reach_the_op_as_they_are(enable_gqa, path):
     """(B, H, L, E) inputs, the usual call, go to the op without views of them: each would add an
     autograd node to every forward and backward (host time that small calls notice); the gradients
     still match SDPA's."""
     heads_kv = 2 if enable_gqa else 4
-    q, k, v = random_qkv((2, 4, 5, 8), (2, heads_kv, 6, 8), (2, heads_kv, 6, 8), torch.float64, device)
+    q, k, v = random_qkv((2, 4, 5, 8), (2, heads_kv, 6, 8), (2, heads_kv, 6, 8), torch.float64, path.device)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     assert "FlashAttentionFunction" in out.grad_fn.name()
     assert [type(fn).__name__ for fn, _ in out.grad_fn.next_functions[:3]] == ["AccumulateGrad"] * 3
@@ -118,9 +120,9 @@ def test_four_dim_inputs_reach_the_op_as_they_are(enable_gqa, device):
         torch.testing.assert_close(got, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_explicit_scale_and_partial_requires_grad(device):
-    q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, device)
+@on_paths("cpu", "cuda")
+def test_explicit_scale_and_partial_requires_grad(path):
+    q, k, v = make_inputs((1, 2, 2, 20, 30, 16, 16), torch.float64, path.device)
     k.requires_grad_(False)
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, scale=0.7)
     want = F.scaled_dot_product_attention(q, k, v, scale=0.7)
@@ -131,9 +133,10 @@ def test_explicit_scale_and_partial_requires_grad(device):
     torch.testing.assert_close(dv, want_dv)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_swaps_into_a_model(device):
+@on_paths("cpu", "cuda")
+def test_swaps_into_a_model(path):
     """A module written for F.scaled_dot_product_attention runs unchanged on the shim."""
+    device = path.device
 
     class SelfAttention(torch.nn.Module):
         def __init__(self, attention):

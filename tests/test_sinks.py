@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import DEVICES, cuda_test, kernel_names, on_paths, relative_error
+from helpers import cuda_test, kernel_names, on_paths, relative_error
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -68,8 +68,9 @@ def inputs(device, dtype, heads_kv=4, mask=None, seed=0, len_q=37, len_k=45):
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("device", DEVICES)
-def test_forward_and_gradients_match_float64(device, dtype, case):
+@on_paths("cpu", "cuda")
+def test_forward_and_gradients_match_float64(path, dtype, case):
+    device = path.device
     options = dict(CASES[case])
     heads_kv, mask = options.pop("heads_kv", 4), options.pop("mask", None)
     if device == "cuda" and dtype == torch.float64:
@@ -151,9 +152,10 @@ def test_gradcheck_in_float64():
         leaves)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_sink_is_plain_attention(device):
+@on_paths("cpu", "cuda")
+def test_no_sink_is_plain_attention(path):
     """Sinks of -inf take no weight: the same out and lse as without sinks."""
+    device = path.device
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     (q, k, v, _), _ = inputs(device, dtype)
     out, lse = flashattn_ext.attention_with_lse(q, k, v, is_causal=True,
@@ -183,9 +185,10 @@ def test_double_backward_is_refused():
         torch.autograd.grad(out.sum(), leaves, create_graph=True)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_with_sinks(device):
+@on_paths("cpu", "cuda")
+def test_opcheck_with_sinks(path):
     """The ops' schemas, fake kernels and autograd registration agree with sinks given."""
+    device = path.device
     dtype = torch.float64 if device == "cpu" else torch.bfloat16
     (q, k, v, sinks), _ = inputs(device, dtype, heads_kv=2, len_q=9, len_k=11)
     sinks = sinks.detach().requires_grad_()
@@ -208,10 +211,11 @@ def test_opcheck_with_sinks(device):
 
 
 @pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_attention_with_sinks(device, block_size):
+@on_paths("cpu", "cuda")
+def test_decode_attention_with_sinks(path, block_size):
     """decode_attention's sinks: 3 new tokens a sequence (causal, bottom-right) against caches of
     different lengths, one empty (out 0, lse the sink), against the float64 reference."""
+    device = path.device
     from test_decode import make_cache, sequence_rows
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     gen = torch.Generator().manual_seed(4)

@@ -17,14 +17,15 @@ import torch.nn.functional as F
 from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, cuda_test, naive_attention, poison_cuda_allocator, relative_error
+from helpers import ERROR_FLOOR, cuda_test, naive_attention, on_paths, on_paths_each, poison_cuda_allocator
+from helpers import relative_error
 
 LENGTHS = (1, 7, 63, 64, 65, 127, 128, 129, 255, 257, 1000)
 CUDA_ONLY_LENGTHS = (2048, 2049)
 FAVOURED_HEAD_DIMS = (64, 96, 128, 256)
 MODES = ("full", "causal", "causal_lower_right")
 GRAD_OUT_LAYOUTS = ("contiguous", "transposed", "broadcast")
-CASES_PER_DEVICE = {"cpu": 12, "cuda": 40}
+SEEDS_BY_PATH = {"cpu": range(12), "cuda": range(40)}  # one case a seed
 # CPU CI runs on 2 cores: its cases stay small enough for the sweep to take seconds.
 CPU_MAX_LENGTH, CPU_MAX_HEAD_DIM = 300, 128
 NAMES = ("out", "dq", "dk", "dv")
@@ -86,14 +87,6 @@ def draw_case(device, seed):
         seq_major=rng.random() < 0.5,
         grad_out=rng.choice(GRAD_OUT_LAYOUTS),
     )
-
-
-def sweep_params():
-    """(device, seed) for each sweep case, carrying the device's marks from DEVICES."""
-    for device in DEVICES:
-        (name,), marks = (device.values, device.marks) if hasattr(device, "values") else ((device,), ())
-        for seed in range(CASES_PER_DEVICE[name]):
-            yield pytest.param(name, seed, marks=marks, id=f"{name}-seed{seed}")
 
 
 def make_inputs(case, device, seed):
@@ -209,21 +202,21 @@ def deterministic_algorithms():
         torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
 
 
-@pytest.mark.parametrize("device,seed", list(sweep_params()))
-def test_sweep(device, seed):
-    case = draw_case(device, seed)
-    inputs = make_inputs(case, device, seed)
-    got, lse = ours(case, *inputs, poison=device == "cuda")
-    check_against_reference(case, inputs, got, lse, f"{device} seed {seed}: {case}")
+@on_paths_each("seed", SEEDS_BY_PATH, ids=lambda seed: f"seed{seed}")
+def test_sweep(path, seed):
+    case = draw_case(path.device, seed)
+    inputs = make_inputs(case, path.device, seed)
+    got, lse = ours(case, *inputs, poison=path.device == "cuda")
+    check_against_reference(case, inputs, got, lse, f"{path.name} seed {seed}: {case}")
 
 
-@cuda_test
-@pytest.mark.parametrize("seed", range(0, CASES_PER_DEVICE["cuda"], 2))
-def test_sweep_deterministic_backward(seed):
+@pytest.mark.parametrize("seed", SEEDS_BY_PATH["cuda"][::2])
+@on_paths("deterministic")
+def test_sweep_deterministic_backward(path, seed):
     """Every other CUDA sweep case again in deterministic mode, whose backward computes dQ in a
     separate pass instead of with atomics (the default the plain sweep runs)."""
-    case = draw_case("cuda", seed)
-    inputs = make_inputs(case, "cuda", seed)
+    case = draw_case(path.device, seed)
+    inputs = make_inputs(case, path.device, seed)
     with deterministic_algorithms():
         got, lse = ours(case, *inputs, poison=True)
     check_against_reference(case, inputs, got, lse, f"cuda seed {seed}, deterministic: {case}")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import device_dtype_params, relative_error
+from helpers import dtype_name, on_paths_each, relative_error
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -15,6 +15,8 @@ except ImportError as error:  # a transformers without AttentionInterface / Atte
 # Largest error relative to the largest magnitude: float32 runs come out within 1e-6; bfloat16 rounds
 # every layer's activations, and two implementations' roundings drift apart over the layers.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
+# The models' dtype on each path: the CUDA kernels take 16-bit types.
+DTYPES_BY_PATH = {"cpu": [torch.float32], "cuda": [torch.bfloat16]}
 
 
 def small_config(family):
@@ -50,10 +52,11 @@ def twin_models(family, device, dtype):
     return sdpa.to(device), ours.to(device)
 
 
-@pytest.mark.parametrize("device, dtype", device_dtype_params({"cpu": [torch.float32], "cuda": [torch.bfloat16]}))
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "right_padded"])
 @pytest.mark.parametrize("family", list(THEIRS))
-def test_training_step_matches_sdpa(family, padded, device, dtype):
+def test_training_step_matches_sdpa(family, padded, path, dtype):
+    device = path.device
     sdpa, ours = twin_models(family, device, dtype)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 96, (2, 24), generator=gen).to(device)
@@ -173,11 +176,12 @@ def test_names_with_flash_are_refused():
         flashattn_ext.register_with_transformers("flashattn_ext")
 
 
-@pytest.mark.parametrize("device, dtype", device_dtype_params({"cpu": [torch.float32], "cuda": [torch.bfloat16]}))
-def test_encoder_training_step_matches_sdpa_on_real_tokens(device, dtype):
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
+def test_encoder_training_step_matches_sdpa_on_real_tokens(path, dtype):
     """BERT on a right-padded batch: the backend's mask also hides the padding tokens' query rows
     (their outputs are 0, so that the kernels skip them); the loss (on real tokens), the real
     tokens' logits and every gradient are SDPA's."""
+    device = path.device
     config = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0)

@@ -6,28 +6,29 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import ERROR_FLOOR, POISON_BYTES, device_dtype_params, kernel_names, naive_attention, on_paths
+from helpers import ERROR_FLOOR, POISON_BYTES, dtype_name, kernel_names, naive_attention, on_paths, on_paths_each
 from helpers import poison_cuda_allocator, relative_error
 
 LENGTHS_Q = [5, 0, 140, 33]
 LENGTHS_K = [9, 4, 140, 0]  # a sequence with no key: out 0, lse -inf
 
 
-DEVICE_DTYPES = device_dtype_params({"cpu": (torch.float64, torch.float32), "cuda": (torch.bfloat16,)})
+DTYPES_BY_PATH = {"cpu": (torch.float64, torch.float32), "cuda": (torch.bfloat16,)}
 
 
 def cumulative(lengths, device):
     return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
 
 
-@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
 @pytest.mark.parametrize(
     "options",
     [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True), dict(window=(20, 3), softcap=3.0),
      dict(alibi_slopes="per_head", is_causal=True), dict(alibi_slopes="per_sequence")],
     ids=["full", "causal", "causal_lower_right", "window_softcap", "alibi_causal", "alibi_per_sequence"],
 )
-def test_matches_float64_sequence_by_sequence(options, device, dtype):
+def test_matches_float64_sequence_by_sequence(options, path, dtype):
+    device = path.device
     gen = torch.Generator().manual_seed(0)
     heads_q, heads_kv, dim, dim_v = 4, 2, 16, 24
     q = torch.randn(sum(LENGTHS_Q), heads_q, dim, generator=gen, dtype=torch.float64)
@@ -107,11 +108,12 @@ def test_bad_arguments(fn, exception, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
 @pytest.mark.parametrize("is_causal", [False, True])
-def test_nested_tensors_in_scaled_dot_product_attention(is_causal, device, dtype):
+def test_nested_tensors_in_scaled_dot_product_attention(is_causal, path, dtype):
     """Jagged nested tensors (N, H, j, E), as SDPA takes them (here with GQA, which SDPA's own nested
     path lacks): values and gradients against each sequence's naive attention in float64."""
+    device = path.device
     gen = torch.Generator().manual_seed(1)
     lengths = [7, 1, 130]
     parts = {name: [torch.randn(n, heads, 16, generator=gen, dtype=torch.float64) for n in lengths]

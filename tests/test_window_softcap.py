@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import DEVICES, ERROR_FLOOR, POISON_BYTES, device_dtype_params, draw_rng_state, kernel_names
+from helpers import ERROR_FLOOR, POISON_BYTES, draw_rng_state, kernel_names
 from helpers import math_with_dropout_mask, naive_attention, on_paths, poison_cuda_allocator, random_inputs
-from helpers import relative_error
+from helpers import dtype_name, on_paths_each, relative_error
 
-DEVICE_DTYPES = device_dtype_params({"cpu": (torch.float64, torch.float32, torch.bfloat16),
-                                     "cuda": (torch.float32, torch.bfloat16)})
+DTYPES_BY_PATH = {"cpu": (torch.float64, torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16)}
 
 
 def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None, seed=0):
@@ -80,7 +79,7 @@ def implementation(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
 @pytest.mark.parametrize("len_q, len_k", [(300, 300), (150, 420), (420, 150)])
 @pytest.mark.parametrize(
     "options",
@@ -99,19 +98,20 @@ def implementation(request, monkeypatch):
     ids=["causal_window", "two_sided", "right_only", "left_only", "softcap", "softcap_causal_window", "alibi",
          "alibi_causal_lower_right", "alibi_per_batch_causal", "alibi_softcap_window"],
 )
-def test_matches_float64(options, len_q, len_k, device, dtype, implementation):
-    check(device, dtype, len_q, len_k, options)
+def test_matches_float64(options, len_q, len_k, path, dtype, implementation):
+    check(path.device, dtype, len_q, len_k, options)
 
 
-@pytest.mark.parametrize("device, dtype", DEVICE_DTYPES)
-def test_softcap_with_float_mask_and_its_gradient(device, dtype, implementation):
+@on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
+def test_softcap_with_float_mask_and_its_gradient(path, dtype, implementation):
     """The mask adds to the capped scores; its gradient is that of the capped scores."""
     mask = torch.randn(1, 4, 140, 170, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    check(device, dtype, 140, 170, dict(softcap=1.5, window=(60, 20)), mask=mask)
+    check(path.device, dtype, 140, 170, dict(softcap=1.5, window=(60, 20)), mask=mask)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_window_equals_sdpa_with_the_window_as_a_mask(device):
+@on_paths("cpu", "cuda")
+def test_window_equals_sdpa_with_the_window_as_a_mask(path):
+    device = path.device
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(1, 2, 200, 16, generator=gen).to(device) for _ in range(3))
     rows, cols = torch.arange(200)[:, None], torch.arange(200)[None, :]
@@ -155,8 +155,9 @@ def test_double_backward_with_window_and_softcap():
     assert torch.autograd.gradgradcheck(fn, (q, k, v))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_alibi_equals_sdpa_with_the_bias_as_a_float_mask(device):
+@on_paths("cpu", "cuda")
+def test_alibi_equals_sdpa_with_the_bias_as_a_float_mask(path):
+    device = path.device
     gen = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 3, 150, 16, generator=gen).to(device) for _ in range(3))
     slopes = torch.tensor([0.5, 0.125, 0.03125], device=device)
