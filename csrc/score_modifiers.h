@@ -85,6 +85,17 @@ FLASHATTN_EXT_HOST_DEVICE X alibi_bias(A slope, const X& distance) {
   return -slope * distance;
 }
 
+// An additive mask's element as A: a cast, where a path's types do not say
+// otherwise (the CUDA kernels' 16-bit types, whose conversion operators torch's
+// builds turn off: cuda/score_modifiers.cuh).
+template <typename Elem>
+struct ElementTo {
+  template <typename A>
+  FLASHATTN_EXT_HOST_DEVICE static A convert(Elem x) {
+    return static_cast<A>(x);
+  }
+};
+
 // The attn_mask of one (batch b, query head h) (Elem: the inputs' type, of an
 // additive mask), read in place through its strides (0 where it broadcasts),
 // one element at a time.
@@ -109,7 +120,7 @@ struct HeadMask {
   FLASHATTN_EXT_HOST_DEVICE A apply(A score, int64_t i, int64_t j) const {
     const int64_t offset = i * stride_row + j * stride_col;
     if (kind == MaskKind::kBool) return reinterpret_cast<const bool*>(base)[offset] ? score : static_cast<A>(-INFINITY);
-    return score + static_cast<A>(reinterpret_cast<const Elem*>(base)[offset]) * units;
+    return score + ElementTo<Elem>::template convert<A>(reinterpret_cast<const Elem*>(base)[offset]) * units;
   }
 };
 

@@ -12,7 +12,24 @@
 #include "flash_params.h"
 #include "score_modifiers.h"
 
-namespace flashattn_ext::cuda {
+namespace flashattn_ext {
+
+template <>
+struct ElementTo<__nv_bfloat16> {
+  template <typename A>
+  __device__ __forceinline__ static A convert(__nv_bfloat16 x) {
+    return static_cast<A>(cuda::ptx::to_float(x));
+  }
+};
+template <>
+struct ElementTo<__half> {
+  template <typename A>
+  __device__ __forceinline__ static A convert(__half x) {
+    return static_cast<A>(cuda::ptx::to_float(x));
+  }
+};
+
+namespace cuda {
 
 // Raw scores x become x * score_scale_log2(p).
 __device__ __forceinline__ float score_scale_log2(const AttentionProblem& p) {
@@ -52,4 +69,5 @@ struct HeadMaskLog2 : HeadMask<Elem, float> {
       : HeadMask<Elem, float>(kind, mask, b, h, kLog2Units) {}
 };
 
-}  // namespace flashattn_ext::cuda
+}  // namespace cuda
+}  // namespace flashattn_ext
