@@ -54,8 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # benchmark this checkout's flashattn_ext, not another install
+from bench_timing import MAX_REPS, MIN_REPS, REPO, WARMUP_CALLS, median_seconds
 
 try:
     from flashattn_ext import scaled_dot_product_attention as ext_attention
@@ -70,7 +69,6 @@ except (ImportError, OSError) as import_error:  # still measure torch's backends
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 DASH = "—"
-MIN_REPS, MAX_REPS, WARMUP_CALLS = 5, 50, 2
 MATH_MAX_N = 4096  # SDPA math holds N x N scores: 64 GiB at N=16384
 
 
@@ -168,64 +166,6 @@ class Report:
     rows: List[Row] = field(default_factory=list)
     memory: Dict[int, Dict[str, Optional[float]]] = field(default_factory=dict)  # N -> label -> MiB
     notes: Dict[str, str] = field(default_factory=dict)  # first error per provider, and other notes
-
-
-# ----------------------------------------------------------------------------- timing
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn: Callable, device: torch.device, budget_s: float) -> float:
-    """Median seconds per call of fn after warm-up, over as many calls as fit in budget_s."""
-    for _ in range(WARMUP_CALLS):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        estimate = time.perf_counter() - start
-    reps = min(MAX_REPS, max(MIN_REPS, round(budget_s / max(estimate, 1e-9))))
-    if device.type == "cuda":
-        return median_cuda_events(fn, reps)
-    return _median_wall_clock(fn, reps)
-
-
-def median_cuda_events(fn: Callable, reps: int) -> float:
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
-
-
-def interleaved_median_cuda_events(fns: List[Callable], reps: int, warmup: int = 3) -> List[float]:
-    """Each fn's median time in seconds (CUDA events, one a call) after warm-up calls, the fns' calls
-    taken in turn: a GPU's clocks drift by several percent within seconds, and interleaved calls see
-    the same drift."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in fns]
-    for rep in range(reps):
-        for fn, fn_events in zip(fns, events):
-            start, end = fn_events[rep]
-            start.record()
-            fn()
-            end.record()
-    torch.cuda.synchronize()
-    return [statistics.median(start.elapsed_time(end) for start, end in fn_events) / 1e3 for fn_events in events]
-
-
-def _median_wall_clock(fn: Callable, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- measuring

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
-from bench_attention import interleaved_median_cuda_events, median_cuda_events
+# bench_timing puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
+from bench_timing import interleaved_median_cuda_events, median_cuda_events
 import flashattn_ext
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench_attention import interleaved_median_cuda_events
+from bench_timing import interleaved_median_cuda_events
 import flashattn_ext
 
 # (batch, query heads, key heads, head dim, keys, query tokens)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
-from bench_attention import interleaved_median_cuda_events
+# bench_timing puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
+from bench_timing import interleaved_median_cuda_events
 import flashattn_ext
 
 HEADS, DIM, DTYPE = 16, 128, torch.bfloat16

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-# bench_attention puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
-from bench_attention import median_cuda_events
+# bench_timing puts the repository on sys.path, so this checkout's flashattn_ext is the one imported.
+from bench_timing import median_cuda_events
 import flashattn_ext
 
 BATCH, HEADS, DIM = 1, 16, 128

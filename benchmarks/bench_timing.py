@@ -1,0 +1,72 @@
+"""Timing for the benchmark scripts: CUDA events (one pair a call) or the wall clock on the CPU, the
+median of many calls after warm-up, and interleaved medians for comparing providers under the same
+clock drift. Importing it puts this checkout first on sys.path, so the scripts measure its
+flashattn_ext, not another install."""
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, List
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MIN_REPS, MAX_REPS, WARMUP_CALLS = 5, 50, 2
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable, device: torch.device, budget_s: float) -> float:
+    """Median seconds per call of fn after warm-up, over as many calls as fit in budget_s."""
+    for _ in range(WARMUP_CALLS):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        estimate = time.perf_counter() - start
+    reps = min(MAX_REPS, max(MIN_REPS, round(budget_s / max(estimate, 1e-9))))
+    if device.type == "cuda":
+        return median_cuda_events(fn, reps)
+    return _median_wall_clock(fn, reps)
+
+
+def median_cuda_events(fn: Callable, reps: int) -> float:
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
+
+
+def interleaved_median_cuda_events(fns: List[Callable], reps: int, warmup: int = 3) -> List[float]:
+    """Each fn's median time in seconds (CUDA events, one a call) after warm-up calls, the fns' calls
+    taken in turn: a GPU's clocks drift by several percent within seconds, and interleaved calls see
+    the same drift."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in fns]
+    for rep in range(reps):
+        for fn, fn_events in zip(fns, events):
+            start, end = fn_events[rep]
+            start.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(start.elapsed_time(end) for start, end in fn_events) / 1e3 for fn_events in events]
+
+
+def _median_wall_clock(fn: Callable, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
