@@ -10,9 +10,12 @@ from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opc
 from .attention import attention_with_lse, get_dropout_bits, kernel_route, set_dropout_bits
 from .decode import decode_attention
 from .sdpa import scaled_dot_product_attention
+from .torch_flash import register_with_torch
 from .transformers_backend import register_with_transformers
 from .varlen import varlen_attention
 
+register_with_torch()  # the name only: torch.nn.attention.activate_flash_attention_impl("flashattn_ext") activates it
+
 __all__ = ["scaled_dot_product_attention", "attention_with_lse", "varlen_attention", "decode_attention",
-           "register_with_transformers", "set_dropout_bits", "get_dropout_bits", "kernel_route"]
+           "register_with_transformers", "register_with_torch", "set_dropout_bits", "get_dropout_bits", "kernel_route"]
 __version__ = "0.1.0"
