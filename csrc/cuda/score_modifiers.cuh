@@ -14,6 +14,8 @@
 
 namespace flashattn_ext {
 
+// An additive mask's 16-bit elements, converted by the PTX wrappers (torch's
+// builds turn the types' conversion operators off).
 template <>
 struct ElementTo<__nv_bfloat16> {
   template <typename A>
