@@ -16,12 +16,13 @@ cum_seq_q / cum_seq_k; the log-sum-exp is float32, (batch, heads, seq) or (heads
 window bounds align bottom-right. Dropout's random state travels in the rng_state (two uint64: our seed
 and offset) and `unused` (one uint64: our bits) outputs, which aten hands the backward unchanged.
 """
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.nn.attention import register_flash_attention_impl
+
+from .options import default_scale
 
 _NAME = "flashattn_ext"
 
@@ -53,7 +54,7 @@ def _activate() -> _Handle:
 
 
 def _scale(scale: Optional[float], head_dim: int) -> float:
-    return scale if scale is not None else (1.0 / math.sqrt(head_dim) if head_dim > 0 else math.inf)
+    return scale if scale is not None else default_scale(head_dim)
 
 
 def _window(left: Optional[int], right: Optional[int]):

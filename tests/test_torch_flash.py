@@ -8,7 +8,7 @@ from torch.nn.attention import (SDPBackend, activate_flash_attention_impl, curre
                                 list_flash_attention_impls, restore_flash_attention_impl, sdpa_kernel)
 
 import flashattn_ext
-from helpers import cuda_test, kernel_names, naive_attention, relative_error
+from helpers import cuda_test, forward_and_grads, kernel_names, naive_attention, relative_error
 
 # Errors of bf16 results against float64, relative to the largest reference value (well above
 # bf16's rounding of out and the gradients, far below what a wrong mask or scale gives).
@@ -47,16 +47,9 @@ def inputs(batch=2, heads_q=4, heads_kv=4, len_q=256, len_k=256, dim=64, seed=0)
     return q, k, v, dout
 
 
-def out_and_grads(fn, q, k, v, dout):
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves)
-    out.backward(dout)
-    return [out.detach()] + [t.grad for t in leaves]
-
-
 def assert_matches_float64(got, q, k, v, dout, **options):
-    want = out_and_grads(lambda *t: naive_attention(*t, **options)[0], q.double(), k.double(), v.double(),
-                         dout.double())
+    want = forward_and_grads(lambda *t: naive_attention(*t, **options)[0], (q.double(), k.double(), v.double()),
+                             dout.double())
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert relative_error(g, w) < TOLERANCE, (name, relative_error(g, w))
 
@@ -72,8 +65,8 @@ def test_sdpa_flash_backend_runs_ours(active, is_causal, heads_kv):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(*t, is_causal=is_causal, enable_gqa=gqa)
 
-    assert ours_ran(kernel_names(lambda: out_and_grads(sdpa, q, k, v, dout)))
-    assert_matches_float64(out_and_grads(sdpa, q, k, v, dout), q, k, v, dout, is_causal=is_causal, enable_gqa=gqa)
+    assert ours_ran(kernel_names(lambda: forward_and_grads(sdpa, (q, k, v), dout)))
+    assert_matches_float64(forward_and_grads(sdpa, (q, k, v), dout), q, k, v, dout, is_causal=is_causal, enable_gqa=gqa)
 
 
 @cuda_test
@@ -86,10 +79,10 @@ def test_restore_gives_torchs_kernels_back():
 
     activate_flash_attention_impl("flashattn_ext")
     try:
-        assert ours_ran(kernel_names(lambda: out_and_grads(sdpa, q, k, v, dout)))
+        assert ours_ran(kernel_names(lambda: forward_and_grads(sdpa, (q, k, v), dout)))
     finally:
         restore_flash_attention_impl()
-    assert not ours_ran(kernel_names(lambda: out_and_grads(sdpa, q, k, v, dout)))
+    assert not ours_ran(kernel_names(lambda: forward_and_grads(sdpa, (q, k, v), dout)))
 
 
 @cuda_test
@@ -103,10 +96,10 @@ def test_dropout_matches_our_own_call(active):
             return F.scaled_dot_product_attention(*t, dropout_p=0.2, is_causal=True)
 
     torch.manual_seed(1)
-    got = out_and_grads(torch_sdpa, q, k, v, dout)
+    got = forward_and_grads(torch_sdpa, (q, k, v), dout)
     torch.manual_seed(1)
-    want = out_and_grads(lambda *t: flashattn_ext.scaled_dot_product_attention(*t, dropout_p=0.2, is_causal=True),
-                         q, k, v, dout)
+    want = forward_and_grads(lambda *t: flashattn_ext.scaled_dot_product_attention(*t, dropout_p=0.2, is_causal=True),
+                             (q, k, v), dout)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
@@ -120,8 +113,8 @@ def test_torch_compile_runs_ours(active):
         return F.scaled_dot_product_attention(*t, scale=0.3)
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        got = out_and_grads(compiled, q, k, v, dout)
-        assert ours_ran(kernel_names(lambda: out_and_grads(compiled, q, k, v, dout)))
+        got = forward_and_grads(compiled, (q, k, v), dout)
+        assert ours_ran(kernel_names(lambda: forward_and_grads(compiled, (q, k, v), dout)))
     assert_matches_float64(got, q, k, v, dout, scale=0.3)
 
 
@@ -139,7 +132,7 @@ def test_varlen_attn_runs_ours(active, window):
     def call(*t):
         return varlen_attn(*t, cu_seq, cu_seq, max(lengths), max(lengths), window_size=window)
 
-    got = out_and_grads(call, q, k, v, dout)
+    got = forward_and_grads(call, (q, k, v), dout)
     assert ours_ran(kernel_names(lambda: call(q, k, v)))
     left, right = window
     for b, (start, end) in enumerate(zip(cu_seq[:-1].tolist(), cu_seq[1:].tolist())):
@@ -173,8 +166,8 @@ def test_the_aten_kernels_keep_atens_contract():
     grads = torch_flash._sdpa_flash_backward(dout, q, k, v, out, lse, None, None, max_q, max_k, 0.3, False, seed,
                                              offset)
     torch.manual_seed(3)
-    want = out_and_grads(lambda *t: flashattn_ext.scaled_dot_product_attention(*t, dropout_p=0.3, enable_gqa=True),
-                         q, k, v, dout)
+    want = forward_and_grads(lambda *t: flashattn_ext.scaled_dot_product_attention(*t, dropout_p=0.3, enable_gqa=True),
+                             (q, k, v), dout)
     for got, expected in zip((out, *grads), want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
