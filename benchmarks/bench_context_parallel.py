@@ -1,11 +1,12 @@
-"""torch's context parallel (ring attention over NCCL) on several GPUs of one host: attention forward +
-backward TFLOP/s per GPU with flashattn_ext active as torch's flash-attention implementation, and with
-torch's own cuDNN attention, against one GPU's own throughput on its share of the tokens; and, with
---numerics, the error of the unsharded result against float64 at each number of GPUs.
+"""Context parallelism on several GPUs of one host (NCCL): attention forward + backward TFLOP/s per GPU
+of flashattn_ext.distributed.context_parallel_attention ("ext_cp"), and of torch's context parallel with
+SDPA on flashattn_ext (active as torch's flash-attention implementation, "ours") or on torch's cuDNN
+attention ("cudnn"), against one GPU's own throughput on its share of the tokens; and, with --numerics,
+the error of the unsharded result against float64 at each number of GPUs.
 
 One process a GPU (spawned). For speed, each rank makes its shard of q, k, v and dO directly (random;
-the ring's work depends on the layout, not the values), inside torch's `context_parallel` with
-head-tail load balancing (causal), so that the whole sequence never sits on one GPU.
+the work depends on the layout, not the values) in the head-tail layout (torch's CP with its load
+balancing, and ext_cp's "head_tail"), so that the whole sequence never sits on one GPU.
 
     python3 benchmarks/bench_context_parallel.py                       # every GPU, 8k 64k 128k tokens a GPU
     python3 benchmarks/bench_context_parallel.py --world 2 --tokens 8192 16384 --backends ours
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 
 from bench_timing import REPO  # noqa: F401  (puts this checkout first on sys.path)
 
-BACKENDS = ("ours", "cudnn")
+# "ours" and "cudnn": torch's context_parallel with SDPA on flashattn_ext (active) or on cuDNN;
+# "ext_cp": flashattn_ext.distributed.context_parallel_attention on the same shards (head-tail).
+BACKENDS = ("ext_cp", "ours", "cudnn")
 
 
 def free_port() -> int:
@@ -60,9 +63,10 @@ def time_step(fn, reps: int) -> float:
 
 
 def sdpa_backend(name: str):
-    """(SDPA backend, whether flashattn_ext must be active) of a backend's name."""
+    """(SDPA backend, whether flashattn_ext must be active) of a backend's name (ext_cp: none)."""
     from torch.nn.attention import SDPBackend
-    return {"ours": (SDPBackend.FLASH_ATTENTION, True), "cudnn": (SDPBackend.CUDNN_ATTENTION, False)}[name]
+    return {"ours": (SDPBackend.FLASH_ATTENTION, True), "cudnn": (SDPBackend.CUDNN_ATTENTION, False),
+            "ext_cp": (None, False)}[name]
 
 
 class Active:
@@ -83,10 +87,16 @@ class Active:
 
 
 def attention_step(q, k, v, dout, backend, causal: bool = True):
-    """out and (dq, dk, dv) of one SDPA call on `backend`."""
+    """out and (dq, dk, dv) of one SDPA call on `backend`; backend None: context_parallel_attention on
+    this rank's head-tail shards."""
     from torch.nn.attention import sdpa_kernel
-    with sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    from flashattn_ext.distributed import context_parallel_attention
+    if backend is None:
+        out = context_parallel_attention(q, k, v, layout="head_tail", is_causal=causal,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    else:
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return out, torch.autograd.grad(out, (q, k, v), dout)
 
 
@@ -124,6 +134,9 @@ def run_speed(rank: int, world: int, port: int, args) -> None:
             # The sequence the shards belong to (a placeholder buffer gives CP its length).
             whole = torch.empty(tokens * world, device="cuda")
             try:
+                if backend is None:
+                    seconds[name] = time_step(lambda: attention_step(q, k, v, dout, None), args.reps)
+                    continue
                 with Active(active), context_parallel(mesh, buffers=[whole], buffer_seq_dims=[0],
                                                       no_restore_buffers={whole}):
                     seconds[name] = time_step(lambda: attention_step(q, k, v, dout, backend), args.reps)
@@ -174,6 +187,14 @@ def run_numerics(rank: int, world: int, port: int, args) -> None:
     full, want = numerics_problem(args)
     for name in args.backends:
         backend, active = sdpa_backend(name)
+        if backend is None:
+            from flashattn_ext.distributed import shard_sequence, unshard_sequence
+            q, k, v, dout = (shard_sequence(t, 2) for t in full)
+            out, grads = attention_step(*(t.requires_grad_() for t in (q, k, v)), dout, None)
+            got = [unshard_sequence(t, 2) for t in (out.detach(), *grads)]
+            if rank == 0:
+                print(numerics_row(name, world, errors(got, want)), flush=True)
+            continue
         shards = [t.clone() for t in full]
         with Active(active), context_parallel(mesh, buffers=shards, buffer_seq_dims=[2] * 4):
             q, k, v, dout = shards
@@ -212,6 +233,8 @@ def main() -> None:
             full, want = numerics_problem(args)
             for name in args.backends:
                 backend, active = sdpa_backend(name)
+                if backend is None:  # (no one-GPU form: the plain call is the "ours" row)
+                    continue
                 with Active(active):
                     q, k, v, dout = full
                     out, grads = attention_step(*(t.clone().requires_grad_() for t in (q, k, v)), dout, backend)

@@ -7,6 +7,7 @@ import torch  # noqa: F401  (loads libc10 and libtorch, which _C links against)
 
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.flashattn_ext)
 from . import _fake  # noqa: F401  (shape-only kernels for torch.compile and opcheck)
+from . import distributed  # noqa: F401  (context parallelism: flashattn_ext.distributed)
 from .attention import attention_with_lse, get_dropout_bits, kernel_route, set_dropout_bits
 from .decode import decode_attention
 from .sdpa import scaled_dot_product_attention

@@ -1,0 +1,219 @@
+"""Context parallelism: one long sequence's attention shared out over the ranks of a torch.distributed group
+(NCCL on GPUs, gloo on the CPU), each rank holding a shard of the sequence's queries, keys and values.
+
+`context_parallel_attention` gathers the keys and values of the whole sequence onto every rank (one
+all-gather; with GQA they are a fraction of the queries' bytes) and runs each of the rank's query chunks
+as one call of our kernels over every key it sees, aligned bottom-right. So no partial results are merged
+(the output is the one-GPU output, computed the same way), and every option keeps its meaning under
+CP: windows, softcapping, ALiBi (whose bias needs each key's distance from the query) and sinks. The
+backward gathers the keys and values again (nothing of the whole sequence is kept between the passes) and
+sums every rank's dK/dV contributions onto their owners with one float32 reduce-scatter.
+
+Layouts (which chunks of the sequence a rank holds, in order, along the sequence dim):
+- "head_tail": the sequence in 2 x world chunks, rank r holding chunks r and 2 x world - 1 - r: each rank
+  then has the same causal work. torch's context_parallel shards its buffers so with load balancing on.
+- "contiguous": rank r holds chunk r of world. Balanced for calls that see a bounded span of keys
+  (a causal window) or every key (not causal).
+
+    shards = [shard_sequence(t, dim=2, group=group, layout="head_tail") for t in (q, k, v)]
+    out = context_parallel_attention(*shards, group=group, is_causal=True, layout="head_tail")
+    whole = unshard_sequence(out, dim=2, group=group, layout="head_tail")
+"""
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .attention import _op_arguments
+from .options import window_bounds
+
+LAYOUTS = ("head_tail", "contiguous")
+
+
+def _group_of(group):
+    """A ProcessGroup (None: the default group) of `group`, which may also be a 1-d DeviceMesh."""
+    if group is not None and hasattr(group, "get_group"):
+        return group.get_group()
+    return group
+
+
+class _Plan:
+    """Where this rank's chunks sit in the whole sequence, and which keys each of its query chunks sees."""
+
+    def __init__(self, group, layout: str, local_length: int):
+        if layout not in LAYOUTS:
+            raise ValueError(f"flashattn_ext: layout must be one of {LAYOUTS}, got {layout!r}")
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.per_rank = 2 if layout == "head_tail" else 1
+        if local_length % self.per_rank:
+            raise ValueError(f"flashattn_ext: the {layout} layout splits a rank's shard in 2 chunks; its "
+                             f"length {local_length} is odd")
+        self.chunk = local_length // self.per_rank
+        self.chunks = self.per_rank * self.world  # of the whole sequence
+        self.length = self.chunk * self.chunks
+        self.layout = layout
+
+    def owner(self, chunk: int) -> Tuple[int, int]:
+        """(rank, its j-th chunk) holding global chunk `chunk`."""
+        if self.layout == "contiguous" or chunk < self.world:
+            return chunk, 0
+        return 2 * self.world - 1 - chunk, 1
+
+    def chunks_of(self, rank: int) -> List[int]:
+        return [rank] if self.layout == "contiguous" else [rank, 2 * self.world - 1 - rank]
+
+    def pieces(self, is_causal: bool, window_left: int) -> List[Tuple[int, int, int, int]]:
+        """(first query row, end row) of the local shard and (first key, end key) of the whole sequence,
+        for each call: causal, a chunk sees the keys up to its own end (from its window's start), which
+        bottom-right alignment places right; not causal, every row sees every key."""
+        if not is_causal:
+            return [(0, self.chunk * self.per_rank, 0, self.length)]
+        pieces = []
+        for j, chunk in enumerate(self.chunks_of(self.rank)):
+            start = chunk * self.chunk
+            first_key = 0 if window_left < 0 else max(0, start - window_left)
+            pieces.append((j * self.chunk, (j + 1) * self.chunk, first_key, start + self.chunk))
+        return pieces
+
+    def gather(self, key: Tensor, value: Tensor, group) -> Tuple[Tensor, Tensor]:
+        """The whole sequence's key and value, in sequence order, on every rank."""
+        local = torch.stack([key, value])  # (2, B, H, local, D)
+        gathered = local.new_empty((self.world * 2, *local.shape[1:]))  # ranks' shards along dim 0
+        dist.all_gather_into_tensor(gathered, local, group=group)
+        # (world, 2, B, H, per_rank, chunk, D)
+        by_chunk = gathered.unflatten(0, (self.world, 2)).unflatten(4, (self.per_rank, self.chunk))
+        ordered = torch.cat([by_chunk[rank, :, :, :, j] for rank, j in map(self.owner, range(self.chunks))], dim=3)
+        return ordered[0], ordered[1]
+
+    def scatter_add(self, buffer: Tensor, which: int, grad: Tensor, first_key: int) -> None:
+        """Adds grad (B, H, keys, D), the gradient of keys [first_key, first_key + keys) of the whole
+        sequence, into their owners' places in buffer (world, 2, B, H, per_rank, chunk, D)."""
+        end_key = first_key + grad.shape[2]
+        for chunk in range(first_key // self.chunk, (end_key - 1) // self.chunk + 1):
+            begin, end = max(first_key, chunk * self.chunk), min(end_key, (chunk + 1) * self.chunk)
+            rank, j = self.owner(chunk)
+            buffer[rank, which, :, :, j, begin - chunk * self.chunk:end - chunk * self.chunk] += \
+                grad[:, :, begin - first_key:end - first_key]
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, group, plan, options):
+        is_causal, scale, enable_gqa, window, softcap, alibi_slopes = options
+        full_key, full_value = plan.gather(key, value, group)
+        outs, lses, calls = [], [], []
+        for row_begin, row_end, key_begin, key_end in plan.pieces(is_causal, window_bounds(window)[0]):
+            args, *_ = _op_arguments(query[:, :, row_begin:row_end], full_key[:, :, key_begin:key_end],
+                                     full_value[:, :, key_begin:key_end], None, 0.0, is_causal, scale, enable_gqa,
+                                     True, window, softcap, alibi_slopes)
+            out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
+            outs.append(out)
+            lses.append(lse)
+            calls.append(args[4:])  # the op's options after q, k, v, attn_mask
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        ctx.save_for_backward(query, key, value, sinks, out, lse)
+        ctx.group, ctx.plan, ctx.calls, ctx.is_causal, ctx.window = group, plan, calls, is_causal, window
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, sinks, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        full_key, full_value = plan.gather(key, value, ctx.group)
+        grad_out = grad_out.contiguous()
+        grad_query = torch.empty_like(query)
+        # Every rank's gradient of every key, by owner: summed onto the owners in float32.
+        buffer = key.new_zeros((plan.world, 2, *key.shape[:2], plan.per_rank, plan.chunk, key.shape[3]),
+                               dtype=torch.float32 if key.dtype != torch.float64 else torch.float64)
+        grad_sinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
+        pieces = plan.pieces(ctx.is_causal, window_bounds(ctx.window)[0])
+        for (row_begin, row_end, key_begin, key_end), call in zip(pieces, ctx.calls):
+            dropout_p, is_causal, lower_right, scale, window_left, window_right, softcap, slopes = call
+            rows = slice(row_begin, row_end)
+            piece_out, piece_lse = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
+            piece_grad = grad_out[:, :, rows]
+            grads = torch.ops.flashattn_ext.attention_backward(
+                piece_grad, query[:, :, rows], full_key[:, :, key_begin:key_end],
+                full_value[:, :, key_begin:key_end], piece_out, piece_lse, query.new_empty(0, dtype=torch.int64),
+                None, dropout_p, is_causal, lower_right, scale, False, window_left, window_right, softcap, slopes,
+                sinks)
+            grad_query[:, :, rows] = grads[0]
+            plan.scatter_add(buffer, 0, grads[1], key_begin)
+            plan.scatter_add(buffer, 1, grads[2], key_begin)
+            if grad_sinks is not None:
+                grad_sinks += torch.ops.flashattn_ext.sinks_backward(piece_grad, piece_out, piece_lse, sinks)
+        mine = buffer.new_empty(buffer.shape[1:])
+        dist.reduce_scatter_tensor(mine, buffer.flatten(0, 1), group=ctx.group)
+        mine = mine.flatten(3, 4)  # (2, B, H, local, D)
+        return grad_query, mine[0].to(key.dtype), mine[1].to(value.dtype), grad_sinks, None, None, None
+
+
+def context_parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    group=None,
+    *,
+    layout: str = "head_tail",
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    softcap: Optional[float] = None,
+    alibi_slopes: Optional[Tensor] = None,
+    sinks: Optional[Tensor] = None,
+    return_lse: bool = False,
+):
+    """Attention over a sequence sharded along dim 2 over `group`'s ranks (a ProcessGroup, a 1-d
+    DeviceMesh, or None for the default group). query, key, value: this rank's shards (B, H, L, E), the
+    same L on every rank, holding the sequence's chunks as `layout` says (module docstring). Returns this
+    rank's shard of the output (with return_lse, also of the log-sum-exp, float32 (B, Hq, L)).
+
+    The options mean what they mean in attention_with_lse, over the whole sequence's positions: is_causal
+    (the whole sequence is square: top-left and bottom-right agree), window (left, right), softcap,
+    alibi_slopes, sinks. Windows and ALiBi need is_causal=True (not causal, a chunk's keys lie on both
+    sides of it, which no one bottom-right call spans). The gradients of query, key and value are this
+    rank's shards; a sinks tensor gets this rank's queries' share of its gradient (as a replicated
+    parameter's is, summed over the ranks where the model's gradients are reduced). No dropout or
+    attn_mask.
+    """
+    group = _group_of(group)
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(tensor, Tensor) or tensor.dim() != 4:
+            raise ValueError(f"flashattn_ext: context_parallel_attention's {name} must be a 4-d tensor "
+                             f"(B, H, L, E), got {getattr(tensor, 'shape', type(tensor).__name__)}")
+    if not (query.shape[2] == key.shape[2] == value.shape[2]):
+        raise ValueError(f"flashattn_ext: context_parallel_attention's shards must be of one length (one "
+                         f"sequence's chunks), got query {query.shape[2]}, key {key.shape[2]}, "
+                         f"value {value.shape[2]}")
+    if not is_causal and (alibi_slopes is not None or window is not None):
+        raise ValueError("flashattn_ext: context_parallel_attention takes a window or ALiBi with is_causal=True "
+                         "only (not causal, a chunk's keys lie on both sides of it)")
+    plan = _Plan(group, layout, query.shape[2])
+    options = (bool(is_causal), scale, bool(enable_gqa), window, softcap, alibi_slopes)
+    out, lse = _ContextParallelAttention.apply(query, key, value, sinks, group, plan, options)
+    return (out, lse) if return_lse else out
+
+
+def shard_sequence(tensor: Tensor, dim: int, group=None, layout: str = "head_tail") -> Tensor:
+    """This rank's shard of a whole sequence held on every rank (a copy): the chunks `layout` gives it,
+    in order, along dim."""
+    group = _group_of(group)
+    plan = _Plan(group, layout, tensor.shape[dim] // dist.get_world_size(group))
+    if plan.length != tensor.shape[dim]:
+        raise ValueError(f"flashattn_ext: a sequence of {tensor.shape[dim]} does not split into "
+                         f"{plan.chunks} equal chunks")
+    chunks = tensor.split(plan.chunk, dim)
+    return torch.cat([chunks[c] for c in plan.chunks_of(plan.rank)], dim)
+
+
+def unshard_sequence(shard: Tensor, dim: int, group=None, layout: str = "head_tail") -> Tensor:
+    """The whole sequence (on every rank) from each rank's shard: shard_sequence's inverse."""
+    group = _group_of(group)
+    plan = _Plan(group, layout, shard.shape[dim])
+    gathered = [torch.empty_like(shard) for _ in range(plan.world)]
+    dist.all_gather(gathered, shard.contiguous(), group=group)
+    pieces = [gathered[rank].split(plan.chunk, dim)[j] for rank, j in map(plan.owner, range(plan.chunks))]
+    return torch.cat(pieces, dim)

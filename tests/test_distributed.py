@@ -1,0 +1,128 @@
+"""flashattn_ext.distributed: context_parallel_attention over 2 and 4 processes (gloo on the CPU kernels,
+NCCL on GPUs), each holding its shard of one sequence, against float64 attention over the whole
+sequence in one process. Every rank checks the unsharded output and gradients."""
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from helpers import naive_attention, relative_error
+
+# (name, layout, is_causal, heads_q, heads_kv, options); 2 x 4 x 12 = 96 tokens in all with 4 ranks.
+CASES = [
+    ("causal, GQA 4:2", "head_tail", True, 4, 2, {}),
+    ("causal, contiguous", "contiguous", True, 2, 2, {}),
+    ("not causal, softcap", "head_tail", False, 2, 1, {"softcap": 1.5}),
+    ("not causal, contiguous", "contiguous", False, 2, 2, {}),
+    ("window inside a chunk", "contiguous", True, 2, 2, {"window": (5, 0)}),
+    ("window over chunks", "head_tail", True, 4, 2, {"window": (30, None)}),
+    ("ALiBi", "head_tail", True, 4, 2, {"alibi": True}),
+    ("ALiBi, window, softcap", "contiguous", True, 2, 1, {"alibi": True, "window": (17, 0), "softcap": 2.0}),
+    ("sinks", "head_tail", True, 4, 2, {"sinks": True}),
+]
+CHUNKS_EACH = 12  # tokens a chunk (2 chunks a rank in head_tail, 1 contiguous: 24 a rank both ways)
+HEAD_DIM = 16
+# float64 on the CPU kernels: the same sums as one process, to rounding; bf16 on the GPU, as the other GPU tests.
+TOLERANCE = {torch.float64: 1e-10, torch.bfloat16: 2e-2}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reference(q, k, v, dout, is_causal, options):
+    """out, dq, dk, dv (and dsinks) of the whole sequence in float64: naive attention, with the sinks'
+    extra softmax column spelled out."""
+    leaves = [t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v)]
+    sinks = options.get("sinks")
+    if sinks is None:
+        out, _ = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM),
+                                 window=options.get("window"), softcap=options.get("softcap"),
+                                 alibi_slopes=options.get("alibi_slopes"))
+        return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
+    sinks = sinks.to(torch.float64, copy=True).requires_grad_()
+    out, lse = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM))
+    # A sink joins each row's softmax with weight exp(sink) and value 0: out * exp(lse) / (exp(lse) + exp(sink)).
+    out = out * torch.sigmoid(lse - sinks[:, None])[..., None]
+    return [out.detach(), *torch.autograd.grad(out, [*leaves, sinks], dout.double())]
+
+
+def run_cases(rank, world, port, backend):
+    from flashattn_ext.distributed import context_parallel_attention, shard_sequence, unshard_sequence
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float64
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name, layout, is_causal, heads_q, heads_kv, extra in CASES:
+            length = 2 * world * CHUNKS_EACH
+            gen = torch.Generator().manual_seed(len(name))  # the same whole sequence on every rank
+            q, k, v, dout = (torch.randn(2, heads, length, HEAD_DIM, generator=gen).to(device, dtype)
+                             for heads in (heads_q, heads_kv, heads_kv, heads_q))
+            options = {key: extra[key] for key in ("window", "softcap") if key in extra}
+            if extra.get("alibi"):
+                options["alibi_slopes"] = torch.rand(heads_q, generator=gen).to(device) * 0.3
+            if extra.get("sinks"):
+                options["sinks"] = torch.randn(heads_q, generator=gen).to(device, dtype)
+            want = reference(q, k, v, dout, is_causal, options)
+
+            shards = [shard_sequence(t, 2, layout=layout) for t in (q, k, v, dout)]
+            leaves = [t.requires_grad_() for t in shards[:3]]
+            sinks = options.pop("sinks", None)
+            if sinks is not None:
+                sinks = sinks.clone().requires_grad_()
+            out = context_parallel_attention(*leaves, layout=layout, is_causal=is_causal, enable_gqa=True,
+                                             sinks=sinks, **options)
+            out.backward(shards[3])
+            got = [unshard_sequence(t, 2, layout=layout) for t in (out.detach(), *(t.grad for t in leaves))]
+            if sinks is not None:  # each rank holds its queries' share of the sinks' gradient
+                dist.all_reduce(sinks.grad)
+                got.append(sinks.grad)
+            for what, g, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
+                assert g.shape == w.shape, (name, what, g.shape, w.shape)
+                error = relative_error(g, w)
+                assert error < TOLERANCE[dtype], (name, what, world, error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_gloo(world):
+    mp.spawn(run_cases, args=(world, free_port(), "gloo"), nprocs=world, join=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    mp.spawn(run_cases, args=(world, free_port(), "nccl"), nprocs=world, join=True)
+
+
+def run_refusals(rank, world, port):
+    from flashattn_ext.distributed import context_parallel_attention
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+        with pytest.raises(ValueError, match="is_causal=True only"):
+            context_parallel_attention(q, q, q, window=(2, 2))
+        with pytest.raises(ValueError, match="odd"):
+            context_parallel_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], is_causal=True)
+        with pytest.raises(ValueError, match="one length"):
+            context_parallel_attention(q, q[:, :, :4], q[:, :, :4], is_causal=True)
+        with pytest.raises(ValueError, match="layout"):
+            context_parallel_attention(q, q, q, layout="zigzag")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_attention_refusals():
+    mp.spawn(run_refusals, args=(2, free_port()), nprocs=2, join=True)
