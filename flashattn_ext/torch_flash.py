@@ -83,6 +83,18 @@ def _our_rng_state(rng_state: Tensor, unused: Tensor, dropout_p: float, query: T
     return torch.cat([rng_state.view(torch.long), unused.view(torch.long).reshape(1)])
 
 
+def _debug_mask(rng_state: Tensor, dropout_p: float, out: Tensor, len_k: int) -> Tensor:
+    """aten's debug_attn_mask for a (B, H, Lq, E) output: with dropout, (B, H, Lq, Lk) in out's dtype,
+    +1 where the forward kept a score and -1 where it dropped it (FA2's mask carries the decision in its
+    sign, which is what torch's tests read; its magnitudes, the probabilities, are not kept here).
+    Without dropout, empty. Debugging only: it is the N x N matrix the kernels never write."""
+    if dropout_p == 0.0:
+        return out.new_empty(0)
+    batch, heads, len_q, _ = out.shape
+    kept = torch.ops.flashattn_ext.dropout_mask(rng_state, dropout_p, batch, heads, len_q, len_k, 0, len_q)
+    return torch.where(kept, 1.0, -1.0).to(out.dtype)
+
+
 def _unsupported(what: str) -> RuntimeError:
     return RuntimeError(f"flashattn_ext (as torch's flash-attention implementation): {what} is not supported")
 
@@ -91,12 +103,10 @@ def _unsupported(what: str) -> RuntimeError:
 
 def _sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: float = 0.0, is_causal: bool = False,
                         return_debug_mask: bool = False, *, scale: Optional[float] = None):
-    if return_debug_mask:
-        raise _unsupported("return_debug_mask (its kernels keep no dropout mask to return)")
     out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(
         query, key, value, None, dropout_p, is_causal, True, _scale(scale, query.size(-1)))
     seed, offset = _aten_rng_state(rng_state, query)
-    debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
+    debug_mask = _debug_mask(rng_state, dropout_p, out, key.size(2)) if return_debug_mask else out.new_empty(0)
     return out, lse, None, None, query.size(2), key.size(2), seed, offset, debug_mask
 
 
@@ -122,8 +132,6 @@ def _flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optiona
                    return_debug_mask: bool, *, scale: Optional[float] = None, window_size_left: Optional[int] = None,
                    window_size_right: Optional[int] = None, seqused_k: Optional[Tensor] = None,
                    alibi_slopes: Optional[Tensor] = None):
-    if return_debug_mask:
-        raise _unsupported("return_debug_mask (its kernels keep no dropout mask to return)")
     if seqused_k is not None:
         raise _unsupported("seqused_k")
     if alibi_slopes is not None:
@@ -131,15 +139,16 @@ def _flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optiona
         raise _unsupported("alibi_slopes through aten's flash op (flashattn_ext.attention_with_lse takes them)")
     scale = _scale(scale, query.size(-1))
     left, right = _window(window_size_left, window_size_right)
-    debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
     if cum_seq_q is None:
         q, k, v = _heads_first(query, key, value)
         out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(
             q, k, v, None, dropout_p, is_causal, True, scale, left, right)
         seed, offset = _aten_rng_state(rng_state, query)
+        debug_mask = _debug_mask(rng_state, dropout_p, out, k.size(2)) if return_debug_mask else out.new_empty(0)
         return out.transpose(1, 2), lse, seed, offset, debug_mask
     if dropout_p != 0.0:
         raise _unsupported("dropout on a packed batch (cum_seq_q)")
+    debug_mask = query.new_empty(0)
     out, lse = torch.ops.flashattn_ext.varlen_forward(
         query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, True, scale, left, right)
     seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)

@@ -170,6 +170,14 @@ def test_the_aten_kernels_keep_atens_contract():
                              (q, k, v), dout)
     for got, expected in zip((out, *grads), want):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # return_debug_mask: the sign of each score's entry says whether the forward kept it (torch's tests
+    # read it so); the output equals float64 attention with those scores dropped.
+    torch.manual_seed(3)
+    out, *_, debug_mask = torch_flash._sdpa_flash_forward(q, k, v, 0.3, False, True)
+    assert debug_mask.shape == (2, 4, 48, 48) and set(debug_mask.unique().tolist()) == {-1.0, 1.0}
+    probs = torch.softmax(q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) / 32 ** 0.5, -1)
+    want = (probs * (debug_mask > 0) / 0.7) @ v.double().repeat_interleave(2, 1)
+    assert relative_error(out, want) < 1e-5
 
     # A packed batch: (total, heads, dim), lse (heads, total).
     cu_seq = torch.tensor([0, 5, 6, 30], dtype=torch.int32)
