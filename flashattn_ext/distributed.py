@@ -217,3 +217,37 @@ def unshard_sequence(shard: Tensor, dim: int, group=None, layout: str = "head_ta
     dist.all_gather(gathered, shard.contiguous(), group=group)
     pieces = [gathered[rank].split(plan.chunk, dim)[j] for rank, j in map(plan.owner, range(plan.chunks))]
     return torch.cat(pieces, dim)
+
+
+def register_with_transformers(group=None, layout: str = "head_tail", name: str = "fa_ext_cp") -> str:
+    """Registers context_parallel_attention over `group` with transformers' AttentionInterface (and a
+    mask function that builds no mask) under `name`, so that a model made with attn_implementation=name
+    runs each rank on its shard of one sequence: input_ids (B, L) this rank's tokens in `layout`,
+    position_ids their positions in the whole sequence (shard_sequence of arange(N)). Causal decoders with
+    no padding: sliding windows, softcapping and sinks keep their meaning over the whole sequence. The
+    loss is the rank's share (sum over its tokens, divided by the whole sequence's count), and the
+    parameters' gradients are summed over the ranks as under data parallelism. Returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        if attention_mask is not None or dropout:
+            raise ValueError(f"flashattn_ext: {name} (context parallel) takes no attention mask or dropout")
+        sliding_window = kwargs.get("sliding_window")
+        out = context_parallel_attention(
+            query, key, value, group, layout=layout,
+            is_causal=is_causal if is_causal is not None else getattr(module, "is_causal", True), scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1],
+            window=(int(sliding_window) - 1, 0) if sliding_window else None, softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"))
+        return out.transpose(1, 2).contiguous(), None
+
+    def no_mask(*args, attention_mask=None, **kwargs):
+        # Which keys a query sees is the attention's own (causal, window) over the whole sequence.
+        if attention_mask is not None:
+            raise ValueError(f"flashattn_ext: {name} (context parallel) takes no attention_mask (padding)")
+        return None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, no_mask)
+    return name

@@ -126,3 +126,73 @@ def run_refusals(rank, world, port):
 
 def test_context_parallel_attention_refusals():
     mp.spawn(run_refusals, args=(2, free_port()), nprocs=2, join=True)
+
+
+# ----------------------------------------------------------------------------- a transformers model under CP
+
+# The models are float64, but transformers' RMSNorm and rotary tables round through float32: sums taken in
+# another order (the ranks' shards) may round differently there.
+MODEL_TOLERANCE = 1e-6
+
+
+def small_config(family):
+    import transformers
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, torch_dtype=torch.float64)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":  # a window shorter than the sequence, reaching over chunks
+        return transformers.MistralConfig(sliding_window=11, **common)
+    if family == "gemma2":  # softcapping and a window
+        return transformers.Gemma2Config(sliding_window=11, attn_logit_softcapping=2.0, head_dim=16, **common)
+    raise ValueError(family)
+
+
+def next_token_loss(logits, labels, count):
+    """The sum of the tokens' cross-entropies over `count`, the whole sequence's number of labels."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                             reduction="sum") / count
+
+
+def run_model_cases(rank, world, port):
+    import transformers
+
+    from flashattn_ext.distributed import register_with_transformers, shard_sequence
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        name = register_with_transformers(layout="head_tail")
+        for family in ("llama", "mistral", "gemma2"):
+            config = small_config(family)  # (from_config sets the config's attention: one config a model)
+            torch.manual_seed(0)
+            reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
+            ours = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=name).double()
+            ours.load_state_dict(reference.state_dict())
+            length = 2 * world * 8
+            tokens = torch.randint(config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+            labels = torch.cat([tokens[:, 1:], torch.full((1, 1), -100)], dim=1)  # the next token; none at the end
+            positions = torch.arange(length)[None]
+
+            loss = next_token_loss(reference(input_ids=tokens, position_ids=positions).logits, labels, length - 1)
+            loss.backward()
+            shard_loss = next_token_loss(
+                ours(input_ids=shard_sequence(tokens, 1), position_ids=shard_sequence(positions, 1)).logits,
+                shard_sequence(labels, 1), length - 1)
+            shard_loss.backward()
+            got_loss = shard_loss.detach().clone()
+            dist.all_reduce(got_loss)
+            assert abs(got_loss.item() - loss.item()) < MODEL_TOLERANCE * loss.item(), (family, got_loss.item(), loss)
+            for (param_name, want), got in zip(reference.named_parameters(), ours.parameters()):
+                dist.all_reduce(got.grad)  # the ranks' shares, summed as data parallelism sums them
+                assert relative_error(got.grad, want.grad) < MODEL_TOLERANCE, (family, param_name)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_transformers_model_under_context_parallel(world):
+    """A transformers model, each rank running its shard of one sequence with attn_implementation set to
+    context_parallel_attention: loss and every parameter's gradient equal transformers' own eager
+    attention over the whole sequence in one process (float64, CPU)."""
+    pytest.importorskip("transformers")
+    mp.spawn(run_model_cases, args=(world, free_port()), nprocs=world, join=True)
