@@ -19,7 +19,7 @@ Layouts (which chunks of the sequence a rank holds, in order, along the sequence
     out = context_parallel_attention(*shards, group=group, is_causal=True, layout="head_tail")
     whole = unshard_sequence(out, dim=2, group=group, layout="head_tail")
 """
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,18 @@ def _group_of(group):
     if group is not None and hasattr(group, "get_group"):
         return group.get_group()
     return group
+
+
+class _Piece(NamedTuple):
+    """One call: query rows [row_begin, row_end) of the shard against keys [key_begin, key_end) of the
+    whole sequence; packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) where the call is a
+    packed batch of documents (offsets within the rows and within the keys)."""
+
+    row_begin: int
+    row_end: int
+    key_begin: int
+    key_end: int
+    packed: Optional[tuple] = None
 
 
 class _Plan:
@@ -63,17 +75,38 @@ class _Plan:
     def chunks_of(self, rank: int) -> List[int]:
         return [rank] if self.layout == "contiguous" else [rank, 2 * self.world - 1 - rank]
 
-    def pieces(self, is_causal: bool, window_left: int) -> List[Tuple[int, int, int, int]]:
-        """(first query row, end row) of the local shard and (first key, end key) of the whole sequence,
-        for each call: causal, a chunk sees the keys up to its own end (from its window's start), which
-        bottom-right alignment places right; not causal, every row sees every key."""
-        if not is_causal:
-            return [(0, self.chunk * self.per_rank, 0, self.length)]
+    def pieces(self, is_causal: bool, window_left: int, documents: Optional[List[int]] = None) -> List["_Piece"]:
+        """The calls of this rank: (first query row, end row) of its shard and (first key, end key) of
+        the whole sequence each. Causal, a chunk sees the keys up to its own end (from its window's
+        start), which bottom-right alignment places right; not causal, every key. With documents (the
+        whole sequence's boundaries), a chunk's call is a packed batch of its pieces of each document,
+        each seeing its document's keys: its keys are one span of the sequence."""
+        if not is_causal and documents is None:
+            return [_Piece(0, self.chunk * self.per_rank, 0, self.length)]
         pieces = []
         for j, chunk in enumerate(self.chunks_of(self.rank)):
-            start = chunk * self.chunk
-            first_key = 0 if window_left < 0 else max(0, start - window_left)
-            pieces.append((j * self.chunk, (j + 1) * self.chunk, first_key, start + self.chunk))
+            start, end = chunk * self.chunk, (chunk + 1) * self.chunk
+            if documents is None:
+                first_key = 0 if window_left < 0 else max(0, start - window_left)
+                pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, first_key, end))
+                continue
+            query_ends, key_spans = [], []
+            for doc_start, doc_end in zip(documents[:-1], documents[1:]):
+                if doc_end <= start or doc_start >= end:
+                    continue
+                query_begin, query_end = max(doc_start, start), min(doc_end, end)
+                if is_causal:
+                    key_begin = doc_start if window_left < 0 else max(doc_start, query_begin - window_left)
+                    key_spans.append((key_begin, query_end))
+                else:
+                    key_spans.append((doc_start, doc_end))
+                query_ends.append(query_end - start)
+            cu_q = [0] + query_ends
+            cu_k = [0] + [span_end - key_spans[0][0] for _, span_end in key_spans]
+            max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
+            max_k = max(b - a for a, b in key_spans)
+            pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_spans[0][0], key_spans[-1][1],
+                                 (cu_q, cu_k, max_q, max_k)))
         return pieces
 
     def gather(self, key: Tensor, value: Tensor, group) -> Tuple[Tensor, Tensor]:
@@ -97,23 +130,42 @@ class _Plan:
                 grad[:, :, begin - first_key:end - first_key]
 
 
+def _packed(t: Tensor, begin: int, end: int) -> Tensor:
+    """Rows [begin, end) of a (1, H, L, D) tensor as the packed ops take them: (rows, H, D), a view."""
+    return t[0, :, begin:end].transpose(0, 1)
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, group, plan, options):
-        is_causal, scale, enable_gqa, window, softcap, alibi_slopes = options
+        is_causal, scale, enable_gqa, window, softcap, alibi_slopes, documents = options
         full_key, full_value = plan.gather(key, value, group)
         outs, lses, calls = [], [], []
-        for row_begin, row_end, key_begin, key_end in plan.pieces(is_causal, window_bounds(window)[0]):
-            args, *_ = _op_arguments(query[:, :, row_begin:row_end], full_key[:, :, key_begin:key_end],
-                                     full_value[:, :, key_begin:key_end], None, 0.0, is_causal, scale, enable_gqa,
-                                     True, window, softcap, alibi_slopes)
-            out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
+        for piece in plan.pieces(is_causal, window_bounds(window)[0], documents):
+            rows, keys = slice(piece.row_begin, piece.row_end), slice(piece.key_begin, piece.key_end)
+            args, *_ = _op_arguments(query[:, :, rows], full_key[:, :, keys], full_value[:, :, keys], None, 0.0,
+                                     is_causal, scale, enable_gqa, True, window, softcap, alibi_slopes)
+            options_of_op = args[4:]  # dropout_p, is_causal, lower_right, scale, window, softcap, slopes
+            if piece.packed is None:
+                out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
+            else:
+                cu_q, cu_k, max_q, max_k = piece.packed
+                cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=query.device) for cu in (cu_q, cu_k))
+                slopes = options_of_op[-1]
+                if slopes is not None:  # (1, Hq): one row a document
+                    slopes = slopes.expand(len(cu_q) - 1, -1).contiguous()
+                options_of_op = (*options_of_op[:-1], slopes)
+                out, lse = torch.ops.flashattn_ext.varlen_forward(
+                    _packed(query, rows.start, rows.stop), _packed(full_key, keys.start, keys.stop),
+                    _packed(full_value, keys.start, keys.stop), cu_q, cu_k, max_q, max_k, *options_of_op[1:])
+                out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
+                options_of_op = (cu_q, cu_k, max_q, max_k, *options_of_op)
             outs.append(out)
             lses.append(lse)
-            calls.append(args[4:])  # the op's options after q, k, v, attn_mask
+            calls.append((piece, options_of_op))
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
-        ctx.group, ctx.plan, ctx.calls, ctx.is_causal, ctx.window = group, plan, calls, is_causal, window
+        ctx.group, ctx.plan, ctx.calls = group, plan, calls
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -128,22 +180,29 @@ class _ContextParallelAttention(torch.autograd.Function):
         buffer = key.new_zeros((plan.world, 2, *key.shape[:2], plan.per_rank, plan.chunk, key.shape[3]),
                                dtype=torch.float32 if key.dtype != torch.float64 else torch.float64)
         grad_sinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
-        pieces = plan.pieces(ctx.is_causal, window_bounds(ctx.window)[0])
-        for (row_begin, row_end, key_begin, key_end), call in zip(pieces, ctx.calls):
-            dropout_p, is_causal, lower_right, scale, window_left, window_right, softcap, slopes = call
-            rows = slice(row_begin, row_end)
+        for piece, options_of_op in ctx.calls:
+            rows, keys = slice(piece.row_begin, piece.row_end), slice(piece.key_begin, piece.key_end)
             piece_out, piece_lse = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
             piece_grad = grad_out[:, :, rows]
-            grads = torch.ops.flashattn_ext.attention_backward(
-                piece_grad, query[:, :, rows], full_key[:, :, key_begin:key_end],
-                full_value[:, :, key_begin:key_end], piece_out, piece_lse, query.new_empty(0, dtype=torch.int64),
-                None, dropout_p, is_causal, lower_right, scale, False, window_left, window_right, softcap, slopes,
-                sinks)
-            grad_query[:, :, rows] = grads[0]
-            plan.scatter_add(buffer, 0, grads[1], key_begin)
-            plan.scatter_add(buffer, 1, grads[2], key_begin)
-            if grad_sinks is not None:
-                grad_sinks += torch.ops.flashattn_ext.sinks_backward(piece_grad, piece_out, piece_lse, sinks)
+            if piece.packed is None:
+                dropout_p, is_causal, lower_right, scale, window_left, window_right, softcap, slopes = options_of_op
+                grad_q, grad_k, grad_v, _ = torch.ops.flashattn_ext.attention_backward(
+                    piece_grad, query[:, :, rows], full_key[:, :, keys], full_value[:, :, keys], piece_out,
+                    piece_lse, query.new_empty(0, dtype=torch.int64), None, dropout_p, is_causal, lower_right,
+                    scale, False, window_left, window_right, softcap, slopes, sinks)
+                if grad_sinks is not None:
+                    grad_sinks += torch.ops.flashattn_ext.sinks_backward(piece_grad, piece_out, piece_lse, sinks)
+            else:
+                cu_q, cu_k, max_q, max_k, _dropout_p, *varlen_options = options_of_op
+                grads = torch.ops.flashattn_ext.varlen_backward(
+                    _packed(piece_grad, 0, piece_grad.shape[2]), _packed(query, rows.start, rows.stop),
+                    _packed(full_key, keys.start, keys.stop), _packed(full_value, keys.start, keys.stop),
+                    _packed(piece_out, 0, piece_out.shape[2]), piece_lse[0], cu_q, cu_k, max_q, max_k,
+                    *varlen_options)
+                grad_q, grad_k, grad_v = (t.transpose(0, 1).unsqueeze(0) for t in grads)
+            grad_query[:, :, rows] = grad_q
+            plan.scatter_add(buffer, 0, grad_k, piece.key_begin)
+            plan.scatter_add(buffer, 1, grad_v, piece.key_begin)
         mine = buffer.new_empty(buffer.shape[1:])
         dist.reduce_scatter_tensor(mine, buffer.flatten(0, 1), group=ctx.group)
         mine = mine.flatten(3, 4)  # (2, B, H, local, D)
@@ -164,6 +223,7 @@ def context_parallel_attention(
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    cu_seqlens=None,
     return_lse: bool = False,
 ):
     """Attention over a sequence sharded along dim 2 over `group`'s ranks (a ProcessGroup, a 1-d
@@ -178,6 +238,11 @@ def context_parallel_attention(
     rank's shards; a sinks tensor gets this rank's queries' share of its gradient (as a replicated
     parameter's is, summed over the ranks where the model's gradients are reduced). No dropout or
     attn_mask.
+
+    cu_seqlens: documents packed in the sequence (as varlen_attention's, but of the whole sequence: a list
+    or CPU tensor of boundaries, 0 first and the sequence's length last, non-decreasing). Each document
+    attends within itself only (causal: bottom-right, as varlen_attention), with B = 1; a chunk's pieces
+    of its documents go to the kernels as one packed call. No sinks with documents.
     """
     group = _group_of(group)
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -192,9 +257,30 @@ def context_parallel_attention(
         raise ValueError("flashattn_ext: context_parallel_attention takes a window or ALiBi with is_causal=True "
                          "only (not causal, a chunk's keys lie on both sides of it)")
     plan = _Plan(group, layout, query.shape[2])
-    options = (bool(is_causal), scale, bool(enable_gqa), window, softcap, alibi_slopes)
+    documents = None if cu_seqlens is None else _documents(cu_seqlens, plan.length, query.shape[0], sinks)
+    options = (bool(is_causal), scale, bool(enable_gqa), window, softcap, alibi_slopes, documents)
     out, lse = _ContextParallelAttention.apply(query, key, value, sinks, group, plan, options)
     return (out, lse) if return_lse else out
+
+
+def _documents(cu_seqlens, length: int, batch: int, sinks) -> List[int]:
+    """cu_seqlens checked, as a list of ints (read on the host: the plan needs it there)."""
+    if isinstance(cu_seqlens, Tensor):
+        if cu_seqlens.device.type != "cpu":
+            raise ValueError("flashattn_ext: context_parallel_attention's cu_seqlens must be on the CPU (each "
+                             "rank plans its calls from it), got one on " + str(cu_seqlens.device))
+        cu_seqlens = cu_seqlens.tolist()
+    documents = [int(b) for b in cu_seqlens]
+    if len(documents) < 2 or documents[0] != 0 or documents[-1] != length or \
+            any(b < a for a, b in zip(documents[:-1], documents[1:])):
+        raise ValueError(f"flashattn_ext: cu_seqlens must rise from 0 to the whole sequence's length {length}, "
+                         f"got {documents}")
+    if batch != 1:
+        raise ValueError(f"flashattn_ext: with cu_seqlens (documents packed in one sequence) the batch must be 1, "
+                         f"got {batch}")
+    if sinks is not None:
+        raise ValueError("flashattn_ext: context_parallel_attention takes no sinks with cu_seqlens")
+    return documents
 
 
 def shard_sequence(tensor: Tensor, dim: int, group=None, layout: str = "head_tail") -> Tensor:

@@ -22,7 +22,12 @@ CASES = [
     ("ALiBi", "head_tail", True, 4, 2, {"alibi": True}),
     ("ALiBi, window, softcap", "contiguous", True, 2, 1, {"alibi": True, "window": (17, 0), "softcap": 2.0}),
     ("sinks", "head_tail", True, 4, 2, {"sinks": True}),
+    ("documents", "head_tail", True, 4, 2, {"documents": True}),
+    ("documents, window, ALiBi", "contiguous", True, 2, 2, {"documents": True, "window": (9, 0), "alibi": True}),
+    ("documents, not causal", "head_tail", False, 2, 1, {"documents": True}),
 ]
+# Packed documents' lengths, repeated to the sequence's end (one empty; some within a chunk, some across).
+DOCUMENT_LENGTHS = [7, 1, 30, 0, 13, 2]
 CHUNKS_EACH = 12  # tokens a chunk (2 chunks a rank in head_tail, 1 contiguous: 24 a rank both ways)
 HEAD_DIM = 16
 # float64 on the CPU kernels: the same sums as one process, to rounding; bf16 on the GPU, as the other GPU tests.
@@ -35,15 +40,28 @@ def free_port():
         return s.getsockname()[1]
 
 
+def document_bounds(length):
+    """cu_seqlens of documents of DOCUMENT_LENGTHS' lengths, in turn, filling `length` tokens."""
+    bounds = [0]
+    while bounds[-1] < length:
+        bounds.append(min(length, bounds[-1] + DOCUMENT_LENGTHS[(len(bounds) - 1) % len(DOCUMENT_LENGTHS)]))
+    return bounds
+
+
 def reference(q, k, v, dout, is_causal, options):
-    """out, dq, dk, dv (and dsinks) of the whole sequence in float64: naive attention, with the sinks'
-    extra softmax column spelled out."""
+    """out, dq, dk, dv (and dsinks) of the whole sequence in float64: naive attention, documents as a
+    mask of same-document pairs, the sinks' extra softmax column spelled out."""
     leaves = [t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v)]
     sinks = options.get("sinks")
     if sinks is None:
+        same_document = None
+        if options.get("cu_seqlens") is not None:
+            bounds = torch.tensor(options["cu_seqlens"])
+            document = torch.bucketize(torch.arange(q.shape[2]), bounds[1:], right=True)
+            same_document = (document[:, None] == document[None, :]).to(q.device)
         out, _ = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM),
                                  window=options.get("window"), softcap=options.get("softcap"),
-                                 alibi_slopes=options.get("alibi_slopes"))
+                                 alibi_slopes=options.get("alibi_slopes"), attn_mask=same_document)
         return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
     sinks = sinks.to(torch.float64, copy=True).requires_grad_()
     out, lse = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM))
@@ -64,13 +82,16 @@ def run_cases(rank, world, port, backend):
         for name, layout, is_causal, heads_q, heads_kv, extra in CASES:
             length = 2 * world * CHUNKS_EACH
             gen = torch.Generator().manual_seed(len(name))  # the same whole sequence on every rank
-            q, k, v, dout = (torch.randn(2, heads, length, HEAD_DIM, generator=gen).to(device, dtype)
+            batch = 1 if extra.get("documents") else 2
+            q, k, v, dout = (torch.randn(batch, heads, length, HEAD_DIM, generator=gen).to(device, dtype)
                              for heads in (heads_q, heads_kv, heads_kv, heads_q))
             options = {key: extra[key] for key in ("window", "softcap") if key in extra}
             if extra.get("alibi"):
                 options["alibi_slopes"] = torch.rand(heads_q, generator=gen).to(device) * 0.3
             if extra.get("sinks"):
                 options["sinks"] = torch.randn(heads_q, generator=gen).to(device, dtype)
+            if extra.get("documents"):
+                options["cu_seqlens"] = document_bounds(length)
             want = reference(q, k, v, dout, is_causal, options)
 
             shards = [shard_sequence(t, 2, layout=layout) for t in (q, k, v, dout)]
@@ -120,6 +141,15 @@ def run_refusals(rank, world, port):
             context_parallel_attention(q, q[:, :, :4], q[:, :, :4], is_causal=True)
         with pytest.raises(ValueError, match="layout"):
             context_parallel_attention(q, q, q, layout="zigzag")
+        with pytest.raises(ValueError, match="rise from 0"):  # the whole sequence is 12 tokens
+            context_parallel_attention(q, q, q, is_causal=True, cu_seqlens=[0, 7, 5, 12])
+        with pytest.raises(ValueError, match="rise from 0"):
+            context_parallel_attention(q, q, q, is_causal=True, cu_seqlens=torch.tensor([0, 6]))
+        with pytest.raises(ValueError, match="batch must be 1"):
+            context_parallel_attention(q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1),
+                                       is_causal=True, cu_seqlens=[0, 12])
+        with pytest.raises(ValueError, match="no sinks"):
+            context_parallel_attention(q, q, q, is_causal=True, cu_seqlens=[0, 12], sinks=torch.zeros(2))
     finally:
         dist.destroy_process_group()
 
