@@ -1,13 +1,18 @@
 """Context parallelism: one long sequence's attention shared out over the ranks of a torch.distributed group
 (NCCL on GPUs, gloo on the CPU), each rank holding a shard of the sequence's queries, keys and values.
 
-`context_parallel_attention` gathers the keys and values of the whole sequence onto every rank (one
-all-gather; with GQA they are a fraction of the queries' bytes) and runs each of the rank's query chunks
-as one call of our kernels over every key it sees, aligned bottom-right. So no partial results are merged
-(the output is the one-GPU output, computed the same way), and every option keeps its meaning under
-CP: windows, softcapping, ALiBi (whose bias needs each key's distance from the query) and sinks. The
+`context_parallel_attention` gathers the keys and values of the whole sequence onto every rank (with GQA
+they are a fraction of the queries' bytes) and runs each of the rank's query chunks as one call of our
+kernels over every key it sees, aligned bottom-right. So no partial results are merged (the output is the
+one-GPU output, computed the same way), and every option keeps its meaning under CP: windows,
+softcapping, ALiBi (whose bias needs each key's distance from the query), sinks and packed documents. The
 backward gathers the keys and values again (nothing of the whole sequence is kept between the passes) and
-sums every rank's dK/dV contributions onto their owners with one float32 reduce-scatter.
+sums every rank's dK/dV contributions onto their owners in float32 (reduce-scatter).
+
+The collectives go a section at a time (section j: every rank's j-th chunk; head-tail has two), started
+asynchronously: the forward's head-chunk call needs only the head chunks, and runs while the tail chunks
+arrive; the backward takes the tail chunk's call first, after which the tail chunks' key gradients are
+complete and travel while the head chunk's call runs.
 
 Layouts (which chunks of the sequence a rank holds, in order, along the sequence dim):
 - "head_tail": the sequence in 2 x world chunks, rank r holding chunks r and 2 x world - 1 - r: each rank
@@ -109,25 +114,88 @@ class _Plan:
                                  (cu_q, cu_k, max_q, max_k)))
         return pieces
 
-    def gather(self, key: Tensor, value: Tensor, group) -> Tuple[Tensor, Tensor]:
-        """The whole sequence's key and value, in sequence order, on every rank."""
-        local = torch.stack([key, value])  # (2, B, H, local, D)
-        gathered = local.new_empty((self.world * 2, *local.shape[1:]))  # ranks' shards along dim 0
-        dist.all_gather_into_tensor(gathered, local, group=group)
-        # (world, 2, B, H, per_rank, chunk, D)
-        by_chunk = gathered.unflatten(0, (self.world, 2)).unflatten(4, (self.per_rank, self.chunk))
-        ordered = torch.cat([by_chunk[rank, :, :, :, j] for rank, j in map(self.owner, range(self.chunks))], dim=3)
-        return ordered[0], ordered[1]
+    def chunks_in(self, key_begin: int, key_end: int) -> range:
+        """The whole sequence's chunks that keys [key_begin, key_end) touch."""
+        return range(key_begin // self.chunk, (key_end - 1) // self.chunk + 1 if key_end > key_begin else 0)
 
-    def scatter_add(self, buffer: Tensor, which: int, grad: Tensor, first_key: int) -> None:
-        """Adds grad (B, H, keys, D), the gradient of keys [first_key, first_key + keys) of the whole
-        sequence, into their owners' places in buffer (world, 2, B, H, per_rank, chunk, D)."""
-        end_key = first_key + grad.shape[2]
-        for chunk in range(first_key // self.chunk, (end_key - 1) // self.chunk + 1):
-            begin, end = max(first_key, chunk * self.chunk), min(end_key, (chunk + 1) * self.chunk)
-            rank, j = self.owner(chunk)
-            buffer[rank, which, :, :, j, begin - chunk * self.chunk:end - chunk * self.chunk] += \
-                grad[:, :, begin - first_key:end - first_key]
+
+class _GatheredKeys:
+    """The whole sequence's keys and values on this rank, gathered a section at a time (section j: every
+    rank's j-th chunk, one all-gather each, all started at once), so that a call waits only for the
+    sections its keys lie in and the others arrive while it runs."""
+
+    def __init__(self, plan: _Plan, key: Tensor, value: Tensor, group):
+        self.plan = plan
+        self.sections, self.pending = [], []
+        for j in range(plan.per_rank):
+            rows = slice(j * plan.chunk, (j + 1) * plan.chunk)
+            local = torch.stack([key[:, :, rows], value[:, :, rows]])  # (2, B, H, chunk, D)
+            section = local.new_empty((plan.world * 2, *local.shape[1:]))  # the ranks' chunks along dim 0
+            self.pending.append(dist.all_gather_into_tensor(section, local, group=group, async_op=True))
+            self.sections.append(section.unflatten(0, (plan.world, 2)))
+
+    def span(self, key_begin: int, key_end: int) -> Tuple[Tensor, Tensor]:
+        """Keys and values [key_begin, key_end) of the whole sequence, (B, H, keys, D) each (a copy)."""
+        plan, pieces = self.plan, []
+        for chunk in plan.chunks_in(key_begin, key_end):
+            rank, j = plan.owner(chunk)
+            if self.pending[j] is not None:
+                self.pending[j].wait()
+                self.pending[j] = None
+            first = chunk * plan.chunk
+            begin, end = max(key_begin, first) - first, min(key_end, first + plan.chunk) - first
+            pieces.append(self.sections[j][rank, :, :, :, begin:end])
+        both = torch.cat(pieces, dim=3)
+        return both[0], both[1]
+
+
+class _KeyGradients:
+    """Every rank's gradients of the whole sequence's keys and values, summed onto their owners in float32,
+    a section (every rank's j-th chunk) a reduce-scatter. The sections go in one order on every rank (the
+    last first, as collectives must), each as soon as this rank's calls left add nothing to it, so that
+    it travels while those calls run."""
+
+    def __init__(self, plan: _Plan, key: Tensor, group, calls_by_section: List[int]):
+        self.plan, self.group, self.calls_left = plan, group, list(calls_by_section)
+        dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
+        # section j: (world, 2, B, H, chunk, D), rank-major as reduce_scatter_tensor takes it
+        self.sections = [key.new_zeros((plan.world, 2, *key.shape[:2], plan.chunk, key.shape[3]), dtype=dtype)
+                         for _ in range(plan.per_rank)]
+        self.mine = [section.new_empty(section.shape[1:]) for section in self.sections]
+        self.order, self.pending = list(reversed(range(plan.per_rank))), []
+        self._send(finished=False)
+
+    def add(self, grad_key: Tensor, grad_value: Tensor, key_begin: int) -> None:
+        """Adds one call's gradients of keys [key_begin, key_begin + keys), then sends the sections done."""
+        plan, key_end = self.plan, key_begin + grad_key.shape[2]
+        touched = set()
+        for chunk in plan.chunks_in(key_begin, key_end):
+            rank, j = plan.owner(chunk)
+            first = chunk * plan.chunk
+            begin, end = max(key_begin, first) - first, min(key_end, first + plan.chunk) - first
+            rows = slice(first + begin - key_begin, first + end - key_begin)
+            for which, grad in enumerate((grad_key, grad_value)):
+                self.sections[j][rank, which, :, :, begin:end] += grad[:, :, rows]
+            touched.add(j)
+        for j in touched:
+            self.calls_left[j] -= 1
+        self._send(finished=False)
+
+    def _send(self, finished: bool) -> None:
+        while len(self.pending) < len(self.order):
+            j = self.order[len(self.pending)]
+            if self.calls_left[j] and not finished:
+                return
+            self.pending.append(dist.reduce_scatter_tensor(self.mine[j], self.sections[j].flatten(0, 1),
+                                                           group=self.group, async_op=True))
+
+    def result(self, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
+        """This rank's dK and dV, in key's and value's dtypes."""
+        self._send(finished=True)
+        for work in self.pending:
+            work.wait()
+        both = torch.cat(self.mine, dim=3)  # (2, B, H, local, D)
+        return both[0].to(key.dtype), both[1].to(value.dtype)
 
 
 def _packed(t: Tensor, begin: int, end: int) -> Tensor:
@@ -139,12 +207,13 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, group, plan, options):
         is_causal, scale, enable_gqa, window, softcap, alibi_slopes, documents = options
-        full_key, full_value = plan.gather(key, value, group)
+        gathered = _GatheredKeys(plan, key, value, group)
         outs, lses, calls = [], [], []
-        for piece in plan.pieces(is_causal, window_bounds(window)[0], documents):
-            rows, keys = slice(piece.row_begin, piece.row_end), slice(piece.key_begin, piece.key_end)
-            args, *_ = _op_arguments(query[:, :, rows], full_key[:, :, keys], full_value[:, :, keys], None, 0.0,
-                                     is_causal, scale, enable_gqa, True, window, softcap, alibi_slopes)
+        for piece in plan.pieces(is_causal, window_bounds(window)[0], documents):  # (head-tail: the head first)
+            rows = slice(piece.row_begin, piece.row_end)
+            span_key, span_value = gathered.span(piece.key_begin, piece.key_end)
+            args, *_ = _op_arguments(query[:, :, rows], span_key, span_value, None, 0.0, is_causal, scale,
+                                     enable_gqa, True, window, softcap, alibi_slopes)
             options_of_op = args[4:]  # dropout_p, is_causal, lower_right, scale, window, softcap, slopes
             if piece.packed is None:
                 out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
@@ -156,8 +225,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                     slopes = slopes.expand(len(cu_q) - 1, -1).contiguous()
                 options_of_op = (*options_of_op[:-1], slopes)
                 out, lse = torch.ops.flashattn_ext.varlen_forward(
-                    _packed(query, rows.start, rows.stop), _packed(full_key, keys.start, keys.stop),
-                    _packed(full_value, keys.start, keys.stop), cu_q, cu_k, max_q, max_k, *options_of_op[1:])
+                    _packed(query, rows.start, rows.stop), _packed(span_key, 0, span_key.shape[2]),
+                    _packed(span_value, 0, span_value.shape[2]), cu_q, cu_k, max_q, max_k, *options_of_op[1:])
                 out, lse = out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0)
                 options_of_op = (cu_q, cu_k, max_q, max_k, *options_of_op)
             outs.append(out)
@@ -173,40 +242,41 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         query, key, value, sinks, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        full_key, full_value = plan.gather(key, value, ctx.group)
+        gathered = _GatheredKeys(plan, key, value, ctx.group)
+        calls = ctx.calls[::-1]  # (head-tail: the tail first, after which the tails' key gradients are done)
+        calls_by_section = [0] * plan.per_rank
+        for piece, _ in calls:
+            for j in {plan.owner(chunk)[1] for chunk in plan.chunks_in(piece.key_begin, piece.key_end)}:
+                calls_by_section[j] += 1
+        key_grads = _KeyGradients(plan, key, ctx.group, calls_by_section)
         grad_out = grad_out.contiguous()
         grad_query = torch.empty_like(query)
-        # Every rank's gradient of every key, by owner: summed onto the owners in float32.
-        buffer = key.new_zeros((plan.world, 2, *key.shape[:2], plan.per_rank, plan.chunk, key.shape[3]),
-                               dtype=torch.float32 if key.dtype != torch.float64 else torch.float64)
         grad_sinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
-        for piece, options_of_op in ctx.calls:
-            rows, keys = slice(piece.row_begin, piece.row_end), slice(piece.key_begin, piece.key_end)
+        for piece, options_of_op in calls:
+            rows = slice(piece.row_begin, piece.row_end)
+            span_key, span_value = gathered.span(piece.key_begin, piece.key_end)
             piece_out, piece_lse = out[:, :, rows].contiguous(), lse[:, :, rows].contiguous()
             piece_grad = grad_out[:, :, rows]
             if piece.packed is None:
                 dropout_p, is_causal, lower_right, scale, window_left, window_right, softcap, slopes = options_of_op
                 grad_q, grad_k, grad_v, _ = torch.ops.flashattn_ext.attention_backward(
-                    piece_grad, query[:, :, rows], full_key[:, :, keys], full_value[:, :, keys], piece_out,
-                    piece_lse, query.new_empty(0, dtype=torch.int64), None, dropout_p, is_causal, lower_right,
-                    scale, False, window_left, window_right, softcap, slopes, sinks)
+                    piece_grad, query[:, :, rows], span_key, span_value, piece_out, piece_lse,
+                    query.new_empty(0, dtype=torch.int64), None, dropout_p, is_causal, lower_right, scale, False,
+                    window_left, window_right, softcap, slopes, sinks)
                 if grad_sinks is not None:
                     grad_sinks += torch.ops.flashattn_ext.sinks_backward(piece_grad, piece_out, piece_lse, sinks)
             else:
                 cu_q, cu_k, max_q, max_k, _dropout_p, *varlen_options = options_of_op
                 grads = torch.ops.flashattn_ext.varlen_backward(
                     _packed(piece_grad, 0, piece_grad.shape[2]), _packed(query, rows.start, rows.stop),
-                    _packed(full_key, keys.start, keys.stop), _packed(full_value, keys.start, keys.stop),
+                    _packed(span_key, 0, span_key.shape[2]), _packed(span_value, 0, span_value.shape[2]),
                     _packed(piece_out, 0, piece_out.shape[2]), piece_lse[0], cu_q, cu_k, max_q, max_k,
                     *varlen_options)
                 grad_q, grad_k, grad_v = (t.transpose(0, 1).unsqueeze(0) for t in grads)
             grad_query[:, :, rows] = grad_q
-            plan.scatter_add(buffer, 0, grad_k, piece.key_begin)
-            plan.scatter_add(buffer, 1, grad_v, piece.key_begin)
-        mine = buffer.new_empty(buffer.shape[1:])
-        dist.reduce_scatter_tensor(mine, buffer.flatten(0, 1), group=ctx.group)
-        mine = mine.flatten(3, 4)  # (2, B, H, local, D)
-        return grad_query, mine[0].to(key.dtype), mine[1].to(value.dtype), grad_sinks, None, None, None
+            key_grads.add(grad_k, grad_v, piece.key_begin)
+        grad_key, grad_value = key_grads.result(key, value)
+        return grad_query, grad_key, grad_value, grad_sinks, None, None, None
 
 
 def context_parallel_attention(
