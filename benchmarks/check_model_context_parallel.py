@@ -104,7 +104,8 @@ def context_parallel(rank: int, world: int, port: int, args) -> None:
 
     if args.device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
     try:
         model = build(args, register_with_transformers(layout="head_tail"))
         tokens, labels, positions = (shard_sequence(t, 1) for t in problem(args))
