@@ -80,7 +80,7 @@ class _Plan:
     def chunks_of(self, rank: int) -> List[int]:
         return [rank] if self.layout == "contiguous" else [rank, 2 * self.world - 1 - rank]
 
-    def pieces(self, is_causal: bool, window_left: int, documents: Optional[List[int]] = None) -> List["_Piece"]:
+    def pieces(self, is_causal: bool, window_left: int, documents: Optional[List[int]] = None) -> List[_Piece]:
         """The calls of this rank: (first query row, end row) of its shard and (first key, end key) of
         the whole sequence each. Causal, a chunk sees the keys up to its own end (from its window's
         start), which bottom-right alignment places right; not causal, every key. With documents (the
@@ -116,7 +116,9 @@ class _Plan:
 
     def chunks_in(self, key_begin: int, key_end: int) -> range:
         """The whole sequence's chunks that keys [key_begin, key_end) touch."""
-        return range(key_begin // self.chunk, (key_end - 1) // self.chunk + 1 if key_end > key_begin else 0)
+        if key_end <= key_begin:
+            return range(0)
+        return range(key_begin // self.chunk, (key_end - 1) // self.chunk + 1)
 
 
 class _GatheredKeys:
@@ -147,6 +149,12 @@ class _GatheredKeys:
             pieces.append(self.sections[j][rank, :, :, :, begin:end])
         both = torch.cat(pieces, dim=3)
         return both[0], both[1]
+
+    def finish(self) -> None:
+        """Waits for the sections no call needed (a window's), so that no collective outlives the call."""
+        for work in self.pending:
+            if work is not None:
+                work.wait()
 
 
 class _KeyGradients:
@@ -198,6 +206,14 @@ class _KeyGradients:
         return both[0].to(key.dtype), both[1].to(value.dtype)
 
 
+def _offsets(values: List[int], device: torch.device) -> Tensor:
+    """A packed call's cu_seqlens on `device`: int32, copied from pinned memory without waiting."""
+    offsets = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        return offsets.pin_memory().to(device, non_blocking=True)
+    return offsets
+
+
 def _packed(t: Tensor, begin: int, end: int) -> Tensor:
     """Rows [begin, end) of a (1, H, L, D) tensor as the packed ops take them: (rows, H, D), a view."""
     return t[0, :, begin:end].transpose(0, 1)
@@ -219,7 +235,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
             else:
                 cu_q, cu_k, max_q, max_k = piece.packed
-                cu_q, cu_k = (torch.tensor(cu, dtype=torch.int32, device=query.device) for cu in (cu_q, cu_k))
+                cu_q, cu_k = (_offsets(cu, query.device) for cu in (cu_q, cu_k))
                 slopes = options_of_op[-1]
                 if slopes is not None:  # (1, Hq): one row a document
                     slopes = slopes.expand(len(cu_q) - 1, -1).contiguous()
@@ -232,6 +248,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             outs.append(out)
             lses.append(lse)
             calls.append((piece, options_of_op))
+        gathered.finish()
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
         ctx.group, ctx.plan, ctx.calls = group, plan, calls
@@ -275,6 +292,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 grad_q, grad_k, grad_v = (t.transpose(0, 1).unsqueeze(0) for t in grads)
             grad_query[:, :, rows] = grad_q
             key_grads.add(grad_k, grad_v, piece.key_begin)
+        gathered.finish()
         grad_key, grad_value = key_grads.result(key, value)
         return grad_query, grad_key, grad_value, grad_sinks, None, None, None
 
