@@ -7,6 +7,7 @@
 #   RUNS=ext bash benchmarks/torch_sdpa_tests/run.sh     # only one of them (ext | base)
 #   bash benchmarks/torch_sdpa_tests/run.sh --print-k    # print the -k selection and exit
 #   EXTRA_K='and head_dim_64_' ...               # narrow the selection further (appended to -k)
+#   TEST_FILE=test_transformers_2026-03.py SELECTION=selection_2026-03.txt bash ...   # the newer file
 #
 # Writes to $OUT (default benchmarks/torch_sdpa_tests/out): torch_tests_{ext,base}.xml (junit), torch_tests_{ext,base}.log,
 # compare.txt. Each pytest run is stopped by SIGINT after ${PER_RUN_TIMEOUT:-170}s (pytest then still writes its
@@ -14,7 +15,9 @@
 set -uo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
-K="$(tr '\n' ' ' < "$HERE/selection.txt" | tr -s ' ') ${EXTRA_K:-}"
+TEST_FILE="${TEST_FILE:-test_transformers.py}"     # beside this script
+SELECTION="${SELECTION:-selection.txt}"            # its -k expression, beside this script
+K="$(tr '\n' ' ' < "$HERE/$SELECTION" | tr -s ' ') ${EXTRA_K:-}"
 if [ "${1:-}" = "--print-k" ]; then echo "$K"; exit 0; fi
 cd "$REPO"
 OUT="${OUT:-$HERE/out}"
@@ -42,7 +45,7 @@ for run in $RUNS; do
   echo "=== run $run (FLASHATTN_EXT_ACTIVATE=$act), timeout ${PER_RUN_TIMEOUT}s ==="
   start=$(date +%s)
   FLASHATTN_EXT_ACTIVATE=$act timeout -s INT -k 20 "$PER_RUN_TIMEOUT" \
-    python3 -m pytest "$HERE/test_transformers.py" -k "$K" -q -rfE -p no:cacheprovider -p no:randomly \
+    python3 -m pytest "$HERE/$TEST_FILE" -k "$K" -q -rfE -p no:cacheprovider -p no:randomly \
       --tb=line --junitxml="$OUT/torch_tests_$run.xml" > "$OUT/torch_tests_$run.log" 2>&1
   rc=$?
   echo "run $run: exit $rc in $(( $(date +%s) - start ))s (124/130: stopped by the timeout; 1: test failures; 5: nothing selected)"
