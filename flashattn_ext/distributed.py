@@ -114,11 +114,16 @@ class _Plan:
                                  (cu_q, cu_k, max_q, max_k)))
         return pieces
 
-    def chunks_in(self, key_begin: int, key_end: int) -> range:
-        """The whole sequence's chunks that keys [key_begin, key_end) touch."""
-        if key_end <= key_begin:
-            return range(0)
-        return range(key_begin // self.chunk, (key_end - 1) // self.chunk + 1)
+    def parts(self, key_begin: int, key_end: int) -> List[Tuple[int, int, slice, slice]]:
+        """Keys [key_begin, key_end) of the whole sequence by the chunk they lie in: (owner rank, its j-th
+        chunk, their rows in that chunk, their rows in the span)."""
+        parts = []
+        for chunk in range(key_begin // self.chunk, (key_end - 1) // self.chunk + 1 if key_end > key_begin else 0):
+            rank, j = self.owner(chunk)
+            first = chunk * self.chunk
+            begin, end = max(key_begin, first), min(key_end, first + self.chunk)
+            parts.append((rank, j, slice(begin - first, end - first), slice(begin - key_begin, end - key_begin)))
+        return parts
 
 
 class _GatheredKeys:
@@ -138,15 +143,12 @@ class _GatheredKeys:
 
     def span(self, key_begin: int, key_end: int) -> Tuple[Tensor, Tensor]:
         """Keys and values [key_begin, key_end) of the whole sequence, (B, H, keys, D) each (a copy)."""
-        plan, pieces = self.plan, []
-        for chunk in plan.chunks_in(key_begin, key_end):
-            rank, j = plan.owner(chunk)
+        pieces = []
+        for rank, j, in_chunk, _ in self.plan.parts(key_begin, key_end):
             if self.pending[j] is not None:
                 self.pending[j].wait()
                 self.pending[j] = None
-            first = chunk * plan.chunk
-            begin, end = max(key_begin, first) - first, min(key_end, first + plan.chunk) - first
-            pieces.append(self.sections[j][rank, :, :, :, begin:end])
+            pieces.append(self.sections[j][rank, :, :, :, in_chunk])
         both = torch.cat(pieces, dim=3)
         return both[0], both[1]
 
@@ -175,15 +177,10 @@ class _KeyGradients:
 
     def add(self, grad_key: Tensor, grad_value: Tensor, key_begin: int) -> None:
         """Adds one call's gradients of keys [key_begin, key_begin + keys), then sends the sections done."""
-        plan, key_end = self.plan, key_begin + grad_key.shape[2]
         touched = set()
-        for chunk in plan.chunks_in(key_begin, key_end):
-            rank, j = plan.owner(chunk)
-            first = chunk * plan.chunk
-            begin, end = max(key_begin, first) - first, min(key_end, first + plan.chunk) - first
-            rows = slice(first + begin - key_begin, first + end - key_begin)
+        for rank, j, in_chunk, in_span in self.plan.parts(key_begin, key_begin + grad_key.shape[2]):
             for which, grad in enumerate((grad_key, grad_value)):
-                self.sections[j][rank, which, :, :, begin:end] += grad[:, :, rows]
+                self.sections[j][rank, which, :, :, in_chunk] += grad[:, :, in_span]
             touched.add(j)
         for j in touched:
             self.calls_left[j] -= 1
@@ -263,7 +260,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         calls = ctx.calls[::-1]  # (head-tail: the tail first, after which the tails' key gradients are done)
         calls_by_section = [0] * plan.per_rank
         for piece, _ in calls:
-            for j in {plan.owner(chunk)[1] for chunk in plan.chunks_in(piece.key_begin, piece.key_end)}:
+            for j in {j for _, j, _, _ in plan.parts(piece.key_begin, piece.key_end)}:
                 calls_by_section[j] += 1
         key_grads = _KeyGradients(plan, key, ctx.group, calls_by_section)
         grad_out = grad_out.contiguous()
