@@ -1,6 +1,8 @@
 """Shared helpers: kernel paths, a float64 reference written out naively, error measures,
 and the inputs, masks and profiler look-ups that the tests of several features share."""
+import contextlib
 import math
+import socket
 
 import pytest
 import torch
@@ -301,3 +303,42 @@ def math_with_dropout_mask(q, k, v, keep, dropout_p, attn_mask=None, **kwargs):
     return torch.ops.aten._scaled_dot_product_attention_math(
         q, k, v, attn_mask, dropout_p, dropout_mask=keep, **kwargs
     )[0]
+
+
+def small_config(family, sliding_window=8):
+    """A transformers config of a tiny random-init model of `family` (no download)."""
+    import transformers
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "mistral":  # a window shorter than the sequence: the masks carry it
+        return transformers.MistralConfig(sliding_window=sliding_window, **common)
+    if family == "gemma2":  # logit softcapping (scores of a few units: a cap of 2 bends them) and a window
+        return transformers.Gemma2Config(sliding_window=sliding_window, attn_logit_softcapping=2.0, head_dim=16,
+                                         **common)
+    if family == "gpt_oss":  # attention sinks (s_aux), windowed and full layers; both experts of 2 always
+        # chosen, so that no routing decision can flip between two roundings
+        return transformers.GptOssConfig(sliding_window=sliding_window, head_dim=16, num_local_experts=2,
+                                         num_experts_per_tok=2, **common)
+    raise ValueError(family)
+
+
+def free_port():
+    """A free TCP port on this host, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group(rank, world, port, backend):
+    """This process as rank `rank` of a torch.distributed group of `world` (gloo, or NCCL on GPU `rank`)."""
+    import torch.distributed as dist
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

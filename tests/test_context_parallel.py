@@ -3,15 +3,13 @@ with flashattn_ext active as torch's flash-attention implementation, the ring at
 over NCCL calls our forward and backward on each rank's shard, and the unsharded output and
 gradients match a float64 reference. One process a GPU (spawned); needs at least two GPUs."""
 import math
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from helpers import naive_attention, relative_error
+from helpers import free_port, naive_attention, process_group, relative_error
 
 # bf16 results against float64, relative to the largest reference value (as test_torch_flash.py).
 TOLERANCE = 2e-2
@@ -24,12 +22,6 @@ CASES = [
 ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cases(rank, world, port):
     """One rank: every case through CP, checked against float64 (each rank checks the whole result)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -40,9 +32,7 @@ def run_cases(rank, world, port):
 
     import flashattn_ext  # noqa: F401  (registers "flashattn_ext")
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, "nccl"):
         activate_flash_attention_impl("flashattn_ext")
         mesh = init_device_mesh("cuda", (world,))
         for name, heads_q, heads_kv, tokens, dim, causal in CASES:
@@ -77,8 +67,6 @@ def run_cases(rank, world, port):
             for what, g, w in zip(("out", "dq", "dk", "dv"), got, [want_out.detach()] + [t.grad for t in leaves]):
                 error = relative_error(g, w)
                 assert error < TOLERANCE, (name, what, world, error)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.cuda

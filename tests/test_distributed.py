@@ -2,14 +2,13 @@
 NCCL on GPUs), each holding its shard of one sequence, against float64 attention over the whole
 sequence in one process. Every rank checks the unsharded output and gradients."""
 import math
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import naive_attention, relative_error
+from helpers import free_port, naive_attention, process_group, relative_error, small_config
 
 # (name, layout, is_causal, heads_q, heads_kv, options); 2 x 4 x 12 = 96 tokens in all with 4 ranks.
 CASES = [
@@ -32,12 +31,6 @@ CHUNKS_EACH = 12  # tokens a chunk (2 chunks a rank in head_tail, 1 contiguous: 
 HEAD_DIM = 16
 # float64 on the CPU kernels: the same sums as one process, to rounding; bf16 on the GPU, as the other GPU tests.
 TOLERANCE = {torch.float64: 1e-10, torch.bfloat16: 2e-2}
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def document_bounds(length):
@@ -75,10 +68,7 @@ def run_cases(rank, world, port, backend):
 
     device = "cuda" if backend == "nccl" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float64
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, backend):
         for name, layout, is_causal, heads_q, heads_kv, extra in CASES:
             length = 2 * world * CHUNKS_EACH
             gen = torch.Generator().manual_seed(len(name))  # the same whole sequence on every rank
@@ -110,8 +100,6 @@ def run_cases(rank, world, port, backend):
                 assert g.shape == w.shape, (name, what, g.shape, w.shape)
                 error = relative_error(g, w)
                 assert error < TOLERANCE[dtype], (name, what, world, error)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -130,8 +118,7 @@ def test_context_parallel_attention_nccl(world):
 def run_refusals(rank, world, port):
     from flashattn_ext.distributed import context_parallel_attention
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, "gloo"):
         q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
         with pytest.raises(ValueError, match="is_causal=True only"):
             context_parallel_attention(q, q, q, window=(2, 2))
@@ -150,8 +137,6 @@ def run_refusals(rank, world, port):
                                        is_causal=True, cu_seqlens=[0, 12])
         with pytest.raises(ValueError, match="no sinks"):
             context_parallel_attention(q, q, q, is_causal=True, cu_seqlens=[0, 12], sinks=torch.zeros(2))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_context_parallel_attention_refusals():
@@ -165,19 +150,6 @@ def test_context_parallel_attention_refusals():
 MODEL_TOLERANCE = 1e-6
 
 
-def small_config(family):
-    import transformers
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, torch_dtype=torch.float64)
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "mistral":  # a window shorter than the sequence, reaching over chunks
-        return transformers.MistralConfig(sliding_window=11, **common)
-    if family == "gemma2":  # softcapping and a window
-        return transformers.Gemma2Config(sliding_window=11, attn_logit_softcapping=2.0, head_dim=16, **common)
-    raise ValueError(family)
-
-
 def next_token_loss(logits, labels, count):
     """The sum of the tokens' cross-entropies over `count`, the whole sequence's number of labels."""
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
@@ -189,14 +161,14 @@ def run_model_cases(rank, world, port):
 
     from flashattn_ext.distributed import register_with_transformers, shard_sequence
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, "gloo"):
         name = register_with_transformers(layout="head_tail")
         for family in ("llama", "mistral", "gemma2"):
-            config = small_config(family)  # (from_config sets the config's attention: one config a model)
+            # One config a model (from_config sets the config's attention); a window of 11 reaches over chunks of 8.
+            config, own_config = small_config(family, sliding_window=11), small_config(family, sliding_window=11)
             torch.manual_seed(0)
             reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").double()
-            ours = transformers.AutoModelForCausalLM.from_config(small_config(family), attn_implementation=name).double()
+            ours = transformers.AutoModelForCausalLM.from_config(own_config, attn_implementation=name).double()
             ours.load_state_dict(reference.state_dict())
             length = 2 * world * 8
             tokens = torch.randint(config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
@@ -215,8 +187,6 @@ def run_model_cases(rank, world, port):
             for (param_name, want), got in zip(reference.named_parameters(), ours.parameters()):
                 dist.all_reduce(got.grad)  # the ranks' shares, summed as data parallelism sums them
                 assert relative_error(got.grad, want.grad) < MODEL_TOLERANCE, (family, param_name)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import dtype_name, on_paths_each, relative_error
+from helpers import dtype_name, on_paths_each, relative_error, small_config
 
 transformers = pytest.importorskip("transformers")
 try:
@@ -17,22 +17,6 @@ except ImportError as error:  # a transformers without AttentionInterface / Atte
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2}
 # The models' dtype on each path: the CUDA kernels take 16-bit types.
 DTYPES_BY_PATH = {"cpu": [torch.float32], "cuda": [torch.bfloat16]}
-
-
-def small_config(family):
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    if family == "llama":
-        return transformers.LlamaConfig(**common)
-    if family == "mistral":  # a window shorter than the sequence: the masks carry it
-        return transformers.MistralConfig(sliding_window=8, **common)
-    if family == "gemma2":  # logit softcapping (scores of a few units: a cap of 2 bends them) and a window
-        return transformers.Gemma2Config(sliding_window=8, attn_logit_softcapping=2.0, head_dim=16, **common)
-    if family == "gpt_oss":  # attention sinks (s_aux), windowed and full layers; both experts of 2 always
-        # chosen, so that no routing decision can flip between two roundings
-        return transformers.GptOssConfig(sliding_window=8, head_dim=16, num_local_experts=2, num_experts_per_tok=2,
-                                         **common)
-    raise ValueError(family)
 
 
 # transformers' own attention for each family: SDPA, or eager where its SDPA path lacks the family's
