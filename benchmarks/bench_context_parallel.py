@@ -20,25 +20,17 @@ largest error of out, dQ, dK, dV relative to the largest float64 value.
 """
 import argparse
 import math
-import socket
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from bench_timing import REPO  # noqa: F401  (puts this checkout first on sys.path)
+from bench_timing import free_port, median_step_seconds  # (puts this checkout first on sys.path)
 
 # "ours" and "cudnn": torch's context_parallel with SDPA on flashattn_ext (active) or on cuDNN;
 # "ext_cp": flashattn_ext.distributed.context_parallel_attention on the same shards (head-tail).
 BACKENDS = ("ext_cp", "ours", "cudnn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def causal_flops(batch: int, heads: int, length: int, dim: int) -> float:
@@ -47,20 +39,8 @@ def causal_flops(batch: int, heads: int, length: int, dim: int) -> float:
 
 
 def time_step(fn, reps: int) -> float:
-    """Median seconds of fn (a forward + backward), all ranks starting together."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        if dist.is_initialized():
-            dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    """Median seconds of fn (a forward + backward) after 2 warm-up calls, all ranks starting together."""
+    return median_step_seconds(fn, reps, warmup=2)
 
 
 def sdpa_backend(name: str):

@@ -2,6 +2,7 @@
 median of many calls after warm-up, and interleaved medians for comparing providers under the same
 clock drift. Importing it puts this checkout first on sys.path, so the scripts measure its
 flashattn_ext, not another install."""
+import socket
 import statistics
 import sys
 import time
@@ -70,3 +71,34 @@ def _median_wall_clock(fn: Callable, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def median_step_seconds(fn: Callable, reps: int, device: str = "cuda", warmup: int = 1) -> float:
+    """Median seconds of fn (a whole step) after warm-up calls, each timed alone (CUDA events, or the wall
+    clock on the CPU), every rank of an initialized process group starting it together (a barrier)."""
+    import torch.distributed as dist
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if dist.is_initialized():
+            dist.barrier()
+        if device == "cpu":
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

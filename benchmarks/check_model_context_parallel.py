@@ -15,22 +15,13 @@ relative to its largest reference value (the table gives the worst parameter). S
         --hidden 128 --heads 4 --kv-heads 2 --vocab 256      # a smoke run on the CPU (gloo, float32)
 """
 import argparse
-import socket
-import statistics
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench_timing import REPO  # noqa: F401  (puts this checkout first on sys.path)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_timing import free_port, median_step_seconds  # (puts this checkout first on sys.path)
 
 
 def build(args, attn_implementation: str):
@@ -60,27 +51,6 @@ def step(model, tokens, labels, positions, count):
     return loss.detach()
 
 
-def timed(fn, steps: int, device: str) -> float:
-    """Median seconds of fn after one warm-up call, all ranks starting together."""
-    fn()
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        if device == "cpu":
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def reference(args) -> None:
     import flashattn_ext
     name = flashattn_ext.register_with_transformers()
@@ -93,7 +63,7 @@ def reference(args) -> None:
         model.zero_grad(set_to_none=True)
         step(model, tokens, labels, positions, args.tokens - 1)
 
-    seconds = timed(again, args.steps, args.device)
+    seconds = median_step_seconds(again, args.steps, args.device)
     torch.save({"loss": loss.cpu(), "grads": {n: g.cpu() for n, g in grads.items()}, "seconds": seconds},
                args.scratch)
     print(f"one GPU: loss {loss.item():.6f}, step {seconds:.3f} s", flush=True)
@@ -123,7 +93,7 @@ def context_parallel(rank: int, world: int, port: int, args) -> None:
             model.zero_grad(set_to_none=True)
             step(model, tokens, labels, positions, args.tokens - 1)
 
-        seconds = timed(again, args.steps, args.device)
+        seconds = median_step_seconds(again, args.steps, args.device)
         if rank == 0:
             worst = max(errors, key=errors.get)
             loss_error = abs(loss.item() - want["loss"].item()) / abs(want["loss"].item())
