@@ -83,12 +83,12 @@ def _our_rng_state(rng_state: Tensor, unused: Tensor, dropout_p: float, query: T
     return torch.cat([rng_state.view(torch.long), unused.view(torch.long).reshape(1)])
 
 
-def _debug_mask(rng_state: Tensor, dropout_p: float, out: Tensor, len_k: int) -> Tensor:
-    """aten's debug_attn_mask for a (B, H, Lq, E) output: with dropout, (B, H, Lq, Lk) in out's dtype,
-    +1 where the forward kept a score and -1 where it dropped it (FA2's mask carries the decision in its
-    sign, which is what torch's tests read; its magnitudes, the probabilities, are not kept here).
-    Without dropout, empty. Debugging only: it is the N x N matrix the kernels never write."""
-    if dropout_p == 0.0:
+def _debug_mask(wanted: bool, rng_state: Tensor, dropout_p: float, out: Tensor, len_k: int) -> Tensor:
+    """aten's debug_attn_mask for a (B, H, Lq, E) output: when wanted and with dropout, (B, H, Lq, Lk) in
+    out's dtype, +1 where the forward kept a score and -1 where it dropped it (FA2's mask carries the
+    decision in its sign, which is what torch's tests read; its magnitudes, the probabilities, are not
+    kept here). Otherwise empty. Debugging only: it is the N x N matrix the kernels never write."""
+    if not wanted or dropout_p == 0.0:
         return out.new_empty(0)
     batch, heads, len_q, _ = out.shape
     kept = torch.ops.flashattn_ext.dropout_mask(rng_state, dropout_p, batch, heads, len_q, len_k, 0, len_q)
@@ -106,7 +106,7 @@ def _sdpa_flash_forward(query: Tensor, key: Tensor, value: Tensor, dropout_p: fl
     out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(
         query, key, value, None, dropout_p, is_causal, True, _scale(scale, query.size(-1)))
     seed, offset = _aten_rng_state(rng_state, query)
-    debug_mask = _debug_mask(rng_state, dropout_p, out, key.size(2)) if return_debug_mask else out.new_empty(0)
+    debug_mask = _debug_mask(return_debug_mask, rng_state, dropout_p, out, key.size(2))
     return out, lse, None, None, query.size(2), key.size(2), seed, offset, debug_mask
 
 
@@ -144,7 +144,7 @@ def _flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optiona
         out, lse, rng_state = torch.ops.flashattn_ext.attention_forward(
             q, k, v, None, dropout_p, is_causal, True, scale, left, right)
         seed, offset = _aten_rng_state(rng_state, query)
-        debug_mask = _debug_mask(rng_state, dropout_p, out, k.size(2)) if return_debug_mask else out.new_empty(0)
+        debug_mask = _debug_mask(return_debug_mask, rng_state, dropout_p, out, k.size(2))
         return out.transpose(1, 2), lse, seed, offset, debug_mask
     if dropout_p != 0.0:
         raise _unsupported("dropout on a packed batch (cum_seq_q)")
