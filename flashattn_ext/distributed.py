@@ -1,18 +1,19 @@
 """Context parallelism: one long sequence's attention shared out over the ranks of a torch.distributed group
 (NCCL on GPUs, gloo on the CPU), each rank holding a shard of the sequence's queries, keys and values.
 
-`context_parallel_attention` gathers the keys and values of the whole sequence onto every rank (with GQA
-they are a fraction of the queries' bytes) and runs each of the rank's query chunks as one call of our
-kernels over every key it sees, aligned bottom-right. So no partial results are merged (the output is the
-one-GPU output, computed the same way), and every option keeps its meaning under CP: windows,
-softcapping, ALiBi (whose bias needs each key's distance from the query), sinks and packed documents. The
-backward gathers the keys and values again (nothing of the whole sequence is kept between the passes) and
-sums every rank's dK/dV contributions onto their owners in float32 (reduce-scatter).
+`context_parallel_attention` gathers onto every rank the keys and values its queries see (with GQA they
+are a fraction of the queries' bytes) and runs each of the rank's query chunks as one call of our kernels
+over every key it sees, aligned bottom-right. So no partial results are merged (the output is the one-GPU
+output, computed the same way), and every option keeps its meaning under CP: windows, softcapping, ALiBi
+(whose bias needs each key's distance from the query), sinks and packed documents. The backward gathers
+the keys and values again (nothing of the whole sequence is kept between the passes) and sums every
+rank's dK/dV contributions onto their owners in float32.
 
 The collectives go a section at a time (section j: every rank's j-th chunk; head-tail has two), started
 asynchronously: the forward's head-chunk call needs only the head chunks, and runs while the tail chunks
 arrive; the backward takes the tail chunk's call first, after which the tail chunks' key gradients are
-complete and travel while the head chunk's call runs.
+complete and travel while the head chunk's call runs. Each goes by all-to-all, only the rows that each
+rank reads of the others' (a window's halo, not every key), never a rank's own.
 
 Layouts (which chunks of the sequence a rank holds, in order, along the sequence dim):
 - "head_tail": the sequence in 2 x world chunks, rank r holding chunks r and 2 x world - 1 - r: each rank
@@ -24,6 +25,7 @@ Layouts (which chunks of the sequence a rank holds, in order, along the sequence
     out = context_parallel_attention(*shards, group=group, is_causal=True, layout="head_tail")
     whole = unshard_sequence(out, dim=2, group=group, layout="head_tail")
 """
+import math
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -45,13 +47,15 @@ def _group_of(group):
 
 class _Piece(NamedTuple):
     """One call: query rows [row_begin, row_end) of the shard against keys [key_begin, key_end) of the
-    whole sequence; packed = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) where the call is a
-    packed batch of documents (offsets within the rows and within the keys)."""
+    whole sequence, with the window (left, right) that call takes; packed = (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k) where the call is a packed batch of documents (offsets within the rows and
+    within the keys)."""
 
     row_begin: int
     row_end: int
     key_begin: int
     key_end: int
+    window: Optional[tuple] = None
     packed: Optional[tuple] = None
 
 
@@ -80,20 +84,33 @@ class _Plan:
     def chunks_of(self, rank: int) -> List[int]:
         return [rank] if self.layout == "contiguous" else [rank, 2 * self.world - 1 - rank]
 
-    def pieces(self, is_causal: bool, window_left: int, documents: Optional[List[int]] = None) -> List[_Piece]:
-        """The calls of this rank: (first query row, end row) of its shard and (first key, end key) of
-        the whole sequence each. Causal, a chunk sees the keys up to its own end (from its window's
-        start), which bottom-right alignment places right; not causal, every key. With documents (the
-        whole sequence's boundaries), a chunk's call is a packed batch of its pieces of each document,
-        each seeing its document's keys: its keys are one span of the sequence."""
-        if not is_causal and documents is None:
+    def pieces(self, is_causal: bool, window: Tuple[int, int], documents: Optional[List[int]] = None,
+               rank: Optional[int] = None) -> List[_Piece]:
+        """The calls of `rank` (default: this one): (first query row, end row) of its shard and (first key,
+        end key) of the whole sequence each. window: (left, right) bounds, -1 open. Causal, a chunk sees the
+        keys up to its own end (from its window's start), which bottom-right alignment places right; not
+        causal, every key, or its window's. With documents (the whole sequence's boundaries), a chunk's call
+        is a packed batch of its pieces of each document, each seeing its document's keys: its keys are one
+        span of the sequence."""
+        left, right = window
+        rank = self.rank if rank is None else rank
+        if not is_causal and documents is None and left < 0 and right < 0:
             return [_Piece(0, self.chunk * self.per_rank, 0, self.length)]
         pieces = []
-        for j, chunk in enumerate(self.chunks_of(self.rank)):
+        for j, chunk in enumerate(self.chunks_of(rank)):
             start, end = chunk * self.chunk, (chunk + 1) * self.chunk
             if documents is None:
-                first_key = 0 if window_left < 0 else max(0, start - window_left)
-                pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, first_key, end))
+                key_begin = 0 if left < 0 else max(0, start - left)
+                if is_causal:
+                    key_end = end
+                else:
+                    key_end = self.length if right < 0 else min(self.length, end + right)
+                # Bottom-right alignment puts query i on key i + (keys - rows) of the span: `past` keys right
+                # of its own position where the span runs past the chunk's end (not causal), which the
+                # window's bounds take back.
+                past = key_end - end
+                shifted = (None if left < 0 else left + past, None if right < 0 else right - past)
+                pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_begin, key_end, shifted))
                 continue
             query_ends, key_spans = [], []
             for doc_start, doc_end in zip(documents[:-1], documents[1:]):
@@ -101,7 +118,7 @@ class _Plan:
                     continue
                 query_begin, query_end = max(doc_start, start), min(doc_end, end)
                 if is_causal:
-                    key_begin = doc_start if window_left < 0 else max(doc_start, query_begin - window_left)
+                    key_begin = doc_start if left < 0 else max(doc_start, query_begin - left)
                     key_spans.append((key_begin, query_end))
                 else:
                     key_spans.append((doc_start, doc_end))
@@ -111,6 +128,7 @@ class _Plan:
             max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
             max_k = max(b - a for a, b in key_spans)
             pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_spans[0][0], key_spans[-1][1],
+                                 (None if left < 0 else left, None if right < 0 else right),
                                  (cu_q, cu_k, max_q, max_k)))
         return pieces
 
@@ -126,52 +144,117 @@ class _Plan:
         return parts
 
 
-class _GatheredKeys:
-    """The whole sequence's keys and values on this rank, gathered a section at a time (section j: every
-    rank's j-th chunk, one all-gather each, all started at once), so that a call waits only for the
-    sections its keys lie in and the others arrive while it runs."""
+class _Routes:
+    """Which rows of each rank's chunks the other ranks' calls read: rows[j][owner][reader] = (a, b), the rows
+    [a, b) of owner's j-th chunk (a == b: none; a rank reads its own chunks where they lie). Section j (every
+    rank's j-th chunk) goes by one all-to-all of the rows read, none where no rank reads another's."""
 
-    def __init__(self, plan: _Plan, key: Tensor, value: Tensor, group):
-        self.plan = plan
-        self.sections, self.pending = [], []
+    def __init__(self, plan: _Plan, spans_by_rank: List[List[Tuple[int, int]]]):
+        self.world = plan.world
+        reads = [[[(plan.chunk, 0)] * plan.world for _ in range(plan.world)] for _ in range(plan.per_rank)]
+        for reader, spans in enumerate(spans_by_rank):
+            for key_begin, key_end in spans:
+                for owner, j, in_chunk, _ in plan.parts(key_begin, key_end):
+                    a, b = reads[j][owner][reader]
+                    reads[j][owner][reader] = (min(a, in_chunk.start), max(b, in_chunk.stop))
+        self.rows = [[[(a, b) if a < b and owner != reader else (0, 0) for reader, (a, b) in enumerate(by_reader)]
+                      for owner, by_reader in enumerate(section)] for section in reads]
+        self.crossing = [any(a < b for by_reader in section for a, b in by_reader) for section in self.rows]
+
+    def sent(self, j: int, rank: int) -> List[Tuple[int, int]]:
+        """The rows of rank's j-th chunk that each rank reads."""
+        return self.rows[j][rank]
+
+    def received(self, j: int, rank: int) -> List[Tuple[int, int]]:
+        """The rows of each rank's j-th chunk that rank reads."""
+        return [self.rows[j][owner][rank] for owner in range(self.world)]
+
+
+def _split_sizes(rows: List[Tuple[int, int]], row_shape) -> List[int]:
+    """Elements of each rank's block of rows, each row (2, B, H, D): its key's and its value's."""
+    return [(b - a) * math.prod(row_shape) for a, b in rows]
+
+
+def _blocks(flat: Tensor, rows: List[Tuple[int, int]], row_shape) -> List[Tuple[Tensor, int]]:
+    """A flat buffer holding one block a rank (block r: rows rows[r] of a chunk, keys then values) as
+    (a (2, B, H, rows, D) view, its first row in the chunk) a rank."""
+    return [(part.view(*row_shape[:3], b - a, row_shape[3]), a)
+            for part, (a, b) in zip(flat.split(_split_sizes(rows, row_shape)), rows)]
+
+
+class _GatheredKeys:
+    """The keys and values this rank's calls read: its own where they lie, the other ranks' gathered a
+    section at a time (section j: every rank's j-th chunk, one all-to-all of the rows read each, all
+    started at once), so that a call waits only for the sections its keys lie in and the others arrive
+    while it runs."""
+
+    def __init__(self, plan: _Plan, routes: _Routes, key: Tensor, value: Tensor, group):
+        self.plan, self.pending = plan, []
+        self.blocks = []  # blocks[j][owner] = (keys, values, their first row in owner's j-th chunk)
+        row_shape = (2, *key.shape[:2], key.shape[3])
         for j in range(plan.per_rank):
-            rows = slice(j * plan.chunk, (j + 1) * plan.chunk)
-            local = torch.stack([key[:, :, rows], value[:, :, rows]])  # (2, B, H, chunk, D)
-            section = local.new_empty((plan.world * 2, *local.shape[1:]))  # the ranks' chunks along dim 0
-            self.pending.append(dist.all_gather_into_tensor(section, local, group=group, async_op=True))
-            self.sections.append(section.unflatten(0, (plan.world, 2)))
+            first_row = j * plan.chunk
+            sent, received = routes.sent(j, plan.rank), routes.received(j, plan.rank)
+            blocks, work = [None] * plan.world, None
+            if routes.crossing[j]:
+                outgoing = key.new_empty(sum(_split_sizes(sent, row_shape)))
+                for block, first in _blocks(outgoing, sent, row_shape):
+                    rows = slice(first_row + first, first_row + first + block.shape[3])
+                    block[0].copy_(key[:, :, rows])
+                    block[1].copy_(value[:, :, rows])
+                incoming = key.new_empty(sum(_split_sizes(received, row_shape)))
+                work = dist.all_to_all_single(incoming, outgoing, _split_sizes(received, row_shape),
+                                              _split_sizes(sent, row_shape), group=group, async_op=True)
+                blocks = [(block[0], block[1], first) for block, first in _blocks(incoming, received, row_shape)]
+            rows = slice(first_row, first_row + plan.chunk)
+            blocks[plan.rank] = (key[:, :, rows], value[:, :, rows], 0)
+            self.blocks.append(blocks)
+            self.pending.append(work)
 
     def span(self, key_begin: int, key_end: int) -> Tuple[Tensor, Tensor]:
-        """Keys and values [key_begin, key_end) of the whole sequence, (B, H, keys, D) each (a copy)."""
-        pieces = []
+        """Keys and values [key_begin, key_end) of the whole sequence, (B, H, keys, D) each."""
+        keys, values = [], []
         for rank, j, in_chunk, _ in self.plan.parts(key_begin, key_end):
-            if self.pending[j] is not None:
+            if rank != self.plan.rank and self.pending[j] is not None:
                 self.pending[j].wait()
                 self.pending[j] = None
-            pieces.append(self.sections[j][rank, :, :, :, in_chunk])
-        both = torch.cat(pieces, dim=3)
-        return both[0], both[1]
+            key, value, first = self.blocks[j][rank]
+            rows = slice(in_chunk.start - first, in_chunk.stop - first)
+            keys.append(key[:, :, rows])
+            values.append(value[:, :, rows])
+        if len(keys) == 1:  # (rows of one block: a view)
+            return keys[0], values[0]
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def finish(self) -> None:
-        """Waits for the sections no call needed (a window's), so that no collective outlives the call."""
+        """Waits for the sections no call needed, so that no collective outlives the call."""
         for work in self.pending:
             if work is not None:
                 work.wait()
 
 
 class _KeyGradients:
-    """Every rank's gradients of the whole sequence's keys and values, summed onto their owners in float32,
-    a section (every rank's j-th chunk) a reduce-scatter. The sections go in one order on every rank (the
-    last first, as collectives must), each as soon as this rank's calls left add nothing to it, so that
-    it travels while those calls run."""
+    """Every rank's gradients of the keys and values it read, summed onto their owners in float32: a
+    rank's own rows where they lie, the other ranks' sent back to them a section (every rank's j-th chunk)
+    an all-to-all, the reverse of the forward's. The sections go in one order on every rank (the last
+    first, as collectives must), each as soon as this rank's calls left add nothing to it, so that it
+    travels while those calls run."""
 
-    def __init__(self, plan: _Plan, key: Tensor, group, calls_by_section: List[int]):
-        self.plan, self.group, self.calls_left = plan, group, list(calls_by_section)
+    def __init__(self, plan: _Plan, routes: _Routes, key: Tensor, group, calls_by_section: List[int]):
+        self.plan, self.routes, self.group, self.calls_left = plan, routes, group, list(calls_by_section)
         dtype = torch.float64 if key.dtype == torch.float64 else torch.float32
-        # section j: (world, 2, B, H, chunk, D), rank-major as reduce_scatter_tensor takes it
-        self.sections = [key.new_zeros((plan.world, 2, *key.shape[:2], plan.chunk, key.shape[3]), dtype=dtype)
-                         for _ in range(plan.per_rank)]
-        self.mine = [section.new_empty(section.shape[1:]) for section in self.sections]
+        self.row_shape = (2, *key.shape[:2], key.shape[3])
+        self.mine = key.new_zeros((2, *key.shape), dtype=dtype)  # this rank's dK and dV
+        # sections[j]: the sums this rank sends back; blocks[j][owner] = (a view of them, its first row)
+        self.sections, self.blocks, self.returned = [], [], []
+        for j in range(plan.per_rank):
+            received = self.routes.received(j, plan.rank)
+            section = key.new_zeros(sum(_split_sizes(received, self.row_shape)), dtype=dtype)
+            blocks = _blocks(section, received, self.row_shape)
+            blocks[plan.rank] = (self.mine[:, :, :, j * plan.chunk:(j + 1) * plan.chunk], 0)
+            self.sections.append(section)
+            self.blocks.append(blocks)
+            self.returned.append(section.new_empty(sum(_split_sizes(routes.sent(j, plan.rank), self.row_shape))))
         self.order, self.pending = list(reversed(range(plan.per_rank))), []
         self._send(finished=False)
 
@@ -179,8 +262,9 @@ class _KeyGradients:
         """Adds one call's gradients of keys [key_begin, key_begin + keys), then sends the sections done."""
         touched = set()
         for rank, j, in_chunk, in_span in self.plan.parts(key_begin, key_begin + grad_key.shape[2]):
+            block, first = self.blocks[j][rank]
             for which, grad in enumerate((grad_key, grad_value)):
-                self.sections[j][rank, which, :, :, in_chunk] += grad[:, :, in_span]
+                block[which, :, :, in_chunk.start - first:in_chunk.stop - first] += grad[:, :, in_span]
             touched.add(j)
         for j in touched:
             self.calls_left[j] -= 1
@@ -191,16 +275,25 @@ class _KeyGradients:
             j = self.order[len(self.pending)]
             if self.calls_left[j] and not finished:
                 return
-            self.pending.append(dist.reduce_scatter_tensor(self.mine[j], self.sections[j].flatten(0, 1),
-                                                           group=self.group, async_op=True))
+            work = None
+            if self.routes.crossing[j]:
+                sent, received = self.routes.sent(j, self.plan.rank), self.routes.received(j, self.plan.rank)
+                work = dist.all_to_all_single(self.returned[j], self.sections[j], _split_sizes(sent, self.row_shape),
+                                              _split_sizes(received, self.row_shape), group=self.group,
+                                              async_op=True)
+            self.pending.append((j, work))
 
     def result(self, key: Tensor, value: Tensor) -> Tuple[Tensor, Tensor]:
         """This rank's dK and dV, in key's and value's dtypes."""
         self._send(finished=True)
-        for work in self.pending:
+        for j, work in self.pending:
+            if work is None:
+                continue
             work.wait()
-        both = torch.cat(self.mine, dim=3)  # (2, B, H, local, D)
-        return both[0].to(key.dtype), both[1].to(value.dtype)
+            for block, first in _blocks(self.returned[j], self.routes.sent(j, self.plan.rank), self.row_shape):
+                begin = j * self.plan.chunk + first
+                self.mine[:, :, :, begin:begin + block.shape[3]] += block
+        return self.mine[0].to(key.dtype), self.mine[1].to(value.dtype)
 
 
 def _offsets(values: List[int], device: torch.device) -> Tensor:
@@ -220,13 +313,16 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, group, plan, options):
         is_causal, scale, enable_gqa, window, softcap, alibi_slopes, documents = options
-        gathered = _GatheredKeys(plan, key, value, group)
+        pieces_by_rank = [plan.pieces(is_causal, window_bounds(window), documents, rank)
+                          for rank in range(plan.world)]
+        routes = _Routes(plan, [[(piece.key_begin, piece.key_end) for piece in pieces] for pieces in pieces_by_rank])
+        gathered = _GatheredKeys(plan, routes, key, value, group)
         outs, lses, calls = [], [], []
-        for piece in plan.pieces(is_causal, window_bounds(window)[0], documents):  # (head-tail: the head first)
+        for piece in pieces_by_rank[plan.rank]:  # (head-tail: the head first)
             rows = slice(piece.row_begin, piece.row_end)
             span_key, span_value = gathered.span(piece.key_begin, piece.key_end)
             args, *_ = _op_arguments(query[:, :, rows], span_key, span_value, None, 0.0, is_causal, scale,
-                                     enable_gqa, True, window, softcap, alibi_slopes)
+                                     enable_gqa, True, piece.window, softcap, alibi_slopes)
             options_of_op = args[4:]  # dropout_p, is_causal, lower_right, scale, window, softcap, slopes
             if piece.packed is None:
                 out, lse, _ = torch.ops.flashattn_ext.attention_forward(*args, sinks=sinks)
@@ -248,7 +344,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         gathered.finish()
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
-        ctx.group, ctx.plan, ctx.calls = group, plan, calls
+        ctx.group, ctx.plan, ctx.routes, ctx.calls = group, plan, routes, calls
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -256,13 +352,13 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, grad_out, _grad_lse):
         query, key, value, sinks, out, lse = ctx.saved_tensors
         plan = ctx.plan
-        gathered = _GatheredKeys(plan, key, value, ctx.group)
+        gathered = _GatheredKeys(plan, ctx.routes, key, value, ctx.group)
         calls = ctx.calls[::-1]  # (head-tail: the tail first, after which the tails' key gradients are done)
         calls_by_section = [0] * plan.per_rank
         for piece, _ in calls:
             for j in {j for _, j, _, _ in plan.parts(piece.key_begin, piece.key_end)}:
                 calls_by_section[j] += 1
-        key_grads = _KeyGradients(plan, key, ctx.group, calls_by_section)
+        key_grads = _KeyGradients(plan, ctx.routes, key, ctx.group, calls_by_section)
         grad_out = grad_out.contiguous()
         grad_query = torch.empty_like(query)
         grad_sinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
@@ -318,11 +414,11 @@ def context_parallel_attention(
 
     The options mean what they mean in attention_with_lse, over the whole sequence's positions: is_causal
     (the whole sequence is square: top-left and bottom-right agree), window (left, right), softcap,
-    alibi_slopes, sinks. Windows and ALiBi need is_causal=True (not causal, a chunk's keys lie on both
-    sides of it, which no one bottom-right call spans). The gradients of query, key and value are this
-    rank's shards; a sinks tensor gets this rank's queries' share of its gradient (as a replicated
-    parameter's is, summed over the ranks where the model's gradients are reduced). No dropout or
-    attn_mask.
+    alibi_slopes, sinks. ALiBi needs is_causal=True (not causal, a chunk's keys lie on both sides of it,
+    and ALiBi's distances would need the kernels to place the diagonal inside the keys). The gradients of
+    query, key and value are this rank's shards; a sinks tensor gets this rank's queries' share of its
+    gradient (as a replicated parameter's is, summed over the ranks where the model's gradients are
+    reduced). No dropout or attn_mask.
 
     cu_seqlens: documents packed in the sequence (as varlen_attention's, but of the whole sequence: a list
     or CPU tensor of boundaries, 0 first and the sequence's length last, non-decreasing). Each document
@@ -338,9 +434,13 @@ def context_parallel_attention(
         raise ValueError(f"flashattn_ext: context_parallel_attention's shards must be of one length (one "
                          f"sequence's chunks), got query {query.shape[2]}, key {key.shape[2]}, "
                          f"value {value.shape[2]}")
-    if not is_causal and (alibi_slopes is not None or window is not None):
-        raise ValueError("flashattn_ext: context_parallel_attention takes a window or ALiBi with is_causal=True "
-                         "only (not causal, a chunk's keys lie on both sides of it)")
+    if not is_causal and alibi_slopes is not None:
+        raise ValueError("flashattn_ext: context_parallel_attention takes ALiBi with is_causal=True only (not "
+                         "causal, a chunk's keys lie on both sides of it, and no call of our kernels can "
+                         "place its queries' diagonal inside the keys for ALiBi's distances)")
+    if not is_causal and window_bounds(window) != (-1, -1) and cu_seqlens is not None:
+        raise ValueError("flashattn_ext: context_parallel_attention takes a window with cu_seqlens only with "
+                         "is_causal=True")
     plan = _Plan(group, layout, query.shape[2])
     documents = None if cu_seqlens is None else _documents(cu_seqlens, plan.length, query.shape[0], sinks)
     options = (bool(is_causal), scale, bool(enable_gqa), window, softcap, alibi_slopes, documents)

@@ -18,14 +18,22 @@ CASES = [
     ("not causal, contiguous", "contiguous", False, 2, 2, {}),
     ("window inside a chunk", "contiguous", True, 2, 2, {"window": (5, 0)}),
     ("window over chunks", "head_tail", True, 4, 2, {"window": (30, None)}),
+    ("window of a chunk, head-tail", "head_tail", True, 2, 1, {"window": (14, 0), "softcap": 2.0}),
     ("ALiBi", "head_tail", True, 4, 2, {"alibi": True}),
     ("ALiBi, window, softcap", "contiguous", True, 2, 1, {"alibi": True, "window": (17, 0), "softcap": 2.0}),
     ("sinks", "head_tail", True, 4, 2, {"sinks": True}),
     ("documents", "head_tail", True, 4, 2, {"documents": True}),
     ("documents, window, ALiBi", "contiguous", True, 2, 2, {"documents": True, "window": (9, 0), "alibi": True}),
     ("documents, not causal", "head_tail", False, 2, 1, {"documents": True}),
+    # (4 ranks: the head chunks' keys go whole, the tails' in part: all-gather and all-to-all in one call)
+    ("long documents", "head_tail", True, 4, 2, {"documents": [40, 3]}),
+    ("window, not causal", "contiguous", False, 2, 2, {"window": (7, 3)}),
+    ("window over chunks, not causal", "head_tail", False, 4, 2, {"window": (30, 20)}),
+    ("right window, not causal, softcap", "head_tail", False, 2, 1, {"window": (None, 13), "softcap": 1.5}),
+    ("sinks, window, not causal", "contiguous", False, 2, 2, {"sinks": True, "window": (4, 9)}),
 ]
-# Packed documents' lengths, repeated to the sequence's end (one empty; some within a chunk, some across).
+# Packed documents' lengths, repeated to the sequence's end (one empty; some within a chunk, some across),
+# where a case's "documents" is True rather than its own list.
 DOCUMENT_LENGTHS = [7, 1, 30, 0, 13, 2]
 CHUNKS_EACH = 12  # tokens a chunk (2 chunks a rank in head_tail, 1 contiguous: 24 a rank both ways)
 HEAD_DIM = 16
@@ -33,11 +41,11 @@ HEAD_DIM = 16
 TOLERANCE = {torch.float64: 1e-10, torch.bfloat16: 2e-2}
 
 
-def document_bounds(length):
-    """cu_seqlens of documents of DOCUMENT_LENGTHS' lengths, in turn, filling `length` tokens."""
+def document_bounds(length, lengths):
+    """cu_seqlens of documents of these lengths, in turn, filling `length` tokens."""
     bounds = [0]
     while bounds[-1] < length:
-        bounds.append(min(length, bounds[-1] + DOCUMENT_LENGTHS[(len(bounds) - 1) % len(DOCUMENT_LENGTHS)]))
+        bounds.append(min(length, bounds[-1] + lengths[(len(bounds) - 1) % len(lengths)]))
     return bounds
 
 
@@ -57,7 +65,8 @@ def reference(q, k, v, dout, is_causal, options):
                                  alibi_slopes=options.get("alibi_slopes"), attn_mask=same_document)
         return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
     sinks = sinks.to(torch.float64, copy=True).requires_grad_()
-    out, lse = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM))
+    out, lse = naive_attention(*leaves, is_causal=is_causal, enable_gqa=True, scale=1 / math.sqrt(HEAD_DIM),
+                               window=options.get("window"), softcap=options.get("softcap"))
     # A sink joins each row's softmax with weight exp(sink) and value 0: out * exp(lse) / (exp(lse) + exp(sink)).
     out = out * torch.sigmoid(lse - sinks[:, None])[..., None]
     return [out.detach(), *torch.autograd.grad(out, [*leaves, sinks], dout.double())]
@@ -81,7 +90,8 @@ def run_cases(rank, world, port, backend):
             if extra.get("sinks"):
                 options["sinks"] = torch.randn(heads_q, generator=gen).to(device, dtype)
             if extra.get("documents"):
-                options["cu_seqlens"] = document_bounds(length)
+                lengths = DOCUMENT_LENGTHS if extra["documents"] is True else extra["documents"]
+                options["cu_seqlens"] = document_bounds(length, lengths)
             want = reference(q, k, v, dout, is_causal, options)
 
             shards = [shard_sequence(t, 2, layout=layout) for t in (q, k, v, dout)]
@@ -120,8 +130,10 @@ def run_refusals(rank, world, port):
 
     with process_group(rank, world, port, "gloo"):
         q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
-        with pytest.raises(ValueError, match="is_causal=True only"):
-            context_parallel_attention(q, q, q, window=(2, 2))
+        with pytest.raises(ValueError, match="ALiBi with is_causal=True only"):
+            context_parallel_attention(q, q, q, alibi_slopes=torch.ones(2))
+        with pytest.raises(ValueError, match="window with cu_seqlens only with is_causal=True"):
+            context_parallel_attention(q, q, q, window=(2, 2), cu_seqlens=[0, 5, 12])
         with pytest.raises(ValueError, match="odd"):
             context_parallel_attention(q[:, :, :5], q[:, :, :5], q[:, :, :5], is_causal=True)
         with pytest.raises(ValueError, match="one length"):
