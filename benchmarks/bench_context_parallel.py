@@ -12,6 +12,7 @@ balancing, and ext_cp's "head_tail"), so that the whole sequence never sits on o
     python3 benchmarks/bench_context_parallel.py --world 2 --tokens 8192 16384 --backends ours
     python3 benchmarks/bench_context_parallel.py --numerics --world 1 2 4   # error against float64
     python3 benchmarks/bench_context_parallel.py --documents 8192 --tokens 65536   # packed documents
+    python3 benchmarks/bench_context_parallel.py --window 4096 --tokens 32768      # a sliding window
 
 FLOPs per GPU: the whole causal sequence's 2 * 2 * B * H * N^2 * D (forward, halved for causal) times
 3.5 (forward and backward), over the GPUs. The numerics run takes one sequence (--numerics-tokens in
@@ -141,39 +142,64 @@ def run_speed(rank: int, world: int, port: int, args) -> None:
     dist.destroy_process_group()
 
 
-def run_documents(rank: int, world: int, port: int, args) -> None:
-    """context_parallel_attention over a sequence of documents of --documents tokens each (causal within
-    each), against one GPU's varlen_attention over its share of the tokens in the same documents."""
+def window_flops(heads: int, length: int, window: int, dim: int) -> float:
+    """Forward + backward FLOPs of causal attention over `length` tokens, each seeing its last `window`
+    keys: causal_flops' count of (query, key) pairs, here sum_i min(i + 1, window)."""
+    pairs = window * length - window * (window - 1) // 2 if length >= window else length * (length + 1) // 2
+    return 3.5 * 4.0 * heads * pairs * dim
+
+
+def run_bounded(rank: int, world: int, port: int, args) -> None:
+    """context_parallel_attention where each query sees a bounded span of keys, against one GPU's same
+    call over its share of the tokens: packed documents of --documents tokens (causal within each; the
+    head-tail layout; one GPU: varlen_attention over its share of the same documents), or a causal window
+    of --window keys (the contiguous layout, which balances it; one GPU: the windowed call on its tokens)."""
     import flashattn_ext
     from flashattn_ext.distributed import context_parallel_attention
 
     init_rank(rank, world, port)
-    hq, hkv, d, length = args.heads, args.kv_heads, args.dim, args.documents
+    hq, hkv, d = args.heads, args.kv_heads, args.dim
+    what = (f"documents of {args.documents} tokens (causal, head-tail)" if args.documents else
+            f"a causal window of {args.window} keys (contiguous)")
     if rank == 0:
-        print(f"{world} x {torch.cuda.get_device_name()}; documents of {length} tokens (causal), GQA {hq}:{hkv}, "
-              f"D={d}, bf16; forward + backward TFLOP/s per GPU")
-        print("| tokens a GPU | whole sequence | one GPU, varlen over its tokens | CP, ext_cp |\n|---|---|---|---|",
-              flush=True)
+        print(f"{world} x {torch.cuda.get_device_name()}; {what}, GQA {hq}:{hkv}, D={d}, bf16; forward + backward "
+              "TFLOP/s per GPU")
+        print("| tokens a GPU | whole sequence | one GPU, its tokens | CP, ext_cp |\n|---|---|---|---|", flush=True)
     for tokens in args.tokens:
         q, k, v, dout = (torch.randn(1, h, tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=i < 3)
                          for i, h in enumerate((hq, hkv, hkv, hq)))
-        packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_(i < 3)  # (tokens, heads, D)
-                  for i, t in enumerate((q, k, v, dout))]
-        own = torch.arange(0, tokens + 1, length, device="cuda", dtype=torch.int32)
+        if args.documents:
+            length = args.documents
+            packed = [t.detach()[0].transpose(0, 1).contiguous().requires_grad_(i < 3)  # (tokens, heads, D)
+                      for i, t in enumerate((q, k, v, dout))]
+            own = torch.arange(0, tokens + 1, length, device="cuda", dtype=torch.int32)
+            flops = causal_flops(1, hq, length, d) * tokens / length  # a GPU's share, both ways
 
-        def single():
-            out = flashattn_ext.varlen_attention(*packed[:3], own, own, length, length, is_causal=True)
-            torch.autograd.grad(out, packed[:3], packed[3])
+            def single():
+                out = flashattn_ext.varlen_attention(*packed[:3], own, own, length, length, is_causal=True)
+                torch.autograd.grad(out, packed[:3], packed[3])
+
+            options = {"layout": "head_tail", "cu_seqlens": list(range(0, tokens * world + 1, length))}
+        else:
+            window = (args.window - 1, 0)
+            # a GPU's share of the whole sequence's pairs (its first rank's start sees fewer keys)
+            flops = window_flops(hq, tokens * world, args.window, d) / world
+
+            def single():
+                out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, enable_gqa=hq != hkv,
+                                                          window=window)
+                torch.autograd.grad(out, (q, k, v), dout)
+
+            options = {"layout": "contiguous", "window": window}
 
         def sharded():
-            out = context_parallel_attention(q, k, v, layout="head_tail", is_causal=True, enable_gqa=hq != hkv,
-                                             cu_seqlens=list(range(0, tokens * world + 1, length)))
+            out = context_parallel_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv, **options)
             torch.autograd.grad(out, (q, k, v), dout)
 
         seconds = (time_step(single, args.reps), time_step(sharded, args.reps))
         if rank == 0:
-            flops = causal_flops(1, hq, length, d) * tokens / length / 1e12  # a GPU's share, both ways
-            rates = [flops / t for t in seconds]
+            single_flops = flops if args.documents else window_flops(hq, tokens, args.window, d)
+            rates = [single_flops / seconds[0] / 1e12, flops / seconds[1] / 1e12]
             print(f"| {tokens} | {tokens * world} | {rates[0]:.0f} | {rates[1]:.0f} ({rates[1] / rates[0]:.1%}; "
                   f"{seconds[1]:.3f} s) |", flush=True)
     dist.destroy_process_group()
@@ -242,6 +268,7 @@ def main() -> None:
     parser.add_argument("--numerics", action="store_true", help="error against float64 at each --world")
     parser.add_argument("--numerics-tokens", type=int, default=8192, help="the numerics run's whole sequence")
     parser.add_argument("--documents", type=int, help="packed documents of this many tokens (ext_cp only)")
+    parser.add_argument("--window", type=int, help="a causal window of this many keys (ext_cp only)")
     args = parser.parse_args()
     if args.numerics:
         print(f"{torch.cuda.get_device_name()}; causal, B=1, GQA {args.heads}:{args.kv_heads}, D={args.dim}, "
@@ -262,7 +289,7 @@ def main() -> None:
             del full, want
             torch.cuda.empty_cache()
             continue
-        run = run_numerics if args.numerics else run_documents if args.documents else run_speed
+        run = run_numerics if args.numerics else run_bounded if args.documents or args.window else run_speed
         mp.spawn(run, args=(world, free_port(), args), nprocs=world, join=True)
 
 

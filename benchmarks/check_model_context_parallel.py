@@ -10,6 +10,8 @@ relative to its largest reference value (the table gives the worst parameter). S
 --steps forward + backward steps after one warm-up, CUDA events.
 
     python3 benchmarks/check_model_context_parallel.py --world 4 --tokens 131072
+    python3 benchmarks/check_model_context_parallel.py --world 4 --tokens 524288 --layers 1 --hidden 1024 \
+        --head-dim 128 --vocab 2048   # 512k tokens: what one H100 holds for the reference
     python3 benchmarks/check_model_context_parallel.py --world 2 --tokens 16384 --layers 1 --hidden 1024
     python3 benchmarks/check_model_context_parallel.py --device cpu --world 2 --tokens 256 --layers 1 \
         --hidden 128 --heads 4 --kv-heads 2 --vocab 256      # a smoke run on the CPU (gloo, float32)
@@ -30,7 +32,7 @@ def build(args, attn_implementation: str):
     config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(3.5 * args.hidden),
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.tokens, use_cache=False)
+        head_dim=args.head_dim or args.hidden // args.heads, max_position_embeddings=args.tokens, use_cache=False)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(args.device, torch.bfloat16 if args.device == "cuda" else torch.float32)
@@ -113,13 +115,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, help="default: hidden / heads (a smaller hidden keeps d=128 at 512k "
+                        "tokens on one GPU)")
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/check_model_context_parallel.pt"))
     args = parser.parse_args()
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{where}: transformers Llama, {args.layers} layers, hidden {args.hidden}, GQA "
-          f"{args.heads}:{args.kv_heads}, {'bf16' if args.device == 'cuda' else 'float32'}; forward + backward of "
+          f"{args.heads}:{args.kv_heads}, d={args.head_dim or args.hidden // args.heads}, vocab {args.vocab}, "
+          f"{'bf16' if args.device == 'cuda' else 'float32'}; forward + backward of "
           "one sequence")
     reference(args)
     if args.device == "cuda":
