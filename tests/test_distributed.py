@@ -25,8 +25,10 @@ CASES = [
     ("documents", "head_tail", True, 4, 2, {"documents": True}),
     ("documents, window, ALiBi", "contiguous", True, 2, 2, {"documents": True, "window": (9, 0), "alibi": True}),
     ("documents, not causal", "head_tail", False, 2, 1, {"documents": True}),
-    # (4 ranks: the head chunks' keys go whole, the tails' in part: all-gather and all-to-all in one call)
+    # (4 ranks: every rank reads every head chunk's keys and part of the tails')
     ("long documents", "head_tail", True, 4, 2, {"documents": [40, 3]}),
+    # (each document within a chunk: no rank reads another's keys, no collective)
+    ("documents within chunks", "head_tail", True, 2, 2, {"documents": [12]}),
     ("window, not causal", "contiguous", False, 2, 2, {"window": (7, 3)}),
     ("window over chunks, not causal", "head_tail", False, 4, 2, {"window": (30, 20)}),
     ("right window, not causal, softcap", "head_tail", False, 2, 1, {"window": (None, 13), "softcap": 1.5}),
