@@ -254,6 +254,14 @@ struct DecodeParams {
   // seen as (batch, heads_q, len_q, len_k) as in FwdParams, its columns
   // contiguous: it hides the pairs where it is false. data == nullptr: none.
   TensorView4d mask;
+  // An FP8 cache (k_scale set): the caches hold float8 e4m3 values, and key
+  // row j of head h stands for k_cache's row times k_scale[h *
+  // scale_stride_head] (float32; stride 0: one scale for every head), the
+  // values likewise with v_scale. k_new and v_new (the queries' dtype) are
+  // written as round-to-nearest(x / scale), saturated to e4m3's +-448.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int64_t scale_stride_head = 0;
 
   // Sequence b's cached keys: cache_seqlens.at(0, b), or the whole capacity
   // where cache_seqlens is absent (a dense call that the decode kernels take).

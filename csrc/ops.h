@@ -87,6 +87,9 @@ struct DecodeArguments {
   // No attn_mask, no dropout; causal_lower_right (a decoding step's queries
   // are its sequences' last rows).
   AttentionOptions options;
+  // FP8 caches' scales (float32, () or (1,) for the whole cache, or one a key/value head).
+  const std::optional<at::Tensor>& key_scale;
+  const std::optional<at::Tensor>& value_scale;
 };
 
 // Checks the shapes, dtypes and devices of a decode_attention call (not the

@@ -24,10 +24,19 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   const bool paged = args.block_table.has_value();
   const char* cache_dims = paged ? "(num_blocks, block_size, heads, head_dim) with block_table"
                                  : "(batch, heads, capacity, head_dim) without block_table";
+  const bool fp8 = args.k_cache.scalar_type() == at::kFloat8_e4m3fn;
   for (const auto& [t, name] : {std::pair{&args.k_cache, "key_cache"}, std::pair{&args.v_cache, "value_cache"}}) {
     TORCH_CHECK(t->dim() == 4, "flashattn_ext: ", name, " must be 4-d ", cache_dims, ", got shape ", t->sizes());
-    check_like(*t, name, q);
+    if (fp8) {
+      check_device(*t, name, q);
+      TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat8_e4m3fn, "flashattn_ext: key_cache is float8_e4m3fn, so ",
+                       name, " must be too, got ", t->scalar_type());
+    } else {
+      check_like(*t, name, q);
+    }
   }
+  TORCH_CHECK_TYPE(!fp8 || q.scalar_type() != at::kDouble, "flashattn_ext: an FP8 cache takes float32, bfloat16 or "
+                   "float16 queries, got float64");
   // The caches as (batch or block, head, row, col).
   const at::Tensor k4 = paged ? args.k_cache.permute({0, 2, 1, 3}) : args.k_cache;
   const at::Tensor v4 = paged ? args.v_cache.permute({0, 2, 1, 3}) : args.v_cache;
@@ -103,6 +112,33 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   p.head_dim_v = v4.size(3);
   check_alibi(options.alibi_slopes, p.batch, p.heads_q, q);
   set_options(p, options);
+
+  for (const auto& [scale, name] : {std::pair{&args.key_scale, "key_scale"}, std::pair{&args.value_scale, "value_scale"}}) {
+    if (!fp8) {
+      TORCH_CHECK_VALUE(!scale->has_value(), "flashattn_ext: ", name, " is for FP8 (float8_e4m3fn) caches; this "
+                        "cache is ", args.k_cache.scalar_type());
+      continue;
+    }
+    TORCH_CHECK_VALUE(scale->has_value(), "flashattn_ext: an FP8 (float8_e4m3fn) cache needs key_scale and "
+                      "value_scale (the factor each stored value stands for), got no ", name);
+    const at::Tensor& t = **scale;
+    check_device(t, name, q);
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "flashattn_ext: ", name, " must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.numel() == 1 ? t.dim() <= 1 : t.dim() == 1 && t.size(0) == heads_kv, "flashattn_ext: ", name,
+                " must be one scale (shape () or (1,)) or one a key/value head (", heads_kv, ",), got shape ",
+                t.sizes());
+  }
+  if (fp8) {
+    const at::Tensor &k_scale = *args.key_scale, &v_scale = *args.value_scale;
+    TORCH_CHECK(k_scale.numel() == v_scale.numel(), "flashattn_ext: key_scale and value_scale must both be one "
+                "scale or both one a head, got shapes ", k_scale.sizes(), " and ", v_scale.sizes());
+    TORCH_CHECK(k_scale.numel() == 1 || (k_scale.stride(0) == 1 && v_scale.stride(0) == 1), "flashattn_ext: "
+                "key_scale and value_scale must be contiguous, got strides ", k_scale.strides(), " and ",
+                v_scale.strides());
+    params.k_scale = k_scale.data_ptr<float>();
+    params.v_scale = v_scale.data_ptr<float>();
+    params.scale_stride_head = k_scale.numel() == 1 ? 0 : 1;
+  }
 
   out = empty_in_layout_of(q, {p.batch, p.heads_q, p.len_q, p.head_dim_v});
   lse = at::empty({p.batch, p.heads_q, p.len_q}, q.options().dtype(lse_dtype(q.scalar_type())));

@@ -81,12 +81,13 @@ TORCH_LIBRARY(flashattn_ext, m) {
   m.def("get_dropout_bits() -> int", &get_dropout_bits);
   // Inference: a few query tokens per sequence against a key/value cache,
   // contiguous or paged (with block_table); key_new and value_new, when given,
-  // are written into the caches first (see DecodeParams).
+  // are written into the caches first (see DecodeParams); FP8 (e4m3) caches
+  // take key_scale and value_scale.
   m.def(
       "decode_attention(Tensor query, Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor cache_seqlens, "
       "Tensor? block_table, Tensor? key_new, Tensor? value_new, bool is_causal, float scale, int window_left=-1, "
-      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor out, "
-      "Tensor lse)");
+      "int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? sinks=None, "
+      "Tensor? key_scale=None, Tensor? value_scale=None) -> (Tensor out, Tensor lse)");
 }
 
 }  // namespace flashattn_ext

@@ -47,10 +47,11 @@ def _attention_backward_fake(grad_out, query, key, value, out, lse, rng_state, a
 
 @torch.library.register_fake("flashattn_ext::decode_attention")
 def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, is_causal,
-                           scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+                           scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
+                           key_scale=None, value_scale=None):
     _check_devices(query, key_cache=key_cache, value_cache=value_cache, cache_seqlens=cache_seqlens,
                    block_table=block_table, key_new=key_new, value_new=value_new, alibi_slopes=alibi_slopes,
-                   sinks=sinks)
+                   sinks=sinks, key_scale=key_scale, value_scale=value_scale)
     batch, heads, len_q, _ = query.shape
     out = _empty_in_layout_of(query, (batch, heads, len_q, value_cache.shape[-1]))
     lse = query.new_empty((batch, heads, len_q), dtype=lse_dtype(query.dtype))

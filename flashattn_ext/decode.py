@@ -23,6 +23,8 @@ def decode_attention(
     softcap: Optional[float] = None,
     alibi_slopes: Optional[Tensor] = None,
     sinks: Optional[Tensor] = None,
+    key_scale: Optional[Tensor] = None,
+    value_scale: Optional[Tensor] = None,
     return_lse: bool = False,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Attention of each sequence's query tokens to the keys in its cache (inference only: no backward).
@@ -45,6 +47,14 @@ def decode_attention(
     each query's scaled scores, (B, Hq, Sq), float32 (float64 for float64 inputs). A query that sees no
     key gets out = 0 and lse = -inf (with sinks, its head's sink).
 
+    FP8 caches (vLLM's kv_cache_dtype="fp8_e4m3"): key_cache and value_cache of dtype
+    torch.float8_e4m3fn, with key_scale and value_scale, float32 on the caches' device, each one scale
+    (shape () or (1,)) or one a cache head ((H,)): a stored key x stands for x * key_scale[h], a value
+    likewise. The queries (and key_new, value_new, out) are float32, bfloat16 or float16; key_new and
+    value_new are written as e4m3 of x / scale, rounded to nearest and saturated to +-448 (where torch's
+    own conversion would give NaN past 480). On CUDA the attention reads copies of the caches
+    dequantized to the queries' dtype (a step until the kernels read FP8 themselves).
+
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
     whose partial results merge through their log-sum-exps (flash-decoding). cache_seqlens and the
     block table are not read back there to check them (that would wait for the GPU): a sequence
@@ -55,7 +65,8 @@ def decode_attention(
     reads them to the host first.
     """
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache, "cache_seqlens": cache_seqlens,
-               "block_table": block_table, "key_new": key_new, "value_new": value_new, "sinks": sinks}
+               "block_table": block_table, "key_new": key_new, "value_new": value_new, "sinks": sinks,
+               "key_scale": key_scale, "value_scale": value_scale}
     for name, tensor in tensors.items():
         if tensor is not None and not isinstance(tensor, Tensor):
             raise TypeError(f"flashattn_ext: {name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -70,6 +81,6 @@ def decode_attention(
     slopes = per_head_slopes(alibi_slopes, tuple(query.shape[:1]), query.shape[1]) if query.dim() == 4 else alibi_slopes
     out, lse = torch.ops.flashattn_ext.decode_attention(
         query, key_cache, value_cache, cache_seqlens, block_table, key_new, value_new, bool(is_causal), float(scale),
-        window_left, window_right, softcap_value(softcap), slopes, sinks,
+        window_left, window_right, softcap_value(softcap), slopes, sinks, key_scale, value_scale,
     )
     return (out, lse) if return_lse else out

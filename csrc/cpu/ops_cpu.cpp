@@ -88,12 +88,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cpu(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& v_new, bool is_causal,
                                                         double scale, int64_t window_left, int64_t window_right,
                                                         double softcap, const std::optional<at::Tensor>& alibi_slopes,
-                                                        const std::optional<at::Tensor>& sinks) {
+                                                        const std::optional<at::Tensor>& sinks,
+                                                        const std::optional<at::Tensor>& key_scale,
+                                                        const std::optional<at::Tensor>& value_scale) {
   at::Tensor out, lse;
   const AttentionOptions options{std::nullopt, 0.0,          is_causal, /*causal_lower_right=*/true, scale,
                                  window_left,  window_right, softcap,   alibi_slopes};
-  const DecodeParams params =
-      prepare_decode({q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options}, out, lse);
+  const DecodeParams params = prepare_decode(
+      {q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options, key_scale, value_scale}, out, lse);
   check_decode_values_on_host(params);
   check_sinks(q, sinks);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "decode_attention_cpu",

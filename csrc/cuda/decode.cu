@@ -1,8 +1,10 @@
 // Decoding on CUDA, the steps around either family's kernels (sm90/decode_sm90.cu,
-// sm80/decode.cu): the new keys and values appended to the caches first, and
+// sm80/decode.cu): the new keys and values appended to the caches first (FP8
+// caches: quantized on the way), and
 // last the NaN marks of sequences whose lengths or block tables are out of range.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cmath>
 
@@ -16,9 +18,11 @@ namespace {
 using decoding::cache_row;
 
 // Writes key_new and value_new into the caches, one thread per element of a
-// key row and of a value row. A sequence whose keys do not fit its cache gets
-// nothing written, nor does a row whose block table entry names no block of
-// the cache (decode_poison marks their results NaN).
+// key row and of a value row; into an FP8 cache (params.k_scale set) as e4m3
+// of x / scale, rounded to nearest and saturated (as the CPU op writes them).
+// A sequence whose keys do not fit its cache gets nothing written, nor does a
+// row whose block table entry names no block of the cache (decode_poison
+// marks their results NaN).
 template <typename Elem>
 __global__ void append_kernel(const DecodeParams params) {
   const AttentionProblem& p = params.problem;
@@ -37,7 +41,15 @@ __global__ void append_kernel(const DecodeParams params) {
   const TensorView4d& dst = key ? params.k_cache : params.v_cache;
   const int64_t c = key ? col : col - p.head_dim;
   const Elem* from = static_cast<const Elem*>(src.data) + b * src.stride_batch + h * src.stride_head + i * src.stride_row;
-  cache_row<Elem>(params, dst, b, h, j)[c * dst.stride_col] = from[c * src.stride_col];
+  const Elem value = from[c * src.stride_col];
+  if (params.k_scale == nullptr) {
+    cache_row<Elem>(params, dst, b, h, j)[c * dst.stride_col] = value;
+    return;
+  }
+  const float scale = (key ? params.k_scale : params.v_scale)[h * params.scale_stride_head];
+  // (__fdiv_rn: IEEE division whatever the build's flags, so that ties round as on the CPU)
+  cache_row<__nv_fp8_storage_t>(params, dst, b, h, j)[c * dst.stride_col] =
+      __nv_cvt_float_to_fp8(__fdiv_rn(ptx::to_float(value), scale), __NV_SATFINITE, __NV_E4M3);
 }
 
 // One block a sequence: where its cache_seqlens or a block table entry it

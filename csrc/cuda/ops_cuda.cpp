@@ -380,15 +380,18 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
                                                          double scale, int64_t window_left, int64_t window_right,
                                                          double softcap,
                                                          const std::optional<at::Tensor>& alibi_slopes,
-                                                         const std::optional<at::Tensor>& sinks) {
+                                                         const std::optional<at::Tensor>& sinks,
+                                                         const std::optional<at::Tensor>& key_scale,
+                                                         const std::optional<at::Tensor>& value_scale) {
   const c10::cuda::CUDAGuard device_guard(q.device());
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "flashattn_ext: decode_attention on CUDA takes float16 or bfloat16, got ", q.scalar_type());
   at::Tensor out, lse;
   const AttentionOptions options{std::nullopt, 0.0,          is_causal, /*causal_lower_right=*/true, scale,
                                  window_left,  window_right, softcap,   alibi_slopes};
-  const DecodeArguments args{q, k_cache, v_cache, cache_seqlens, block_table, k_new, v_new, options};
-  const DecodeParams params = prepare_decode(args, out, lse);
+  const DecodeArguments args{q,     k_cache, v_cache, cache_seqlens, block_table,
+                             k_new, v_new,   options, key_scale,     value_scale};
+  DecodeParams params = prepare_decode(args, out, lse);
   if (input_checks_requested()) check_decode_values(args, params);
   check_sinks(q, sinks);
   const AttentionProblem& p = params.problem;
@@ -402,6 +405,21 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, element_type(q), stream);
+  // FP8 caches, until the kernels read them: the attention runs on copies dequantized to the queries' dtype
+  // (after the append, so that they hold the new keys).
+  at::Tensor k_dequantized, v_dequantized;
+  if (params.k_scale != nullptr) {
+    const bool paged = block_table.has_value();
+    const auto per_head = [&](const at::Tensor& s) {
+      return s.numel() == 1 ? s.reshape({1, 1, 1, 1}) : s.view(paged ? c10::IntArrayRef{1, 1, -1, 1}
+                                                                      : c10::IntArrayRef{1, -1, 1, 1});
+    };
+    k_dequantized = (k_cache.to(at::kFloat) * per_head(*key_scale)).to(q.scalar_type());
+    v_dequantized = (v_cache.to(at::kFloat) * per_head(*value_scale)).to(q.scalar_type());
+    params.k_cache = view_of(paged ? k_dequantized.permute({0, 2, 1, 3}) : k_dequantized);
+    params.v_cache = view_of(paged ? v_dequantized.permute({0, 2, 1, 3}) : v_dequantized);
+    params.k_scale = params.v_scale = nullptr;
+  }
   const bool lengths_marked = run_decode_kernels(params, q, stream);
   cuda::decode_poison(params, element_type(q), lengths_marked, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
