@@ -113,7 +113,8 @@ DecodeParams prepare_decode(const DecodeArguments& args, at::Tensor& out, at::Te
   check_alibi(options.alibi_slopes, p.batch, p.heads_q, q);
   set_options(p, options);
 
-  for (const auto& [scale, name] : {std::pair{&args.key_scale, "key_scale"}, std::pair{&args.value_scale, "value_scale"}}) {
+  for (const auto& [scale, name] :
+       {std::pair{&args.key_scale, "key_scale"}, std::pair{&args.value_scale, "value_scale"}}) {
     if (!fp8) {
       TORCH_CHECK_VALUE(!scale->has_value(), "flashattn_ext: ", name, " is for FP8 (float8_e4m3fn) caches; this "
                         "cache is ", args.k_cache.scalar_type());

@@ -139,7 +139,9 @@ void decode_with_cache(const DecodeParams& params) {
         const A weight = std::exp(scores[j - key_begin] - row_max);
         row_sum += weight;
         const C* v = cache_row<C>(params, params.v_cache, b, h / group, j);
-        for (int64_t c = 0; c < dim_v; ++c) acc[c] += weight * Cache::read(v[c * params.v_cache.stride_col], value_scale);
+        for (int64_t c = 0; c < dim_v; ++c) {
+          acc[c] += weight * Cache::read(v[c * params.v_cache.stride_col], value_scale);
+        }
       }
       // A row that sees no key gets out = 0 and lse = -inf, as in the attention ops.
       const bool seen = key_end > key_begin;
