@@ -59,6 +59,12 @@ class _Piece(NamedTuple):
     packed: Optional[tuple] = None
 
 
+def _window_of(left: int, right: int, past: int = 0) -> Tuple[Optional[int], Optional[int]]:
+    """The window (left, right) a call takes from bounds (-1 open), for queries whose diagonal the call's
+    bottom-right alignment puts `past` keys right of their own position."""
+    return None if left < 0 else left + past, None if right < 0 else right - past
+
+
 class _Plan:
     """Where this rank's chunks sit in the whole sequence, and which keys each of its query chunks sees."""
 
@@ -109,8 +115,8 @@ class _Plan:
                 # of its own position where the span runs past the chunk's end (not causal), which the
                 # window's bounds take back.
                 past = key_end - end
-                shifted = (None if left < 0 else left + past, None if right < 0 else right - past)
-                pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_begin, key_end, shifted))
+                pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_begin, key_end,
+                                     _window_of(left, right, past)))
                 continue
             query_ends, key_spans = [], []
             for doc_start, doc_end in zip(documents[:-1], documents[1:]):
@@ -128,8 +134,7 @@ class _Plan:
             max_q = max(b - a for a, b in zip(cu_q[:-1], cu_q[1:]))
             max_k = max(b - a for a, b in key_spans)
             pieces.append(_Piece(j * self.chunk, (j + 1) * self.chunk, key_spans[0][0], key_spans[-1][1],
-                                 (None if left < 0 else left, None if right < 0 else right),
-                                 (cu_q, cu_k, max_q, max_k)))
+                                 _window_of(left, right), (cu_q, cu_k, max_q, max_k)))
         return pieces
 
     def parts(self, key_begin: int, key_end: int) -> List[Tuple[int, int, slice, slice]]:

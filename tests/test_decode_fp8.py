@@ -19,20 +19,22 @@ QUERY_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def along_heads(scale, dims, heads_dim):
+    """scale (one, or one a head) viewed to broadcast against a tensor of `dims` dims with heads at heads_dim."""
+    shape = [1] * dims
+    if scale.numel() > 1:
+        shape[heads_dim] = -1
+    return scale.view(shape)
+
+
 def quantize(x, scale, heads_dim):
     """x as an FP8 cache holds it with these scales (one, or one a head along heads_dim): e4m3 of x / scale,
     saturated (torch's own conversion would make values past 480 NaN)."""
-    shape = [1] * x.dim()
-    if scale.numel() > 1:
-        shape[heads_dim] = -1
-    return (x.float() / scale.view(shape)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return (x.float() / along_heads(scale, x.dim(), heads_dim)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 def dequantize(cache, scale, heads_dim):
-    shape = [1] * cache.dim()
-    if scale.numel() > 1:
-        shape[heads_dim] = -1
-    return cache.double() * scale.double().view(shape)
+    return cache.double() * along_heads(scale.double(), cache.dim(), heads_dim)
 
 
 def fp8_problem(block_size, heads_kv, per_head, gen, capacity=40, dim=32, batch=3):
