@@ -52,8 +52,9 @@ def decode_attention(
     (shape () or (1,)) or one a cache head ((H,)): a stored key x stands for x * key_scale[h], a value
     likewise. The queries (and key_new, value_new, out) are float32, bfloat16 or float16; key_new and
     value_new are written as e4m3 of x / scale, rounded to nearest and saturated to +-448 (where torch's
-    own conversion would give NaN past 480). On CUDA the attention reads copies of the caches
-    dequantized to the queries' dtype (a step until the kernels read FP8 themselves).
+    own conversion would give NaN past 480). On a Hopper GPU at head dim 128 the decode kernel reads
+    the e4m3 bytes itself (converted to float16 on the way to the tensor cores, exactly); elsewhere on
+    CUDA the attention reads copies of the caches dequantized to the queries' dtype.
 
     On CUDA (float16 and bfloat16, head dims up to 256) each sequence's keys are split into chunks
     whose partial results merge through their log-sum-exps (flash-decoding). cache_seqlens and the

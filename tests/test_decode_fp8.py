@@ -2,13 +2,14 @@
 a float64 reference over the dequantized caches, the new keys and values quantized into the caches as
 torch quantizes (round to nearest, saturated), and the arguments' checks."""
 import math
+import re
 
 import pytest
 import torch
 
 import flashattn_ext
-from helpers import on_paths, on_paths_each, relative_error
-from test_decode import make_cache, reference
+from helpers import POISON_BYTES, kernel_names, on_paths, on_paths_each, poison_cuda_allocator, relative_error
+from test_decode import DECODE_CASES, make_cache, reference
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -17,6 +18,10 @@ E4M3_MAX = 448.0
 # queries' and output's own rounding (CUDA: also the dequantized copy's, in the queries' dtype).
 QUERY_DTYPES = {"cpu": (torch.float32, torch.bfloat16, torch.float16), "cuda": (torch.bfloat16, torch.float16)}
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# Where CUDA reads a copy of the caches dequantized to the queries' dtype (head dims other than 128, GPUs
+# before Hopper: decode_attention_cuda), each key is rounded to within this much of itself, so a score to
+# within scale * sum_i |q_i k_i| times it, and the lse (a softmax-weighted mean of the scores) too.
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
 def along_heads(scale, dims, heads_dim):
@@ -65,13 +70,73 @@ def test_matches_float64_over_the_dequantized_cache(block_size, per_head, len_q,
     out, lse = flashattn_ext.decode_attention(on(query), on(key_cache), on(value_cache), on(torch.tensor(lengths)),
                                               block_table=on(table), is_causal=is_causal, key_scale=on(key_scale),
                                               value_scale=on(value_scale), scale=0.02, return_lse=True)
-    want_out, want_lse = reference(query, dequantize(key_cache, key_scale, heads_dim),
-                                   dequantize(value_cache, value_scale, heads_dim), lengths, table, is_causal, 0.02)
+    keys, values = dequantize(key_cache, key_scale, heads_dim), dequantize(value_cache, value_scale, heads_dim)
+    want_out, want_lse = reference(query, keys, values, lengths, table, is_causal, 0.02)
     assert out.dtype == dtype and out.shape == want_out.shape
     assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
     seen = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), seen)
-    assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-3
+    copy_rounding = 0.0
+    if device != "cpu":  # (head dim 32: the copy; any cached key bounds every row's sum)
+        largest_sum = (query.double().abs().flatten(0, 2) @ keys.abs().flatten(0, -2).T).max().item()
+        copy_rounding = 0.02 * largest_sum * UNIT_ROUNDOFF[dtype]
+    assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-3 + copy_rounding
+
+
+# The Hopper decode kernel's cases at head dim 128 (test_decode.py), and two row groups (32 query rows a
+# key/value head).
+HOPPER_CASES = [case for case in DECODE_CASES if case[1] == 128] + [(16, 128, 2, 16, 4, 8, [900, 40], 1024)]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("options", [{}, {"window": (100, 0)}, {"softcap": 20.0}, {"alibi": True}],
+                         ids=["plain", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: f"paged{c[0]}-b{c[2]}-hq{c[3]}-lq{c[5]}")
+@pytest.mark.parametrize("dtype, per_head", [(torch.bfloat16, True), (torch.float16, False)],
+                         ids=["bfloat16-per_head", "float16-per_cache"])
+def test_hopper_kernel_reads_fp8(path, case, options, dtype, per_head):
+    """At head dim 128 the Hopper decode kernel reads the e4m3 caches itself (its FP8 tile config in
+    the profiler, no dequantizing copy): against float64 over the dequantized caches, with the rows
+    past each sequence's length NaN and the outputs on NaN-poisoned memory. The keys and values meet
+    the tensor cores exactly (float16), so the lse is as close as the 16-bit caches' (test_decode.py)."""
+    block_size, dim, batch, heads_q, heads_kv, len_q, lengths, capacity = case
+    gen = torch.Generator().manual_seed(32)
+    key_cache, value_cache, table, (key_scale, value_scale), heads_dim = fp8_problem(
+        block_size, heads_kv, per_head, gen, capacity=capacity, dim=dim, batch=batch)
+    for cache in (key_cache, value_cache):
+        raw = cache.view(torch.uint8)
+        for b, length in enumerate(lengths):
+            if block_size is None:
+                raw[b, :, length:] = 0x7F  # e4m3 NaN
+            else:
+                positions = torch.arange(length, table.shape[1] * block_size)
+                raw[table[b, positions // block_size].long(), positions % block_size] = 0x7F
+    query = torch.randn(batch, heads_q, len_q, dim, generator=gen).to(dtype)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(heads_q, generator=gen, dtype=torch.float64) * 0.1
+    on_cuda = {name: value.float().cuda() if isinstance(value, torch.Tensor) else value
+               for name, value in options.items()}
+
+    def call():
+        return flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
+                                              torch.tensor(lengths).cuda(), is_causal=len_q > 1,
+                                              block_table=None if table is None else table.cuda(), scale=0.01,
+                                              key_scale=key_scale.cuda(), value_scale=value_scale.cuda(),
+                                              return_lse=True, **on_cuda)
+
+    names = kernel_names(call)
+    assert any(re.search(r"decode_kernel<.*DecodeTileConfig<128, \d, 1>", n) for n in names), names
+    assert not any("elementwise" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse = call()
+    want_out, want_lse = reference(query, dequantize(key_cache, key_scale, heads_dim),
+                                   dequantize(value_cache, value_scale, heads_dim), lengths, table, len_q > 1, 0.01,
+                                   **options)
+    assert relative_error(out.cpu(), want_out) <= TOLERANCE[dtype]
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert ((lse.cpu()[seen].double() - want_lse[seen]).abs() / (1 + want_lse[seen].abs())).max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("block_size", [None, 4], ids=["contiguous", "paged4"])

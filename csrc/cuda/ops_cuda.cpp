@@ -100,28 +100,44 @@ at::Tensor map_mask_blocks(const at::Tensor& q, Params& params, cudaStream_t str
   return map;
 }
 
-// Runs the decode kernels on params (sm90::decode_attention where it takes
-// the call, else the mma.sync ones: chunks, then their merge), q giving the
-// device and options of their workspaces. Returns whether the sm90 kernel ran
-// (it marks the sequences whose length does not fit NaN itself).
+// A workspace of `results` partial results of params' call (out and lse,
+// float, each part 16-byte aligned) and `counters` ints zeroed, on q's device:
+// one allocation, and a memset of the counters where there are any (a
+// decoding step's host time shows in its latency). `workspace` keeps the
+// memory until the kernels are queued.
+cuda::DecodePartials allocate_decode_partials(const DecodeParams& params, const at::Tensor& q, int64_t results,
+                                              int64_t counters, at::Tensor& workspace, cudaStream_t stream) {
+  auto aligned = [](int64_t floats) { return (floats + 3) / 4 * 4; };
+  const int64_t out_floats = aligned(results * params.problem.head_dim_v), lse_floats = aligned(results);
+  workspace = at::empty({out_floats + lse_floats + counters}, q.options().dtype(at::kFloat));
+  float* out = workspace.data_ptr<float>();
+  int* arrivals = reinterpret_cast<int*>(out + out_floats + lse_floats);
+  if (counters > 0) C10_CUDA_CHECK(cudaMemsetAsync(arrivals, 0, counters * sizeof(int), stream));
+  return {out, out + out_floats, arrivals};
+}
+
+// The Hopper decode kernel, where it takes the call: whether it ran (it marks
+// the sequences whose length does not fit NaN itself: decode_poison's
+// lengths_marked).
+bool run_sm90_decode(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
+  at::Tensor workspace;
+  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) {
+    return allocate_decode_partials(params, q, results, counters, workspace, stream);
+  };
+  return cuda::use_sm90_kernels(q) && cuda::sm90::decode_attention(params, element_type(q), allocate, stream);
+}
+
+// A decoding step's attention (the caches in the queries' dtype): the Hopper
+// kernel where it takes the call, else the mma.sync ones (chunks, then their
+// merge). Returns whether the Hopper kernel ran.
 bool run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
+  if (run_sm90_decode(params, q, stream)) return true;
   const AttentionProblem& p = params.problem;
   const cuda::ElementType type = element_type(q);
-  // One allocation (its parts 16-byte aligned) and a memset of the counters
-  // where there are any: a decoding step's host time shows in its latency.
-  at::Tensor workspace;
-  const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) -> cuda::DecodePartials {
-    auto aligned = [](int64_t floats) { return (floats + 3) / 4 * 4; };
-    const int64_t out_floats = aligned(results * p.head_dim_v), lse_floats = aligned(results);
-    workspace = at::empty({out_floats + lse_floats + counters}, q.options().dtype(at::kFloat));
-    float* out = workspace.data_ptr<float>();
-    int* arrivals = reinterpret_cast<int*>(out + out_floats + lse_floats);
-    if (counters > 0) C10_CUDA_CHECK(cudaMemsetAsync(arrivals, 0, counters * sizeof(int), stream));
-    return {out, out + out_floats, arrivals};
-  };
-  if (cuda::use_sm90_kernels(q) && cuda::sm90::decode_attention(params, type, allocate, stream)) return true;
   const int partials = cuda::decode_partials(params, type);
-  const cuda::DecodePartials buffers = allocate(p.batch * p.heads_q * p.len_q * partials, 0);
+  at::Tensor workspace;
+  const cuda::DecodePartials buffers =
+      allocate_decode_partials(params, q, p.batch * p.heads_q * p.len_q * partials, 0, workspace, stream);
   cuda::decode_attention_partials(params, type, buffers.out, buffers.lse, partials, stream);
   cuda::decode_merge(params, type, buffers.out, buffers.lse, partials, stream);
   return false;
@@ -405,10 +421,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::decode_append(params, element_type(q), stream);
-  // FP8 caches, until the kernels read them: the attention runs on copies dequantized to the queries' dtype
-  // (after the append, so that they hold the new keys).
+  // FP8 caches that the Hopper kernel does not take (head dims other than 128, other GPUs, layouts the copy
+  // engine cannot address): the attention runs on copies dequantized to the queries' dtype (after the append,
+  // so that they hold the new keys).
   at::Tensor k_dequantized, v_dequantized;
-  if (params.k_scale != nullptr) {
+  const bool fp8_read = params.k_scale != nullptr && run_sm90_decode(params, q, stream);
+  if (params.k_scale != nullptr && !fp8_read) {
     const bool paged = block_table.has_value();
     const auto per_head = [&](const at::Tensor& s) {
       return s.numel() == 1 ? s.reshape({1, 1, 1, 1}) : s.view(paged ? c10::IntArrayRef{1, 1, -1, 1}
@@ -420,7 +438,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
     params.v_cache = view_of(paged ? v_dequantized.permute({0, 2, 1, 3}) : v_dequantized);
     params.k_scale = params.v_scale = nullptr;
   }
-  const bool lengths_marked = run_decode_kernels(params, q, stream);
+  const bool lengths_marked = fp8_read || run_decode_kernels(params, q, stream);
   cuda::decode_poison(params, element_type(q), lengths_marked, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (sinks.has_value()) merge_sinks_on_device(*sinks, out, lse);  // (a poisoned row stays NaN)

@@ -113,6 +113,14 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
   return d;
 }
 
+// Two float8 e4m3 values (the low byte first) as two halves (low half
+// first), exactly: e4m3's values are all fp16's (sm_89 on).
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t pair) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(pair));
+  return d;
+}
+
 // Two floats rounded to one register of two 16-bit elements (low half first).
 template <typename Elem>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi);

@@ -58,10 +58,12 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
     return false;
   }
   kp.call = params;
-  const bool bfloat16 = type == ElementType::kBFloat16;
+  const CacheElement element = Cfg::kFp8Cache                  ? CacheElement::kE4M3
+                               : type == ElementType::kBFloat16 ? CacheElement::kBFloat16
+                                                                : CacheElement::kFloat16;
   const int64_t rows = paged ? params.block_size : p.len_k, outer = paged ? params.num_blocks : p.batch;
   for (auto [map, cache] : {std::pair{&kp.k_map, &params.k_cache}, std::pair{&kp.v_map, &params.v_cache}}) {
-    if (!encode_cache_tensor_map(map, *cache, kHeadDim, rows, p.heads_kv, outer, bfloat16, 1 << kp.heads_log2,
+    if (!encode_cache_tensor_map(map, *cache, element, kHeadDim, rows, p.heads_kv, outer, 1 << kp.heads_log2,
                                  kp.box_rows, kp.heads_inner)) {
       return false;
     }
@@ -97,20 +99,25 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
   return true;
 }
 
-// The tile config of a call: its head dim (64 or 128), and one row group
-// where a key/value head's query rows fit one mma tile, else two.
+// The tile config of a call: its head dim (64 or 128; an FP8 cache's rows are
+// whole 128-byte lines at 128 only), its cache's element size, and one row
+// group where a key/value head's query rows fit one mma tile, else two.
 template <typename Fn>
-bool dispatch_tile_config(const AttentionProblem& p, Fn&& fn) {
+bool dispatch_tile_config(const DecodeParams& params, Fn&& fn) {
+  const AttentionProblem& p = params.problem;
   if (p.head_dim != p.head_dim_v || p.batch <= 0 || p.heads_kv <= 0 || p.len_q <= 0) return false;
   const int64_t rows_per_head = p.heads_q / p.heads_kv * p.len_q;
-  auto with_rows = [&](auto head_dim) {
-    constexpr int kHeadDim = decltype(head_dim)::value;
-    if (rows_per_head <= decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 1>{});
-    if (rows_per_head <= 2 * decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 2>{});
+  auto with_rows = [&](auto head_dim, auto cache_bytes) {
+    constexpr int kHeadDim = decltype(head_dim)::value, kCacheBytes = decltype(cache_bytes)::value;
+    if (rows_per_head <= decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 1, kCacheBytes>{});
+    if (rows_per_head <= 2 * decoding::kRows) return fn(DecodeTileConfig<kHeadDim, 2, kCacheBytes>{});
     return false;
   };
-  if (p.head_dim == 64) return with_rows(std::integral_constant<int, 64>{});
-  if (p.head_dim == 128) return with_rows(std::integral_constant<int, 128>{});
+  if (params.k_scale != nullptr) {
+    return p.head_dim == 128 && with_rows(std::integral_constant<int, 128>{}, std::integral_constant<int, 1>{});
+  }
+  if (p.head_dim == 64) return with_rows(std::integral_constant<int, 64>{}, std::integral_constant<int, 2>{});
+  if (p.head_dim == 128) return with_rows(std::integral_constant<int, 128>{}, std::integral_constant<int, 2>{});
   return false;
 }
 
@@ -118,11 +125,10 @@ bool dispatch_tile_config(const AttentionProblem& p, Fn&& fn) {
 
 bool decode_attention(const DecodeParams& params, ElementType type, const DecodePartialsAllocator& allocate,
                       cudaStream_t stream) {
-  const AttentionProblem& p = params.problem;
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     using Elem = decltype(elem);
-    dispatch_tile_config(p, [&](auto config) {
+    dispatch_tile_config(params, [&](auto config) {
       using Cfg = decltype(config);
       DecodeKernelParams kp;
       if (!prepare_launch<Cfg>(params, type, kp)) return false;

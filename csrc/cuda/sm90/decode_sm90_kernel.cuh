@@ -37,6 +37,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
@@ -236,6 +237,79 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece)
   return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
 }
 
+// 2^k that brings `largest` (a query row's largest magnitude) to [2^14, 2^15):
+// in float16's range (65504 at most) with its precision, which holds bfloat16's
+// values exactly down to about 2^-31 of the largest. (Clamped to float's normal
+// powers; infinity or NaN give 2^-114.)
+__device__ __forceinline__ float power_of_two_into_half_range(float largest) {
+  const int exponent = largest > 0.f || largest != largest ? int(__float_as_uint(largest) >> 23 & 0xff) - 127 : 0;
+  const int shift = min(max(14 - exponent, -126), 127);
+  return __uint_as_float(uint32_t(shift + 127) << 23);
+}
+
+// S += Q K^T over a warp's 16 pairs of an FP8 cache's stage. ldmatrix reads
+// the e4m3 bytes as it reads 16-bit elements: of 8 pairs and 16 columns, a
+// lane gets pair lane / 4's columns 4 (lane % 4) to + 3, converted into the B
+// fragment's column pairs 2 (lane % 4) (the first two) and 2 (lane % 4) + 8:
+// q_frag holds Q's columns in that order. (Lines and pieces as the 16-bit
+// cache's, a 16-byte piece 16 columns.)
+// The even and odd 16-column steps add into separate accumulators, summed at
+// the end: chains of half the length of dependent mma's.
+template <int kHeadDim>
+__device__ __forceinline__ void qk_fp8(float (&s)[2][4], const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                       uint32_t k_base, int k_line, int k_piece) {
+  float odd[2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+    uint32_t k8[4];  // pairs 0-7 and pieces 2 kk, 2 kk + 1; then pairs 8-15
+    ptx::ldmatrix_x4(k8, swizzled(k_base, k_line, 2 * kk + k_piece));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint32_t x = k8[2 * nt + m];
+        ptx::mma_16x8x16<__half>(m == 0 ? s[nt] : odd[nt], q_frag[2 * kk + m],
+                                 ptx::e4m3x2_to_half2(static_cast<uint16_t>(x)),
+                                 ptx::e4m3x2_to_half2(static_cast<uint16_t>(x >> 16)));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i / 4][i % 4] += odd[i / 4][i % 4];
+}
+
+// O += P V over a warp's 16 pairs of an FP8 cache's stage. ldmatrix.trans
+// reads the e4m3 bytes as 16-bit elements, two columns each: of 8 pairs and
+// 16 columns, a lane gets columns 2 (lane / 4) and the next of pairs
+// 2 (lane % 4) and the next, which a byte permutation regroups into the even
+// column's two pairs and the odd one's. So each 16 columns' first n tile
+// (acc[2 i]) holds its even columns, the second its odd ones: a lane's
+// columns 4 (lane % 4) to + 3 of each 16 in the order acc[2 i][0],
+// acc[2 i + 1][0], acc[2 i][1], acc[2 i + 1][1] (rows + 8: [2], [3]).
+// v_keep: as for the 16-bit cache's fragments (a pair's two bytes where it had
+// its 16-bit element).
+template <int kHeadDim>
+__device__ __forceinline__ void pv_fp8(float (&acc)[kHeadDim / 8][4], const uint32_t (&p_frag)[4], uint32_t v_base,
+                                       int v_line, int v_piece, const uint32_t (&v_keep)[2]) {
+#pragma unroll
+  for (int dp = 0; dp < kHeadDim / 32; ++dp) {
+    uint32_t v8[4];  // pairs 0-7 and 8-15 of piece 2 dp; then of piece 2 dp + 1
+    ptx::ldmatrix_x4_trans(v8, swizzled(v_base, v_line, 2 * dp + v_piece));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      // bytes (pair, column) (0, 0) (0, 1) (1, 0) (1, 1) -> (0, 0) (1, 0) (0, 1) (1, 1)
+      const uint32_t low_pairs = ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120);
+      const uint32_t high_pairs = ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120);
+      const int piece = 2 * dp + m;
+      ptx::mma_16x8x16<__half>(acc[2 * piece], p_frag, ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs)),
+                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs)));
+      ptx::mma_16x8x16<__half>(acc[2 * piece + 1], p_frag,
+                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs >> 16)),
+                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs >> 16)));
+    }
+  }
+}
+
 // Four columns of an out row, from float.
 template <typename Elem>
 __device__ __forceinline__ void store_out4(Elem* out, float4 value) {
@@ -317,6 +391,8 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
                                               float* merge_out, float* merge_lse, int* unit_arrival, int warp,
                                               int lane) {
   constexpr int kHeadDim = Cfg::kHeadDim, kStages = Cfg::kStages, kDimTiles = kHeadDim / 8;
+  // (an FP8 cache's tiles meet the tensor cores as float16)
+  using MmaElem = std::conditional_t<Cfg::kFp8Cache, __half, Elem>;
   const DecodeParams& params = kp.call;
   const AttentionProblem& p = params.problem;
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
@@ -341,8 +417,9 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
     const LaneRows<kTerm> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
 
     // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
-    // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3); rows past
-    // the item's are zeros.
+    // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3) of each 16
+    // (of an FP8 cache: columns 4 (lane % 4) and the next, + 2, in the order
+    // load_fp8_keys gives K's); rows past the item's are zeros.
     uint32_t q_frag[kHeadDim / 16][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -356,7 +433,7 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
       for (int ks = 0; ks < kHeadDim / 16; ++ks) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int64_t col = ks * 16 + half * 8 + (lane % 4) * 2;
+          const int64_t col = Cfg::kFp8Cache ? ks * 16 + (lane % 4) * 4 + half * 2 : ks * 16 + half * 8 + (lane % 4) * 2;
           uint32_t pair = 0;
           if (r < rows && pairs) {
             pair = *reinterpret_cast<const uint32_t*>(q_row + col);
@@ -365,6 +442,37 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
                                     ptx::to_float(q_row[(col + 1) * params.q.stride_col]));
           }
           q_frag[ks][i + 2 * half] = pair;
+        }
+      }
+    }
+    // An FP8 cache's tiles meet the tensor cores as float16 (e4m3 converts to
+    // it exactly): Q too, each row times a power of two that brings its
+    // largest value near float16's range, and the scores times what undoes
+    // that and dequantizes the keys (key_dequant); the output times the
+    // values' scale (value_scale).
+    float key_dequant[2] = {1.f, 1.f}, value_scale[2] = {1.f, 1.f};
+    if constexpr (Cfg::kFp8Cache) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float largest = 0.f;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const float2 x = ptx::unpack2<Elem>(q_frag[j / 2][i + 2 * (j % 2)]);
+          largest = fmaxf(largest, fmaxf(fabsf(x.x), fabsf(x.y)));
+        }
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 1));
+        largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 2));
+        const float to_half = power_of_two_into_half_range(largest);
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          uint32_t& pair = q_frag[j / 2][i + 2 * (j % 2)];
+          const float2 x = ptx::unpack2<Elem>(pair);
+          pair = ptx::pack2<__half>(x.x * to_half, x.y * to_half);
+        }
+        if (row0 + lane / 4 + i * 8 < rows) {
+          const int64_t scale_index = (item.h_kv + lane_rows.head[i]) * params.scale_stride_head;
+          key_dequant[i] = params.k_scale[scale_index] / to_half;
+          value_scale[i] = params.v_scale[scale_index];
         }
       }
     }
@@ -394,26 +502,39 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
         }
         // S = Q K^T over the warp's 16 pairs.
         float s[2][4] = {};
+        if constexpr (Cfg::kFp8Cache) {
+          qk_fp8<kHeadDim>(s, q_frag, k_base, k_line, k_piece);
 #pragma unroll
-        for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-          uint32_t k_frag[4];
-          ptx::ldmatrix_x4(k_frag, swizzled(k_base, k_line, 2 * ks + k_piece));
-          ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
-          ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
+          for (int e = 0; e < 4; ++e) {
+            s[0][e] *= key_dequant[e / 2];
+            s[1][e] *= key_dequant[e / 2];
+          }
+        } else {
+#pragma unroll
+          for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+            uint32_t k_frag[4];
+            ptx::ldmatrix_x4(k_frag, swizzled(k_base, k_line, 2 * ks + k_piece));
+            ptx::mma_16x8x16<Elem>(s[0], q_frag[ks], k_frag[0], k_frag[1]);
+            ptx::mma_16x8x16<Elem>(s[1], q_frag[ks], k_frag[2], k_frag[3]);
+          }
         }
         decoding::finish_scores(s, score_scale, lane_rows, vis, key0, pair0, heads_log2, lane, visible);
         decoding::online_softmax(s, row_max, row_sum, acc);
         // O += P V: P as A fragments straight from the scores' accumulators.
-        const uint32_t p_frag[4] = {ptx::pack2<Elem>(s[0][0], s[0][1]), ptx::pack2<Elem>(s[0][2], s[0][3]),
-                                    ptx::pack2<Elem>(s[1][0], s[1][1]), ptx::pack2<Elem>(s[1][2], s[1][3])};
+        const uint32_t p_frag[4] = {ptx::pack2<MmaElem>(s[0][0], s[0][1]), ptx::pack2<MmaElem>(s[0][2], s[0][3]),
+                                    ptx::pack2<MmaElem>(s[1][0], s[1][1]), ptx::pack2<MmaElem>(s[1][2], s[1][3])};
+        if constexpr (Cfg::kFp8Cache) {
+          pv_fp8<kHeadDim>(acc, p_frag, v_base, v_line, v_piece, v_keep);
+        } else {
 #pragma unroll
-        for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-          uint32_t v_frag[4];
-          ptx::ldmatrix_x4_trans(v_frag, swizzled(v_base, v_line, 2 * dp + v_piece));
+          for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+            uint32_t v_frag[4];
+            ptx::ldmatrix_x4_trans(v_frag, swizzled(v_base, v_line, 2 * dp + v_piece));
 #pragma unroll
-          for (int i = 0; i < 4; ++i) v_frag[i] &= v_keep[i % 2];
-          ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
-          ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
+            for (int i = 0; i < 4; ++i) v_frag[i] &= v_keep[i % 2];
+            ptx::mma_16x8x16<Elem>(acc[2 * dp], p_frag, v_frag[0], v_frag[1]);
+            ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
+          }
         }
       }
       __syncwarp();  // every lane's reads of the stage are done
@@ -432,12 +553,21 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const float inverse = sum > 0.f ? 1.f / sum : 0.f;
+      const float inverse = sum > 0.f ? value_scale[half] / sum : 0.f;
       float* out = merge_out + Cfg::merge_slot(key_warp, r) * Cfg::kMergeRowFloats;
+      if constexpr (Cfg::kFp8Cache) {  // (pv_fp8's columns: 4 (lane % 4) to + 3 of each 16, two n tiles)
 #pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
-            make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
+        for (int dt = 0; dt < kDimTiles; dt += 2) {
+          *reinterpret_cast<float4*>(out + dt * 8 + (lane % 4) * 4) =
+              make_float4(acc[dt][2 * half] * inverse, acc[dt + 1][2 * half] * inverse,
+                          acc[dt][2 * half + 1] * inverse, acc[dt + 1][2 * half + 1] * inverse);
+        }
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < kDimTiles; ++dt) {
+          *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
+              make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
+        }
       }
       if (lane % 4 == 0) merge_lse[Cfg::merge_slot(key_warp, r)] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
     }

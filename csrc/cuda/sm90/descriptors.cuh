@@ -78,17 +78,20 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
                        int64_t heads, bool bfloat16, int box_rows);
 
+// A decoding step's cache element: the queries' dtype, or float8 e4m3.
+enum class CacheElement { kFloat16, kBFloat16, kE4M3 };
+
 // Encodes a tensor map of a decoding step's key or value cache (a
-// TensorView4d of (sequence or block, head, row, col), head_dim a multiple of
-// 64) seen as 5-d (col, column block of 64, head, row, sequence or block), or
-// with heads_inner false (col, column block, row, head, sequence or block):
-// boxes of whole rows (every column block) x box_heads heads x box_rows rows,
-// stored in that order, each 64-column piece a 128-byte line, 128-byte
-// swizzled, without L2 promotion (the cache is read once). A copy then reads
-// whole rows: on an H100, 3.06-3.08 TB/s streamed where copies of 64-column
-// halves read 2.99-3.01. False as encode_tensor_map.
-bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, int64_t head_dim, int64_t rows,
-                             int64_t heads, int64_t outer, bool bfloat16, int box_heads, int box_rows,
+// TensorView4d of (sequence or block, head, row, col), rows of whole 128-byte
+// lines: head_dim a multiple of 64, or of 128 for e4m3) seen as 5-d (col,
+// line, head, row, sequence or block), or with heads_inner false (col, line,
+// row, head, sequence or block): boxes of whole rows (every line) x box_heads
+// heads x box_rows rows, stored in that order, 128-byte swizzled, without L2
+// promotion (the cache is read once). A copy then reads whole rows: on an
+// H100, 3.06-3.08 TB/s streamed where copies of 64-column halves read
+// 2.99-3.01. False as encode_tensor_map.
+bool encode_cache_tensor_map(CUtensorMap* map, const TensorView4d& cache, CacheElement element, int64_t head_dim,
+                             int64_t rows, int64_t heads, int64_t outer, int box_heads, int box_rows,
                              bool heads_inner);
 
 // The shape whose tensor maps encode_tensor_map makes: a dense call's, or a

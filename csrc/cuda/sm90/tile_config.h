@@ -200,21 +200,31 @@ struct BwdSplitTileConfig {
   static_assert(kGradCols % kDqAccumSliceCols == 0, "whole dq_accum slices a consumer");
 };
 
-// The decode kernel (decode_sm90_kernel.cuh).
-template <int kHeadDim_, int kRowGroups_>
+// The decode kernel (decode_sm90_kernel.cuh), for caches of kCacheBytes-byte
+// elements: the queries' dtype (2), or float8 e4m3 (1).
+template <int kHeadDim_, int kRowGroups_, int kCacheBytes_ = 2>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // of keys and values
+  static constexpr int kCacheBytes = kCacheBytes_;
+  static constexpr bool kFp8Cache = kCacheBytes == 1;
   // The item's query rows: one 16-row mma tile a row group of consumer warps
   // (two for several query tokens of a GQA group: 8 tokens of 4 heads).
   static constexpr int kRowGroups = kRowGroups_;
   static constexpr int kRows = kRowGroups * kDecodeTileRows;
-  static constexpr int kKeyWarps = 4;  // a row group's warps, 16 pairs of every tile each
+  // A row group's warps, 16 pairs of every tile each. An FP8 cache's tile
+  // takes half the time to arrive, and one warp an SM sub-partition would
+  // leave the tensor cores' and the conversions' latencies unhidden (one
+  // row group of 4 warps read at 3.0 TB/s on an H200 where 16-bit caches
+  // read at 4.5): eight warps, two a sub-partition, as two row groups have.
+  static constexpr int kKeyWarps = kFp8Cache && kRowGroups == 1 ? 8 : 4;
   static constexpr int kConsumers = kKeyWarps * kRowGroups;
   static constexpr int kThreads = (kConsumers + 1) * kWarpSize;  // and the producer warp
   // (key, key/value head) pairs of a stage: 16 a key warp (keys of the
   // item's heads, key-major: 64 keys of one head, 16 keys of 4, ...)
   static constexpr int kBlockN = kKeyWarps * 16;
-  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;     // 64-column boxes of a row
+  static constexpr int kLineCols = kSwizzleRowBytes / kCacheBytes;  // columns of a 128-byte line
+  static constexpr int kColBlocks = kHeadDim / kLineCols;           // 128-byte lines of a row
+  static_assert(kHeadDim % kLineCols == 0, "rows of whole 128-byte lines");
   static constexpr int kColBlockBytes = kBlockN * kSwizzleRowBytes;
   static constexpr int kTileBytes = kColBlocks * kColBlockBytes;  // K or V of a stage
   // The consumers' results of an item, merged in the block: each one's rows'
