@@ -164,17 +164,25 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i / 4][i % 4] *= scale.scale_log2;
   }
+  // Each row's keys as offsets from key0, in 32 bits (keys are below 2^31:
+  // the glue checks), clamped to the tile's pairs (fewer than 2^8 keys), so
+  // that each score takes 32-bit compares, not 64-bit ones.
+  int first[2], past[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    first[half] = min(max(static_cast<int>(rows.begin[half] - key0), -1), 1 << 8);
+    past[half] = min(max(static_cast<int>(rows.end[half] - key0), -1), 1 << 8);
+  }
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int pair = pair0 + nt * 8 + (lane % 4) * 2 + e % 2;
-      const int64_t j = key0 + (pair >> heads_log2);
-      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || j < rows.begin[e / 2] || j >= rows.end[e / 2] ||
+      const int pair = pair0 + nt * 8 + (lane % 4) * 2 + e % 2, key = pair >> heads_log2;
+      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || key < first[e / 2] || key >= past[e / 2] ||
           !(visible >> (nt * 4 + e) & 1)) {
         s[nt][e] = -INFINITY;
       } else if constexpr (kTerm == ScoreTerm::kAlibi) {
-        s[nt][e] += alibi_bias(rows.alibi_log2[e / 2], static_cast<float>(vis.distance(rows.token[e / 2], j)));
+        s[nt][e] += alibi_bias(rows.alibi_log2[e / 2], static_cast<float>(vis.distance(rows.token[e / 2], key0 + key)));
       }
     }
   }
@@ -187,6 +195,7 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
 template <int kDimTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&row_max)[2], float (&row_sum)[2],
                                                float (&acc)[kDimTiles][4]) {
+  float rescales[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float tile_max = fmaxf(fmaxf(s[0][2 * half], s[0][2 * half + 1]), fmaxf(s[1][2 * half], s[1][2 * half + 1]));
@@ -208,10 +217,15 @@ __device__ __forceinline__ void online_softmax(float (&s)[2][4], float (&row_max
       }
     }
     row_sum[half] = row_sum[half] * rescale + tile_sum;  // this lane's partial sum
+    rescales[half] = rescale;
+  }
+  // Most tiles leave every row's max where it was: then no accumulator to
+  // rescale (kDimTiles * 4 multiplies by 1, a tenth of a tile's instructions).
+  if (__any_sync(0xffffffff, rescales[0] != 1.f || rescales[1] != 1.f)) {
 #pragma unroll
     for (int dt = 0; dt < kDimTiles; ++dt) {
-      acc[dt][2 * half] *= rescale;
-      acc[dt][2 * half + 1] *= rescale;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[dt][e] *= rescales[e / 2];
     }
   }
 }

@@ -545,33 +545,75 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
       }
     }
 
-    // This warp's result of the item's rows to shared memory: out normalized,
-    // the log-sum-exp in log2 units (-inf and zeros where a row saw no key).
+    // This warp's result of the item's rows: out normalized (in acc), the
+    // log-sum-exp in log2 units (-inf and zeros where a row saw no key).
+    float row_lse[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = row0 + lane / 4 + half * 8;
       float sum = row_sum[half];
       sum += __shfl_xor_sync(0xffffffff, sum, 1);
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       const float inverse = sum > 0.f ? value_scale[half] / sum : 0.f;
-      float* out = merge_out + Cfg::merge_slot(key_warp, r) * Cfg::kMergeRowFloats;
-      if constexpr (Cfg::kFp8Cache) {  // (pv_fp8's columns: 4 (lane % 4) to + 3 of each 16, two n tiles)
 #pragma unroll
-        for (int dt = 0; dt < kDimTiles; dt += 2) {
-          *reinterpret_cast<float4*>(out + dt * 8 + (lane % 4) * 4) =
-              make_float4(acc[dt][2 * half] * inverse, acc[dt + 1][2 * half] * inverse,
-                          acc[dt][2 * half + 1] * inverse, acc[dt + 1][2 * half + 1] * inverse);
+      for (int dt = 0; dt < kDimTiles; ++dt) {
+        acc[dt][2 * half] *= inverse;
+        acc[dt][2 * half + 1] *= inverse;
+      }
+      row_lse[half] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
+    }
+    // ... to the merge's slot of key warp `slot_warp`.
+    auto store_result = [&](int slot_warp) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int slot = Cfg::merge_slot(slot_warp, row0 + lane / 4 + half * 8);
+        float* out = merge_out + slot * Cfg::kMergeRowFloats;
+        if constexpr (Cfg::kFp8Cache) {  // (pv_fp8's columns: 4 (lane % 4) to + 3 of each 16, two n tiles)
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; dt += 2) {
+            *reinterpret_cast<float4*>(out + dt * 8 + (lane % 4) * 4) =
+                make_float4(acc[dt][2 * half], acc[dt + 1][2 * half], acc[dt][2 * half + 1], acc[dt + 1][2 * half + 1]);
+          }
+        } else {
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+            *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
+          }
         }
-      } else {
+        if (lane % 4 == 0) merge_lse[slot] = row_lse[half];
+      }
+    };
+    constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+    if constexpr (Cfg::kKeyWarps > Cfg::kMergeKeyWarps) {
+      // The upper key warps hand their results to the lower ones (the same
+      // places as the lane's own), which merge them into theirs.
+      const bool upper = key_warp >= Cfg::kMergeKeyWarps;
+      if (upper) store_result(key_warp - Cfg::kMergeKeyWarps);
+      ptx::named_barrier_sync(1, kConsumerThreads);
+      if (!upper) {
 #pragma unroll
-        for (int dt = 0; dt < kDimTiles; ++dt) {
-          *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) =
-              make_float2(acc[dt][2 * half] * inverse, acc[dt][2 * half + 1] * inverse);
+        for (int half = 0; half < 2; ++half) {
+          const int slot = Cfg::merge_slot(key_warp, row0 + lane / 4 + half * 8);
+          const float other_lse = merge_lse[slot], lse_max = fmaxf(row_lse[half], other_lse);
+          const float own = row_lse[half] == -INFINITY ? 0.f : ptx::exp2_approx(row_lse[half] - lse_max);
+          const float other = other_lse == -INFINITY ? 0.f : ptx::exp2_approx(other_lse - lse_max);
+          const float total = own + other, inverse = total > 0.f ? 1.f / total : 0.f;
+          row_lse[half] = total > 0.f ? lse_max + log2f(total) : -INFINITY;
+          const float* other_out = merge_out + slot * Cfg::kMergeRowFloats;
+#pragma unroll
+          for (int dt = 0; dt < kDimTiles; ++dt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              // (the column store_result gave this accumulator)
+              const int col = Cfg::kFp8Cache ? dt / 2 * 16 + (lane % 4) * 4 + dt % 2 + 2 * e : dt * 8 + (lane % 4) * 2 + e;
+              float& x = acc[dt][2 * half + e];
+              x = (x * own + other_out[col] * other) * inverse;
+            }
+          }
         }
       }
-      if (lane % 4 == 0) merge_lse[Cfg::merge_slot(key_warp, r)] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
+      ptx::named_barrier_sync(1, kConsumerThreads);  // (the upper warps' results read before these replace them)
     }
-    constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
+    if (key_warp < Cfg::kMergeKeyWarps) store_result(key_warp);
     ptx::named_barrier_sync(1, kConsumerThreads);
     // The key warps' results merged: each thread 4 columns of a row at a time,
     // a row's threads side by side. With one chunk they are the row's out and
@@ -580,11 +622,11 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
     constexpr int kThreadsPerRow = kConsumerThreads / Cfg::kRows, kRowStep = 4 * kThreadsPerRow;
     const int r = threadIdx.x / kThreadsPerRow, col0 = threadIdx.x % kThreadsPerRow * 4;
     if (r < rows) {
-      float weight[Cfg::kKeyWarps], lse_max = -INFINITY, total = 0.f;
+      float weight[Cfg::kMergeKeyWarps], lse_max = -INFINITY, total = 0.f;
 #pragma unroll
-      for (int w = 0; w < Cfg::kKeyWarps; ++w) lse_max = fmaxf(lse_max, merge_lse[Cfg::merge_slot(w, r)]);
+      for (int w = 0; w < Cfg::kMergeKeyWarps; ++w) lse_max = fmaxf(lse_max, merge_lse[Cfg::merge_slot(w, r)]);
 #pragma unroll
-      for (int w = 0; w < Cfg::kKeyWarps; ++w) {
+      for (int w = 0; w < Cfg::kMergeKeyWarps; ++w) {
         const float lse = merge_lse[Cfg::merge_slot(w, r)];
         weight[w] = lse == -INFINITY ? 0.f : ptx::exp2_approx(lse - lse_max);
         total += weight[w];
@@ -601,7 +643,7 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
       for (int c = col0; c < kHeadDim; c += kRowStep) {
         float4 value = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < Cfg::kKeyWarps; ++w) {
+        for (int w = 0; w < Cfg::kMergeKeyWarps; ++w) {
           const float4 x =
               *reinterpret_cast<const float4*>(merge_out + Cfg::merge_slot(w, r) * Cfg::kMergeRowFloats + c);
           value.x += weight[w] * x.x;
@@ -658,6 +700,9 @@ __device__ __forceinline__ void merge_share(const DecodeKernelParams& kp) {
                           Cfg::kThreads);
 }
 
+// (One block an SM. Nine warps put three on one of the SM's four register
+// files of 16K, so 168 registers a thread at most: __maxnreg__(224) failed to
+// launch.)
 template <typename Elem, typename Cfg, decoding::ScoreTerm kTerm>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_constant__ DecodeKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -666,10 +711,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) decode_kernel(const __grid_c
   unsigned char* stages = swizzle_aligned(smem_raw);
   uint64_t* barrier_words = reinterpret_cast<uint64_t*>(stages + kStages * 2 * Cfg::kTileBytes);
   const DecodeBarriers bars{barrier_words, barrier_words + kStages};
-  // [consumer][row][col] and [consumer][row]
+  // [merge slot][row][col] and [merge slot][row] (tile_config.h's merge_slot)
   float* merge_out = reinterpret_cast<float*>(barrier_words + 2 * kStages);
-  float* merge_lse = merge_out + Cfg::kConsumers * decoding::kRows * Cfg::kMergeRowFloats;
-  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kConsumers * decoding::kRows);
+  float* merge_lse = merge_out + Cfg::kMergeSlots * decoding::kRows * Cfg::kMergeRowFloats;
+  int* unit_arrival = reinterpret_cast<int*>(merge_lse + Cfg::kMergeSlots * decoding::kRows);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   if (warp == Cfg::kConsumers && lane == 0) {  // (the copies' first wait is for the maps)
     ptx::prefetch_tensor_map(&kp.k_map);

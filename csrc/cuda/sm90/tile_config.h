@@ -236,7 +236,12 @@ struct DecodeTileConfig {
   static constexpr int kMergeRowFloats = kHeadDim + 4;
   // (and a word that tells the consumers whether their item's chunk is its
   // unit's last to finish)
-  static constexpr int kMergeBytes = kConsumers * kDecodeTileRows * (kMergeRowFloats + 1) * 4 + 16;
+  // Key warps a row group whose results the buffers hold at once: of eight,
+  // the upper four first hand theirs to the lower four, so that half the
+  // buffers leave room for more stages (4 of 16 KiB with all eight: 3.3 TB/s).
+  static constexpr int kMergeKeyWarps = std::min(kKeyWarps, 4);
+  static constexpr int kMergeSlots = kRowGroups * kMergeKeyWarps;
+  static constexpr int kMergeBytes = kMergeSlots * kDecodeTileRows * (kMergeRowFloats + 1) * 4 + 16;
   // About 192 KiB of stages, the bytes in flight that keep an SM's share of
   // the memory's bandwidth busy with one block an SM, or what the merge's
   // buffers leave of the shared memory.
@@ -244,10 +249,10 @@ struct DecodeTileConfig {
       std::min(192 << 10, 227 * 1024 - kMergeBytes - kSwizzleAtomBytes - 256) / (2 * kTileBytes);
   static constexpr int kSmemBytes = kStages * 2 * kTileBytes + 2 * kStages * 8 + kMergeBytes + kSwizzleAtomBytes;
 
-  // Where the result of query row r of the item from key warp `key_warp` of
-  // its row group lies among the merge's rows.
+  // Where the result of query row r of the item from key warp `key_warp` (of
+  // the first kMergeKeyWarps) of its row group lies among the merge's rows.
   static __device__ __forceinline__ int merge_slot(int key_warp, int r) {
-    return (r / kDecodeTileRows * kKeyWarps + key_warp) * kDecodeTileRows + r % kDecodeTileRows;
+    return (r / kDecodeTileRows * kMergeKeyWarps + key_warp) * kDecodeTileRows + r % kDecodeTileRows;
   }
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
