@@ -419,7 +419,7 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
     // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
     // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3) of each 16
     // (of an FP8 cache: columns 4 (lane % 4) and the next, + 2, in the order
-    // load_fp8_keys gives K's); rows past the item's are zeros.
+    // qk_fp8 gives K's); rows past the item's are zeros.
     uint32_t q_frag[kHeadDim / 16][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
