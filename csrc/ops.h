@@ -164,7 +164,7 @@ BwdParams prepare_packed_backward(const PackedBatch& batch, const at::Tensor& gr
 
 // The attention_forward and attention_backward ops called through the
 // dispatcher, options spelled out as their schemas' arguments: for the C++
-// code that calls them (autograd.cpp, varlen.cpp).
+// code that calls them (autograd.cpp, varlen.cpp, ops_fp8.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_forward(const at::Tensor& q, const at::Tensor& k,
                                                                       const at::Tensor& v,
                                                                       const AttentionOptions& options,

@@ -58,6 +58,16 @@ def _decode_attention_fake(query, key_cache, value_cache, cache_seqlens, block_t
     return out, lse
 
 
+@torch.library.register_fake("flashattn_ext::attention_forward_fp8")
+def _attention_forward_fp8_fake(query, key, value, q_descale, k_descale, v_descale, is_causal, causal_lower_right,
+                                scale, window_left=-1, window_right=-1):
+    _check_devices(query, key=key, value=value, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    batch, heads, len_q, _ = query.shape
+    out = query.new_empty((batch, heads, len_q, value.shape[-1]), dtype=torch.bfloat16)
+    lse = query.new_empty((batch, heads, len_q), dtype=torch.float32)
+    return out, lse
+
+
 @torch.library.register_fake("flashattn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
     return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)

@@ -10,6 +10,9 @@ backward, and _flash_attention_forward / _backward, dense and packed) are ours: 
 picks the flash backend (eager, torch.compile, DTensor, torch's context parallel) runs flashattn_ext.
 torch.nn.attention.restore_flash_attention_impl() gives torch's kernels back.
 
+The FP8 overloads (`.quantized`, forward only: float8_e4m3fn inputs, descales a (sequence, key/value
+head), bfloat16 out) run flashattn_ext.scaled_dot_product_attention_fp8's op.
+
 The aten ops' contract (as torch's FA2, FA3 and FA4 keep it): the SDPA-level ops take and return
 (batch, heads, seq, dim) tensors, the others (batch, seq, heads, dim), or (total, heads, dim) with
 cum_seq_q / cum_seq_k; the log-sum-exp is float32, (batch, heads, seq) or (heads, total); causal and
@@ -50,6 +53,9 @@ def _activate() -> _Handle:
     library.impl("_scaled_dot_product_flash_attention_backward", _sdpa_flash_backward, "CUDA")
     library.impl("_flash_attention_forward", _flash_forward, "CUDA")
     library.impl("_flash_attention_backward", _flash_backward, "CUDA")
+    # FP8 (torch.nn.attention.experimental._scaled_dot_product_attention_quantized calls the first)
+    library.impl("_scaled_dot_product_flash_attention.quantized", _sdpa_flash_forward_fp8, "CUDA")
+    library.impl("_flash_attention_forward.quantized", _flash_forward_fp8, "CUDA")
     return _Handle(library)
 
 
@@ -121,6 +127,20 @@ def _sdpa_flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Te
     return dq, dk, dv
 
 
+def _sdpa_flash_forward_fp8(query: Tensor, key: Tensor, value: Tensor, q_descale: Optional[Tensor],
+                            k_descale: Optional[Tensor], v_descale: Optional[Tensor], dropout_p: float = 0.0,
+                            is_causal: bool = False, return_debug_mask: bool = False, *,
+                            scale: Optional[float] = None):
+    if query.dtype != torch.float8_e4m3fn and all(d is None for d in (q_descale, k_descale, v_descale)):
+        return _sdpa_flash_forward(query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
+    if dropout_p != 0.0:
+        raise _unsupported("dropout with FP8 inputs")
+    out, lse = torch.ops.flashattn_ext.attention_forward_fp8(
+        query, key, value, q_descale, k_descale, v_descale, is_causal, True, _scale(scale, query.size(-1)))
+    seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+    return out, lse, None, None, query.size(2), key.size(2), seed, offset, out.new_empty(0)
+
+
 # ----------------------------------------------------------------------------- flash-level ops (BSHD, or packed)
 
 def _heads_first(*tensors: Tensor):
@@ -173,3 +193,25 @@ def _flash_backward(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor,
     return torch.ops.flashattn_ext.varlen_backward(
         grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, True, scale,
         left, right)
+
+
+def _flash_forward_fp8(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optional[Tensor],
+                       cum_seq_k: Optional[Tensor], max_q: int, max_k: int, dropout_p: float, is_causal: bool,
+                       return_debug_mask: bool, q_descale: Optional[Tensor], k_descale: Optional[Tensor],
+                       v_descale: Optional[Tensor], *, scale: Optional[float] = None,
+                       window_size_left: Optional[int] = None, window_size_right: Optional[int] = None,
+                       seqused_k: Optional[Tensor] = None, alibi_slopes: Optional[Tensor] = None):
+    if query.dtype != torch.float8_e4m3fn and all(d is None for d in (q_descale, k_descale, v_descale)):
+        return _flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                              return_debug_mask, scale=scale, window_size_left=window_size_left,
+                              window_size_right=window_size_right, seqused_k=seqused_k, alibi_slopes=alibi_slopes)
+    for name, given in (("dropout", dropout_p != 0.0), ("a packed batch (cum_seq_q)", cum_seq_q is not None),
+                        ("seqused_k", seqused_k is not None), ("alibi_slopes", alibi_slopes is not None)):
+        if given:
+            raise _unsupported(f"{name} with FP8 inputs")
+    left, right = _window(window_size_left, window_size_right)
+    q, k, v = _heads_first(query, key, value)
+    out, lse = torch.ops.flashattn_ext.attention_forward_fp8(
+        q, k, v, q_descale, k_descale, v_descale, is_causal, True, _scale(scale, query.size(-1)), left, right)
+    seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+    return out.transpose(1, 2), lse, seed, offset, out.new_empty(0)

@@ -1,0 +1,80 @@
+// The attention_forward_fp8 op: query, key and value in float8 e4m3 with
+// descales a (sequence, key/value head) (torch's
+// _scaled_dot_product_attention_quantized, PER_HEAD: a stored x stands for
+// x * descale[b, h_kv], the query's heads by their key/value head), out in
+// bfloat16 and the log-sum-exp in float32. Until the Hopper kernels take e4m3
+// operands (issue 47), every device runs it through attention_forward on the
+// tensors dequantized: in float32 on the CPU (the values exact), in bfloat16
+// on CUDA (each value rounded once).
+#include <torch/library.h>
+
+#include <optional>
+#include <utility>
+
+#include "ops.h"
+#include "ops_checks.h"
+
+namespace flashattn_ext {
+namespace {
+
+// x (batch, heads, len, dim) times its descale (batch, heads_kv), each of a
+// key/value head's heads_q / heads_kv heads by that head's, in `dtype`.
+at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, int64_t heads_kv,
+                       at::ScalarType dtype) {
+  if (!descale.has_value()) return x.to(dtype);
+  const int64_t batch = x.size(0), heads = x.size(1);
+  const at::Tensor per_head = descale->view({batch, heads_kv, 1, 1, 1});
+  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, x.size(2), x.size(3)});
+  return (grouped * per_head).view(x.sizes()).to(dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, const at::Tensor& k,
+                                                         const at::Tensor& v,
+                                                         const std::optional<at::Tensor>& q_descale,
+                                                         const std::optional<at::Tensor>& k_descale,
+                                                         const std::optional<at::Tensor>& v_descale, bool is_causal,
+                                                         bool causal_lower_right, double scale, int64_t window_left,
+                                                         int64_t window_right) {
+  for (const auto& [t, name] : {std::pair{&q, "query"}, std::pair{&k, "key"}, std::pair{&v, "value"}}) {
+    check_rank4(*t, name);
+    check_device(*t, name, q);
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat8_e4m3fn, "flashattn_ext: the FP8 attention takes ", name,
+                     " as float8_e4m3fn, got ", t->scalar_type());
+  }
+  const int64_t batch = q.size(0), heads_kv = k.size(1);
+  TORCH_CHECK(heads_kv > 0 ? q.size(1) % heads_kv == 0 : q.size(1) == 0, "flashattn_ext: the ", heads_kv,
+              " key/value heads must divide the ", q.size(1), " query heads");
+  for (const auto& [d, name] : {std::pair{&q_descale, "q_descale"}, std::pair{&k_descale, "k_descale"},
+                                std::pair{&v_descale, "v_descale"}}) {
+    if (!d->has_value()) continue;
+    check_device(**d, name, q);
+    TORCH_CHECK_TYPE((*d)->scalar_type() == at::kFloat, "flashattn_ext: ", name, " must be float32, got ",
+                     (*d)->scalar_type());
+    TORCH_CHECK((*d)->dim() == 2 && (*d)->size(0) == batch && (*d)->size(1) == heads_kv, "flashattn_ext: ", name,
+                " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), got shape ", (*d)->sizes());
+  }
+  // The CPU computes in float32, where e4m3 times a float32 descale is exact
+  // up to the product's rounding; CUDA's kernels take 16-bit inputs.
+  const at::ScalarType dtype = q.is_cpu() ? at::kFloat : at::kBFloat16;
+  auto [out, lse, rng_state] = call_attention_forward(
+      dequantized(q, q_descale, heads_kv, dtype), dequantized(k, k_descale, heads_kv, dtype),
+      dequantized(v, v_descale, heads_kv, dtype),
+      AttentionOptions{std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right},
+      std::nullopt);
+  return {out.to(at::kBFloat16), lse.to(at::kFloat)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
+  m.def(
+      "attention_forward_fp8(Tensor query, Tensor key, Tensor value, Tensor? q_descale, Tensor? k_descale, "
+      "Tensor? v_descale, bool is_causal, bool causal_lower_right, float scale, int window_left=-1, "
+      "int window_right=-1) -> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
+  m.impl("attention_forward_fp8", &attention_forward_fp8);
+}
+
+}  // namespace flashattn_ext

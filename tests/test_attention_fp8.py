@@ -1,0 +1,112 @@
+"""FP8 attention (scaled_dot_product_attention_fp8, and aten's flash `.quantized` overloads with flashattn_ext
+active): float8_e4m3fn query, key and value with descales a (sequence, key/value head), against a float64
+reference on the dequantized tensors; the arguments' checks."""
+import math
+
+import pytest
+import torch
+
+import flashattn_ext
+from helpers import naive_attention, on_paths, relative_error
+
+FP8 = torch.float8_e4m3fn
+# The error allowed relative to the output's scale: the output's bfloat16 rounding (CUDA: also the
+# dequantized operands', each rounded once to bfloat16 until the kernels take e4m3 themselves).
+OUT_TOLERANCE = {"cpu": 8e-3, "cuda": 1.6e-2}
+
+
+def fp8_inputs(batch, heads_q, heads_kv, len_q, len_k, dim, gen, device):
+    """e4m3 tensors of values spread over e4m3's range, and random descales (batch, heads_kv)."""
+    def e4m3(*shape):
+        return (torch.randn(*shape, generator=gen) * 40).clamp(-448, 448).to(FP8).to(device)
+
+    q, k, v = e4m3(batch, heads_q, len_q, dim), e4m3(batch, heads_kv, len_k, dim), e4m3(batch, heads_kv, len_k, dim)
+    descales = [(torch.rand(batch, heads_kv, generator=gen) * 0.02 + 0.005).to(device) for _ in range(3)]
+    return q, k, v, descales
+
+
+def dequantize(x, descale):
+    """x (B, H, L, E) in float64 times descale (B, H_kv), each head by its key/value head's."""
+    group = x.shape[1] // descale.shape[1]
+    return x.double().cpu() * descale.double().cpu().repeat_interleave(group, dim=1)[:, :, None, None]
+
+
+@on_paths("cpu", "cuda")
+@pytest.mark.parametrize("heads_q, heads_kv", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("len_q, len_k, is_causal, window", [(33, 33, False, None), (17, 40, True, None),
+                                                             (40, 40, True, (8, 0))],
+                         ids=["plain", "causal", "window"])
+def test_matches_float64_over_the_dequantized_inputs(path, heads_q, heads_kv, len_q, len_k, is_causal, window):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, (qd, kd, vd) = fp8_inputs(2, heads_q, heads_kv, len_q, len_k, 32, gen, path.device)
+    out = flashattn_ext.scaled_dot_product_attention_fp8(q, k, v, is_causal=is_causal, q_descale=qd,
+                                                         k_descale=kd, v_descale=vd, window=window)
+    want, _ = naive_attention(dequantize(q, qd), dequantize(k, kd), dequantize(v, vd), is_causal=is_causal,
+                              enable_gqa=True, window=window)
+    assert out.dtype == torch.bfloat16 and out.shape == want.shape and out.device.type == path.device
+    assert relative_error(out.cpu(), want) <= OUT_TOLERANCE[path.name]
+
+
+def test_lse_and_default_descales():
+    """The op's lse is the float64 one to float32's precision (the CPU computes in float32); no descale means
+    1."""
+    gen = torch.Generator().manual_seed(12)
+    q, k, v, _ = fp8_inputs(1, 2, 2, 9, 12, 16, gen, "cpu")
+    scale = 0.01
+    out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, None, None, None, False, False, scale)
+    want_out, want_lse = naive_attention(q.double(), k.double(), v.double(), scale=scale)
+    assert relative_error(out, want_out) <= OUT_TOLERANCE["cpu"]
+    assert lse.dtype == torch.float32
+    assert ((lse.double() - want_lse).abs() / (1 + want_lse.abs())).max().item() <= 1e-6
+
+
+def _call(**changes):
+    gen = torch.Generator().manual_seed(13)
+    q, k, v, (qd, kd, vd) = fp8_inputs(2, 4, 2, 5, 6, 8, gen, "cpu")
+    arguments = {"query": q, "key": k, "value": v, "q_descale": qd, "k_descale": kd, "v_descale": vd}
+    arguments.update(changes)
+    return lambda: flashattn_ext.scaled_dot_product_attention_fp8(**arguments)
+
+
+@pytest.mark.parametrize("call, exception, message", [
+    (_call(query=torch.zeros(2, 4, 5, 8, dtype=torch.bfloat16)), TypeError, "query as float8_e4m3fn"),
+    (_call(value=torch.zeros(2, 2, 6, 8)), TypeError, "value as float8_e4m3fn"),
+    (_call(k_descale=torch.ones(2, 4)), RuntimeError, r"k_descale must be \(batch, key/value heads\)"),
+    (_call(v_descale=torch.ones(2, 2, dtype=torch.float64)), TypeError, "v_descale must be float32"),
+    (_call(key=torch.zeros(2, 3, 6, 8).to(FP8), value=torch.zeros(2, 3, 6, 8).to(FP8)), RuntimeError,
+     "must divide the 4 query heads"),
+    (_call(window=(1,)), ValueError, "window must be a pair"),
+], ids=["query-dtype", "value-dtype", "descale-shape", "descale-dtype", "heads", "window"])
+def test_bad_arguments(call, exception, message):
+    with pytest.raises(exception, match=message):
+        call()
+
+
+@on_paths("cpu", "cuda")
+def test_opcheck(path):
+    gen = torch.Generator().manual_seed(14)
+    q, k, v, (qd, kd, vd) = fp8_inputs(2, 4, 2, 5, 7, 16, gen, path.device)
+    # (not test_schema: torch's schema check compares the inputs with a multiply, which float8 lacks)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_forward_fp8.default,
+                          (q, k, v, qd, kd, vd, True, True, 0.25), test_utils=("test_faketensor",))
+
+
+@on_paths("cuda")
+def test_torch_quantized_sdpa_runs_ours(path):
+    """torch's experimental FP8 SDPA (aten's flash `.quantized` overload) with flashattn_ext active as torch's
+    flash-attention implementation: our op's result, bottom-right causal as aten's flash ops align it."""
+    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
+    from torch.nn.attention.experimental._scaled_dot_product_attention_quantized import (
+        _scaled_dot_product_attention_quantized)
+
+    gen = torch.Generator().manual_seed(15)
+    q, k, v, (qd, kd, vd) = fp8_inputs(2, 8, 2, 24, 40, 64, gen, "cuda")
+    activate_flash_attention_impl("flashattn_ext")
+    try:
+        got = _scaled_dot_product_attention_quantized(q, k, v, is_causal=True, q_descale=qd, k_descale=kd,
+                                                      v_descale=vd)
+    finally:
+        restore_flash_attention_impl()
+    want, _ = naive_attention(dequantize(q, qd), dequantize(k, kd), dequantize(v, vd), is_causal=True,
+                              causal_lower_right=True, enable_gqa=True, scale=1 / math.sqrt(64))
+    assert got.dtype == torch.bfloat16 and relative_error(got.cpu(), want) <= OUT_TOLERANCE["cuda"]
