@@ -47,6 +47,30 @@ def sequence_rows(cache, b, length, block_table):
     return rows.transpose(0, 1)
 
 
+def fill_past_lengths(cache, lengths, block_table, value):
+    """Sets each sequence's rows of a cache (or of a uint8 view of it) from its length on to `value`: rows a
+    kernel may read but no query sees."""
+    for b, length in enumerate(lengths):
+        if block_table is None:
+            cache[b, :, length:] = value
+        else:
+            block_size = cache.shape[1]
+            positions = torch.arange(length, block_table.shape[1] * block_size)
+            cache[block_table[b, positions // block_size].long(), positions % block_size] = value
+
+
+def hopper_call_inputs(batch, heads_q, len_q, dim, dtype, options, gen):
+    """A decode call's random query and its options for test_decode_kernel and its FP8 twin: ("alibi": True
+    becomes random (Hq,) slopes) as the float64 reference takes them, and as CUDA float32 for the call."""
+    query = torch.randn(batch, heads_q, len_q, dim, generator=gen).to(dtype)
+    options = dict(options)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(heads_q, generator=gen, dtype=torch.float64) * 0.1
+    on_cuda = {name: value.float().cuda() if isinstance(value, torch.Tensor) else value
+               for name, value in options.items()}
+    return query, options, on_cuda
+
+
 def reference(query, key_cache, value_cache, lengths, block_table, is_causal, scale, alibi_slopes=None, **options):
     """(out, lse) in float64, one sequence at a time; options: naive_attention's window and softcap;
     alibi_slopes (Hq,) or (B, Hq)."""
@@ -459,18 +483,8 @@ def test_decode_kernel(path, case, options):
         lengths = torch.randint(0, capacity + 1, (batch,), generator=gen).tolist()
     key_cache, value_cache, table = make_cache(batch, heads_kv, capacity, dim, dim, dtype, block_size, gen)
     for cache in (key_cache, value_cache):
-        for b, length in enumerate(lengths):
-            if block_size is None:
-                cache[b, :, length:] = math.nan
-            else:
-                positions = torch.arange(length, table.shape[1] * block_size)
-                cache[table[b, positions // block_size].long(), positions % block_size] = math.nan
-    query = torch.randn(batch, heads_q, len_q, dim, generator=gen).to(dtype)
-    options = dict(options)
-    if options.pop("alibi", False):
-        options["alibi_slopes"] = torch.rand(heads_q, generator=gen, dtype=torch.float64) * 0.1
-    on_cuda = {name: value.float().cuda() if isinstance(value, torch.Tensor) else value
-               for name, value in options.items()}
+        fill_past_lengths(cache, lengths, table, math.nan)
+    query, options, on_cuda = hopper_call_inputs(batch, heads_q, len_q, dim, dtype, options, gen)
 
     def call():
         return flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),

@@ -9,7 +9,7 @@ import torch
 
 import flashattn_ext
 from helpers import POISON_BYTES, kernel_names, on_paths, on_paths_each, poison_cuda_allocator, relative_error
-from test_decode import DECODE_CASES, make_cache, reference
+from test_decode import DECODE_CASES, fill_past_lengths, hopper_call_inputs, make_cache, reference
 
 FP8 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -104,19 +104,8 @@ def test_hopper_kernel_reads_fp8(path, case, options, dtype, per_head):
     key_cache, value_cache, table, (key_scale, value_scale), heads_dim = fp8_problem(
         block_size, heads_kv, per_head, gen, capacity=capacity, dim=dim, batch=batch)
     for cache in (key_cache, value_cache):
-        raw = cache.view(torch.uint8)
-        for b, length in enumerate(lengths):
-            if block_size is None:
-                raw[b, :, length:] = 0x7F  # e4m3 NaN
-            else:
-                positions = torch.arange(length, table.shape[1] * block_size)
-                raw[table[b, positions // block_size].long(), positions % block_size] = 0x7F
-    query = torch.randn(batch, heads_q, len_q, dim, generator=gen).to(dtype)
-    options = dict(options)
-    if options.pop("alibi", False):
-        options["alibi_slopes"] = torch.rand(heads_q, generator=gen, dtype=torch.float64) * 0.1
-    on_cuda = {name: value.float().cuda() if isinstance(value, torch.Tensor) else value
-               for name, value in options.items()}
+        fill_past_lengths(cache.view(torch.uint8), lengths, table, 0x7F)  # e4m3 NaN
+    query, options, on_cuda = hopper_call_inputs(batch, heads_q, len_q, dim, dtype, options, gen)
 
     def call():
         return flashattn_ext.decode_attention(query.cuda(), key_cache.cuda(), value_cache.cuda(),
