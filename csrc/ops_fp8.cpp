@@ -1,14 +1,16 @@
 // The attention_forward_fp8 op: query, key and value in float8 e4m3 with
 // descales a (sequence, key/value head) (torch's
 // _scaled_dot_product_attention_quantized, PER_HEAD: a stored x stands for
-// x * descale[b, h_kv], the query's heads by their key/value head), out in
-// bfloat16 and the log-sum-exp in float32. Until the Hopper kernels take e4m3
+// x * descale[b, h_kv], the query's heads by their key/value head), or a
+// (sequence, key/value head, block of kFp8BlockRows rows) (FA3's block
+// quantization), out in bfloat16 and the log-sum-exp in float32. Until the Hopper kernels take e4m3
 // operands (issue 47), every device runs it through attention_forward on the
 // tensors dequantized: in float32 on the CPU (the values exact), in bfloat16
 // on CUDA (each value rounded once).
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "ops.h"
@@ -17,15 +19,23 @@
 namespace flashattn_ext {
 namespace {
 
-// x (batch, heads, len, dim) times its descale (batch, heads_kv), each of a
+// Rows a block descale covers: a multiple of the Hopper kernels' tiles.
+constexpr int64_t kFp8BlockRows = 128;
+
+// x (batch, heads, len, dim) times its descale ((batch, heads_kv), or
+// (batch, heads_kv, blocks) a block of kFp8BlockRows rows each), each of a
 // key/value head's heads_q / heads_kv heads by that head's, in `dtype`.
 at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, int64_t heads_kv,
                        at::ScalarType dtype) {
   if (!descale.has_value()) return x.to(dtype);
-  const int64_t batch = x.size(0), heads = x.size(1);
-  const at::Tensor per_head = descale->view({batch, heads_kv, 1, 1, 1});
-  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, x.size(2), x.size(3)});
-  return (grouped * per_head).view(x.sizes()).to(dtype);
+  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2);
+  const at::Tensor per_row = descale->dim() == 2
+                                 ? descale->view({batch, heads_kv, 1, 1, 1})
+                                 : descale->repeat_interleave(kFp8BlockRows, 2)
+                                       .narrow(2, 0, len)
+                                       .view({batch, heads_kv, 1, len, 1});
+  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, x.size(3)});
+  return (grouped * per_row).view(x.sizes()).to(dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, const at::Tensor& k,
@@ -44,14 +54,17 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
   const int64_t batch = q.size(0), heads_kv = k.size(1);
   TORCH_CHECK(heads_kv > 0 ? q.size(1) % heads_kv == 0 : q.size(1) == 0, "flashattn_ext: the ", heads_kv,
               " key/value heads must divide the ", q.size(1), " query heads");
-  for (const auto& [d, name] : {std::pair{&q_descale, "q_descale"}, std::pair{&k_descale, "k_descale"},
-                                std::pair{&v_descale, "v_descale"}}) {
+  for (const auto& [d, x, name] : {std::tuple{&q_descale, &q, "q_descale"}, std::tuple{&k_descale, &k, "k_descale"},
+                                   std::tuple{&v_descale, &v, "v_descale"}}) {
     if (!d->has_value()) continue;
     check_device(**d, name, q);
     TORCH_CHECK_TYPE((*d)->scalar_type() == at::kFloat, "flashattn_ext: ", name, " must be float32, got ",
                      (*d)->scalar_type());
-    TORCH_CHECK((*d)->dim() == 2 && (*d)->size(0) == batch && (*d)->size(1) == heads_kv, "flashattn_ext: ", name,
-                " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), got shape ", (*d)->sizes());
+    const int64_t blocks = (x->size(2) + kFp8BlockRows - 1) / kFp8BlockRows;
+    const bool per_head = (*d)->dim() == 2, per_block = (*d)->dim() == 3 && (*d)->size(2) == blocks;
+    TORCH_CHECK((per_head || per_block) && (*d)->size(0) == batch && (*d)->size(1) == heads_kv, "flashattn_ext: ",
+                name, " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), or with one a block of ",
+                kFp8BlockRows, " rows (", batch, ", ", heads_kv, ", ", blocks, "), got shape ", (*d)->sizes());
   }
   // The CPU computes in float32, where e4m3 times a float32 descale is exact
   // up to the product's rounding; CUDA's kernels take 16-bit inputs.

@@ -3,14 +3,21 @@ semantics (float8_e4m3fn query, key and value, descales a (sequence, key/value h
 
 Until the Hopper kernels take e4m3 operands, the op runs attention_forward on the tensors dequantized
 (float32 on the CPU, bfloat16 on CUDA): right, and no faster than bfloat16 attention. Forward only, as
-torch's.
+torch's. quantize_fp8 makes the inputs (per head or per block of rows), and hadamard_rotation the random
+rotation of queries and keys that FA3 pairs with block quantization (benchmarks/fp8_accuracy.py measures
+both against float64).
 """
-from typing import Optional
+import math
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .options import default_scale, window_bounds
+
+E4M3_MAX = 448.0
+# Rows a block descale covers (csrc/ops_fp8.cpp's kFp8BlockRows).
+BLOCK_ROWS = 128
 
 
 def scaled_dot_product_attention_fp8(
@@ -25,12 +32,51 @@ def scaled_dot_product_attention_fp8(
     window: Optional[tuple] = None,
 ) -> Tensor:
     """query (N, Hq, L, E), key (N, H, S, E), value (N, H, S, Ev), all torch.float8_e4m3fn -> (N, Hq, L, Ev)
-    bfloat16. Each descale (N, H), float32 (None: 1), multiplies its tensor's values of each (sequence,
-    key/value head), the query's heads by their key/value head's (torch's PER_HEAD descaling). is_causal
-    aligns the mask top-left, as SDPA does; window (left, right) as attention_with_lse's.
+    bfloat16. Each descale, float32 (None: 1), multiplies its tensor's values: (N, H), one a (sequence,
+    key/value head), the query's heads by their key/value head's (torch's PER_HEAD descaling), or
+    (N, H, ceil(rows / BLOCK_ROWS)), one a block of BLOCK_ROWS rows of those (quantize_fp8 makes either).
+    is_causal aligns the mask top-left, as SDPA does; window (left, right) as attention_with_lse's.
     """
     left, right = window_bounds(window)
     out, _ = torch.ops.flashattn_ext.attention_forward_fp8(
         query, key, value, q_descale, k_descale, v_descale, is_causal, False,
         default_scale(query.size(-1)) if scale is None else scale, left, right)
     return out
+
+
+def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = False) -> Tuple[Tensor, Tensor]:
+    """x (N, H, L, E) as scaled_dot_product_attention_fp8 takes it: (x / descale) in float8_e4m3fn, rounded
+    to nearest and saturated, and its float32 descale, each the largest magnitude over 448 of what it
+    covers: a (sequence, key/value head) ((N, heads_kv): the query's heads_kv groups of heads share one), or
+    with per_block a block of BLOCK_ROWS rows of those ((N, heads_kv, ceil(L / BLOCK_ROWS)): FA3's block
+    quantization, which keeps one outlier from coarsening a whole head). heads_kv defaults to H.
+    """
+    batch, heads, length, dim = x.shape
+    heads_kv = heads if heads_kv is None else heads_kv
+    if heads_kv <= 0 or heads % heads_kv != 0:
+        raise ValueError(f"flashattn_ext: heads_kv ({heads_kv}) must divide the {heads} heads")
+    blocks = math.ceil(length / BLOCK_ROWS) if per_block else 1
+    rows = blocks * BLOCK_ROWS if per_block else length
+    grouped = x.float().reshape(batch, heads_kv, heads // heads_kv, length, dim)
+    padded = torch.nn.functional.pad(grouped, (0, 0, 0, rows - length))
+    largest = padded.abs().view(batch, heads_kv, heads // heads_kv, blocks, -1, dim).amax(dim=(2, 4, 5))
+    descale = (largest / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    per_row = descale.repeat_interleave(rows // blocks, dim=2)[:, :, None, :length, None]
+    quantized = (grouped / per_row).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(x.shape)
+    return quantized, descale if per_block else descale.view(batch, heads_kv)
+
+
+def hadamard_rotation(dim: int, generator: Optional[torch.Generator] = None,
+                      device: Optional[torch.device] = None) -> Tensor:
+    """A random orthogonal (dim, dim) float32 matrix R, dim a power of two: the normalized Walsh-Hadamard
+    matrix times random signs (FA3's incoherent processing). Rotating the queries and the keys alike,
+    (q @ R) (k @ R)^T = q k^T, and each rotated row mixes all of a row's values, so one outlier no longer
+    sets a row's (or a block's) FP8 scale alone.
+    """
+    if dim <= 0 or dim & (dim - 1):
+        raise ValueError(f"flashattn_ext: hadamard_rotation takes a power-of-two dim, got {dim}")
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < dim:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    signs = torch.randint(0, 2, (dim,), generator=generator).float() * 2 - 1
+    return (signs[:, None] * matrix / math.sqrt(dim)).to(device)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import flashattn_ext
+from flashattn_ext.fp8 import hadamard_rotation, quantize_fp8, scaled_dot_product_attention_fp8
 from helpers import naive_attention, on_paths, relative_error
 
 FP8 = torch.float8_e4m3fn
@@ -60,6 +61,53 @@ def test_lse_and_default_descales():
     assert ((lse.double() - want_lse).abs() / (1 + want_lse.abs())).max().item() <= 1e-6
 
 
+@on_paths("cpu", "cuda")
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "hadamard"])
+def test_quantize_per_block_and_rotated(path, rotate):
+    """quantize_fp8's block descales (one a 128 rows: lengths of 1 block, 2 ragged ones) through the op, with
+    queries and keys rotated alike by hadamard_rotation or not: exactly (to the output's rounding) the
+    attention of what the e4m3 values times their blocks' descales stand for. (How close that is to the
+    unquantized inputs' attention, method by method: benchmarks/fp8_accuracy.py.)"""
+    gen = torch.Generator().manual_seed(16)
+    q, k, v = (torch.randn(1, 4, length, 64, generator=gen, dtype=torch.float64) for length in (100, 300, 300))
+    k, v = k[:, :2], v[:, :2]
+    if rotate:
+        rotation = hadamard_rotation(64, generator=gen).double()
+        q_in, k_in = q @ rotation, k @ rotation
+    else:
+        q_in, k_in = q, k
+    quantized = [quantize_fp8(x.to(path.device), heads_kv=2, per_block=True) for x in (q_in, k_in, v)]
+    assert [tuple(d.shape) for _, d in quantized] == [(1, 2, 1), (1, 2, 3), (1, 2, 3)]
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    out = scaled_dot_product_attention_fp8(q8, k8, v8, is_causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    rows = lambda d, n: d.double().cpu().repeat_interleave(128, dim=2)[:, :, None, :n, None]  # noqa: E731
+    exact, _ = naive_attention(*((x8.double().cpu().view(1, 2, -1, n, 64) * rows(d, n)).view(x8.shape)
+                                 for x8, d, n in ((q8, qd, 100), (k8, kd, 300), (v8, vd, 300))),
+                               is_causal=True, enable_gqa=True)
+    assert relative_error(out.cpu(), exact) <= OUT_TOLERANCE[path.name]
+
+
+def test_hadamard_rotation_is_orthogonal():
+    rotation = hadamard_rotation(128, generator=torch.Generator().manual_seed(17)).double()
+    assert torch.allclose(rotation @ rotation.T, torch.eye(128, dtype=torch.float64), atol=1e-6)
+    with pytest.raises(ValueError, match="power-of-two dim"):
+        hadamard_rotation(96)
+
+
+def test_quantize_saturates_to_the_largest_value():
+    """Each block's largest magnitude becomes e4m3's 448 (so the descale is exactly largest / 448), and every
+    other value is within half an e4m3 step (a relative 2^-4) of x / descale."""
+    gen = torch.Generator().manual_seed(18)
+    x = torch.randn(2, 3, 200, 16, generator=gen) * torch.rand(2, 3, 1, 1, generator=gen) * 50
+    x8, descale = quantize_fp8(x, per_block=True)
+    assert descale.shape == (2, 3, 2)
+    largest = torch.stack([x[:, :, :128].abs().amax(dim=(2, 3)), x[:, :, 128:].abs().amax(dim=(2, 3))], dim=2)
+    assert torch.allclose(descale, largest / 448)
+    scaled = x / descale.repeat_interleave(128, dim=2)[:, :, :200, None]
+    assert (x8.float() - scaled).abs().le(scaled.abs() * 2**-4 + 2**-10).all()
+    assert x8.float().abs().amax() == 448
+
+
 def _call(**changes):
     gen = torch.Generator().manual_seed(13)
     q, k, v, (qd, kd, vd) = fp8_inputs(2, 4, 2, 5, 6, 8, gen, "cpu")
@@ -72,11 +120,12 @@ def _call(**changes):
     (_call(query=torch.zeros(2, 4, 5, 8, dtype=torch.bfloat16)), TypeError, "query as float8_e4m3fn"),
     (_call(value=torch.zeros(2, 2, 6, 8)), TypeError, "value as float8_e4m3fn"),
     (_call(k_descale=torch.ones(2, 4)), RuntimeError, r"k_descale must be \(batch, key/value heads\)"),
+    (_call(q_descale=torch.ones(2, 2, 2)), RuntimeError, r"one a block of 128 rows \(2, 2, 1\)"),
     (_call(v_descale=torch.ones(2, 2, dtype=torch.float64)), TypeError, "v_descale must be float32"),
     (_call(key=torch.zeros(2, 3, 6, 8).to(FP8), value=torch.zeros(2, 3, 6, 8).to(FP8)), RuntimeError,
      "must divide the 4 query heads"),
     (_call(window=(1,)), ValueError, "window must be a pair"),
-], ids=["query-dtype", "value-dtype", "descale-shape", "descale-dtype", "heads", "window"])
+], ids=["query-dtype", "value-dtype", "descale-shape", "block-descale-shape", "descale-dtype", "heads", "window"])
 def test_bad_arguments(call, exception, message):
     with pytest.raises(exception, match=message):
         call()
