@@ -3,10 +3,10 @@
 // _scaled_dot_product_attention_quantized, PER_HEAD: a stored x stands for
 // x * descale[b, h_kv], the query's heads by their key/value head), or a
 // (sequence, key/value head, block of kFp8BlockRows rows) (FA3's block
-// quantization), out in bfloat16 and the log-sum-exp in float32. Until the Hopper kernels take e4m3
-// operands (issue 47), every device runs it through attention_forward on the
-// tensors dequantized: in float32 on the CPU (the values exact), in bfloat16
-// on CUDA (each value rounded once).
+// quantization); out in bfloat16, the log-sum-exp in float32. Until the
+// Hopper kernels take e4m3 operands (issue 47), every device runs it through
+// attention_forward on the tensors dequantized: in float32 on the CPU (the
+// values exact), in bfloat16 on CUDA (each value rounded once).
 #include <torch/library.h>
 
 #include <optional>
@@ -27,7 +27,7 @@ constexpr int64_t kFp8BlockRows = 128;
 // key/value head's heads_q / heads_kv heads by that head's, in `dtype`.
 at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, int64_t heads_kv,
                        at::ScalarType dtype) {
-  if (!descale.has_value()) return x.to(dtype);
+  if (!descale.has_value() || heads_kv == 0) return x.to(dtype);
   const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2);
   const at::Tensor per_row = descale->dim() == 2
                                  ? descale->view({batch, heads_kv, 1, 1, 1})
@@ -52,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
                      " as float8_e4m3fn, got ", t->scalar_type());
   }
   const int64_t batch = q.size(0), heads_kv = k.size(1);
+  TORCH_CHECK(k.size(0) == batch && v.size(0) == batch && v.size(1) == heads_kv, "flashattn_ext: key ",
+              k.sizes(), " and value ", v.sizes(), " must have query's batch (", batch, ") and the same heads");
   TORCH_CHECK(heads_kv > 0 ? q.size(1) % heads_kv == 0 : q.size(1) == 0, "flashattn_ext: the ", heads_kv,
               " key/value heads must divide the ", q.size(1), " query heads");
   for (const auto& [d, x, name] : {std::tuple{&q_descale, &q, "q_descale"}, std::tuple{&k_descale, &k, "k_descale"},

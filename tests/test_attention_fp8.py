@@ -125,7 +125,9 @@ def _call(**changes):
     (_call(key=torch.zeros(2, 3, 6, 8).to(FP8), value=torch.zeros(2, 3, 6, 8).to(FP8)), RuntimeError,
      "must divide the 4 query heads"),
     (_call(window=(1,)), ValueError, "window must be a pair"),
-], ids=["query-dtype", "value-dtype", "descale-shape", "block-descale-shape", "descale-dtype", "heads", "window"])
+    (_call(value=torch.zeros(1, 2, 6, 8).to(FP8)), RuntimeError, r"must have query's batch \(2\)"),
+], ids=["query-dtype", "value-dtype", "descale-shape", "block-descale-shape", "descale-dtype", "heads", "window",
+        "batch"])
 def test_bad_arguments(call, exception, message):
     with pytest.raises(exception, match=message):
         call()
