@@ -56,6 +56,9 @@ def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = Fa
     if heads_kv <= 0 or heads % heads_kv != 0:
         raise ValueError(f"flashattn_ext: heads_kv ({heads_kv}) must divide the {heads} heads")
     blocks = math.ceil(length / BLOCK_ROWS) if per_block else 1
+    if length == 0 or blocks == 0:
+        return x.to(torch.float8_e4m3fn), x.new_ones((batch, heads_kv, blocks) if per_block else (batch, heads_kv),
+                                                     dtype=torch.float32)
     rows = blocks * BLOCK_ROWS if per_block else length
     grouped = x.float().reshape(batch, heads_kv, heads // heads_kv, length, dim)
     padded = torch.nn.functional.pad(grouped, (0, 0, 0, rows - length))

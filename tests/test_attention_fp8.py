@@ -106,6 +106,8 @@ def test_quantize_saturates_to_the_largest_value():
     scaled = x / descale.repeat_interleave(128, dim=2)[:, :, :200, None]
     assert (x8.float() - scaled).abs().le(scaled.abs() * 2**-4 + 2**-10).all()
     assert x8.float().abs().amax() == 448
+    empty = torch.zeros(1, 2, 0, 8)
+    assert [tuple(t.shape) for t in quantize_fp8(empty, per_block=True)] == [(1, 2, 0, 8), (1, 2, 0)]
 
 
 def _call(**changes):
