@@ -28,7 +28,9 @@
 // instead meet at a grid barrier and each merges a share of its unit's rows:
 // one block reading all 16 chunks' partials of 8 query tokens took 6 us.
 // A sequence whose length does not fit its cache gets NaN (decode_poison's
-// part for contiguous caches).
+// part for contiguous caches). The kernel's parameters and work items:
+// decode_sm90_items.cuh; its stages' addressing and FP8 fragments:
+// decode_sm90_fragments.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,6 +44,8 @@
 #include "cuda/decode_common.cuh"
 #include "cuda/flash_cuda.h"
 #include "cuda/launch.cuh"
+#include "cuda/sm90/decode_sm90_fragments.cuh"
+#include "cuda/sm90/decode_sm90_items.cuh"
 #include "cuda/sm90/descriptors.cuh"
 #include "cuda/sm90/tile_config.h"
 
@@ -49,117 +53,6 @@ namespace flashattn_ext::cuda::sm90::decode_kernel_code {
 
 using decoding::LaneRows;
 using decoding::QueryRow;
-
-// What the kernel reads: the call, tensor maps of the caches
-// (encode_cache_tensor_map), and its split into work items. An item takes
-// 2^heads_log2 key/value heads at once (as many as their query rows fit the
-// item's rows, prepare_launch): a tile of a paged cache is then a box of rows
-// that each hold those heads side by side (vLLM's layout), not one 256-byte
-// piece a row.
-struct DecodeKernelParams {
-  DecodeParams call;
-  CUtensorMap k_map, v_map;
-  // A unit is a group of key/value heads of a sequence (sequence-major). The
-  // first whole_units units are an item each; the other split_units are
-  // split into `chunks` items each (chunk-major: the SMs then read different
-  // units' chunks at a time, not one unit's, which was 7% faster at 4
-  // chunks), which share the keys its queries see (decode_item).
-  int items, whole_units, split_units, chunks;
-  int rows;            // query rows of an item: its heads' GQA groups times the query tokens
-  int heads_log2;      // key/value heads of an item: 2^heads_log2
-  int box_rows;        // rows of one copy: a tile's keys, or a paged cache's smaller block size
-  bool heads_inner;    // a copy's box holds each row's heads together (else each head's rows)
-  // A whole unit's item writes its rows' out and lse. A split unit's chunks
-  // write their rows' partial results to out_partial and lse_partial
-  // ((split unit, row, chunk)-major), and the last of them to finish (counted
-  // in arrivals, one a split unit, zeros at the launch) merges them into out
-  // and lse; with one_wave (each block one item, launched cooperatively) they
-  // meet at the grid's barrier instead and each merges its share (no
-  // arrivals).
-  float* out_partial;
-  float* lse_partial;
-  int* arrivals;
-  bool one_wave;
-};
-
-// Where a (key, head) pair's row lies in a stage: the copies' boxes follow
-// one another, and each holds box_rows keys of the item's heads, row by row
-// and within a row head by head (heads_inner: the order in memory of a paged
-// cache's blocks, whose rows hold the heads side by side) or head by head and
-// within a head row by row (a cache whose heads lie apart), each row as its
-// kColBlocks 64-column lines. A copy reads its box in that order, so it reads
-// whole rows of the cache.
-template <typename Cfg>
-struct StageLayout {
-  int heads_log2, box_rows;
-  bool heads_inner;
-
-  // The stage's first 128-byte line of pair `pair` (key pair >> heads_log2,
-  // head pair % 2^heads_log2).
-  __device__ __forceinline__ int line(int pair) const {
-    if (heads_inner) return pair * Cfg::kColBlocks;
-    const int key = pair >> heads_log2, head = pair & ((1 << heads_log2) - 1);
-    const int box = key / box_rows, row = key % box_rows;
-    return (((box << heads_log2) + head) * box_rows + row) * Cfg::kColBlocks;
-  }
-};
-
-// One work item: the keys [key_begin, key_end) of sequence b that some query
-// row of key/value heads h_kv, h_kv + 1, ... sees in the chunk, in tiles of
-// tile_keys keys from tile0 (key_begin rounded down: a paged cache's blocks
-// then start a box). split is the unit's place among the split units (-1:
-// whole).
-// Fewer keys a chunk would spend more on its partial result than on them.
-constexpr int kMinKeysPerChunk = 512;
-
-struct DecodeItem {
-  int64_t b, h_kv, length, key_begin, key_end, tile0;
-  int split, chunk, tiles, tile_keys;
-};
-
-template <typename Cfg>
-__device__ __forceinline__ DecodeItem decode_item(const DecodeKernelParams& kp, int index) {
-  const AttentionProblem& p = kp.call.problem;
-  DecodeItem item;
-  item.split = -1;
-  item.chunk = 0;
-  int unit = index;
-  if (index >= kp.whole_units) {
-    const int split_index = index - kp.whole_units;
-    item.split = split_index % kp.split_units;
-    item.chunk = split_index / kp.split_units;
-    unit = kp.whole_units + item.split;
-  }
-  const int groups = static_cast<int>(p.heads_kv) >> kp.heads_log2;
-  item.h_kv = (unit % groups) << kp.heads_log2;
-  item.b = unit / groups;
-  item.length = decoding::sequence_length(kp.call, item.b);
-  const Visibility vis(p, p.len_q, item.length);
-  int64_t chunk_begin = 0, chunk_end = item.length;
-  if (item.split >= 0) {
-    // The keys its queries see (not the capacity: a cache of which cache_seqlens
-    // or a mask's key extent leaves 3/8 in use, or a window, still spreads over
-    // all its chunks), in chunks of whole tiles of at least kMinKeysPerChunk
-    // keys.
-    // (No 64-bit division: it is a long subroutine, and this stands between
-    // the block's start and its first copy. Lengths are below 2^31.)
-    const int64_t first = vis.key_begin(0) / Cfg::kBlockN * Cfg::kBlockN;
-    const int64_t seen = max(min(vis.key_end(p.len_q - 1), item.length) - first, int64_t{0});
-    const int seen_tiles = static_cast<int>((seen + Cfg::kBlockN - 1) / Cfg::kBlockN);
-    const int keys_per_chunk = max((seen_tiles + kp.chunks - 1) / kp.chunks * Cfg::kBlockN, kMinKeysPerChunk);
-    chunk_begin = first + int64_t{item.chunk} * keys_per_chunk;
-    chunk_end = chunk_begin + keys_per_chunk;
-  }
-  item.key_begin = min(max(chunk_begin, vis.key_begin(0)), item.length);
-  item.key_end = max(item.key_begin, min(chunk_end, vis.key_end(p.len_q - 1)));
-  item.tile_keys = Cfg::kBlockN >> kp.heads_log2;  // (a power of two)
-  item.tile0 = item.key_begin & ~int64_t{item.tile_keys - 1};
-  const int tile_keys_log2 = 31 - __clz(item.tile_keys);
-  item.tiles = item.key_end > item.key_begin
-                   ? static_cast<int>((item.key_end - item.tile0 + item.tile_keys - 1) >> tile_keys_log2)
-                   : 0;
-  return item;
-}
 
 struct DecodeBarriers {
   uint64_t* full;   // [kStages]: a tile's K and V have landed
@@ -224,88 +117,6 @@ __device__ __forceinline__ void load_tiles(const DecodeKernelParams& kp, unsigne
         stage = 0;
         phase ^= 1;
       }
-    }
-  }
-}
-
-// Where a lane's ldmatrix row lies in a stage's K or V: 16-byte piece `piece`
-// of the head dim (8 columns) of the pair whose first line is `line`
-// (StageLayout), in the copy engine's 128-byte swizzle (a line's pieces
-// permuted by the line's place in its 8).
-__device__ __forceinline__ uint32_t swizzled(uint32_t base, int line, int piece) {
-  line += piece / 8;
-  return base + line * kSwizzleRowBytes + (((piece % 8) ^ (line % 8)) << 4);
-}
-
-// 2^k that brings `largest` (a query row's largest magnitude) to [2^14, 2^15):
-// in float16's range (65504 at most) with its precision, which holds bfloat16's
-// values exactly down to about 2^-31 of the largest. (Clamped to float's normal
-// powers; infinity or NaN give 2^-114.)
-__device__ __forceinline__ float power_of_two_into_half_range(float largest) {
-  const int exponent = largest > 0.f || largest != largest ? int(__float_as_uint(largest) >> 23 & 0xff) - 127 : 0;
-  const int shift = min(max(14 - exponent, -126), 127);
-  return __uint_as_float(uint32_t(shift + 127) << 23);
-}
-
-// S += Q K^T over a warp's 16 pairs of an FP8 cache's stage. ldmatrix reads
-// the e4m3 bytes as it reads 16-bit elements: of 8 pairs and 16 columns, a
-// lane gets pair lane / 4's columns 4 (lane % 4) to + 3, converted into the B
-// fragment's column pairs 2 (lane % 4) (the first two) and 2 (lane % 4) + 8:
-// q_frag holds Q's columns in that order. (Lines and pieces as the 16-bit
-// cache's, a 16-byte piece 16 columns.)
-// The even and odd 16-column steps add into separate accumulators, summed at
-// the end: chains of half the length of dependent mma's.
-template <int kHeadDim>
-__device__ __forceinline__ void qk_fp8(float (&s)[2][4], const uint32_t (&q_frag)[kHeadDim / 16][4],
-                                       uint32_t k_base, int k_line, int k_piece) {
-  float odd[2][4] = {};
-#pragma unroll
-  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
-    uint32_t k8[4];  // pairs 0-7 and pieces 2 kk, 2 kk + 1; then pairs 8-15
-    ptx::ldmatrix_x4(k8, swizzled(k_base, k_line, 2 * kk + k_piece));
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const uint32_t x = k8[2 * nt + m];
-        ptx::mma_16x8x16<__half>(m == 0 ? s[nt] : odd[nt], q_frag[2 * kk + m],
-                                 ptx::e4m3x2_to_half2(static_cast<uint16_t>(x)),
-                                 ptx::e4m3x2_to_half2(static_cast<uint16_t>(x >> 16)));
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) s[i / 4][i % 4] += odd[i / 4][i % 4];
-}
-
-// O += P V over a warp's 16 pairs of an FP8 cache's stage. ldmatrix.trans
-// reads the e4m3 bytes as 16-bit elements, two columns each: of 8 pairs and
-// 16 columns, a lane gets columns 2 (lane / 4) and the next of pairs
-// 2 (lane % 4) and the next, which a byte permutation regroups into the even
-// column's two pairs and the odd one's. So each 16 columns' first n tile
-// (acc[2 i]) holds its even columns, the second its odd ones: a lane's
-// columns 4 (lane % 4) to + 3 of each 16 in the order acc[2 i][0],
-// acc[2 i + 1][0], acc[2 i][1], acc[2 i + 1][1] (rows + 8: [2], [3]).
-// v_keep: as for the 16-bit cache's fragments (a pair's two bytes where it had
-// its 16-bit element).
-template <int kHeadDim>
-__device__ __forceinline__ void pv_fp8(float (&acc)[kHeadDim / 8][4], const uint32_t (&p_frag)[4], uint32_t v_base,
-                                       int v_line, int v_piece, const uint32_t (&v_keep)[2]) {
-#pragma unroll
-  for (int dp = 0; dp < kHeadDim / 32; ++dp) {
-    uint32_t v8[4];  // pairs 0-7 and 8-15 of piece 2 dp; then of piece 2 dp + 1
-    ptx::ldmatrix_x4_trans(v8, swizzled(v_base, v_line, 2 * dp + v_piece));
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      // bytes (pair, column) (0, 0) (0, 1) (1, 0) (1, 1) -> (0, 0) (1, 0) (0, 1) (1, 1)
-      const uint32_t low_pairs = ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120);
-      const uint32_t high_pairs = ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120);
-      const int piece = 2 * dp + m;
-      ptx::mma_16x8x16<__half>(acc[2 * piece], p_frag, ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs)),
-                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs)));
-      ptx::mma_16x8x16<__half>(acc[2 * piece + 1], p_frag,
-                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs >> 16)),
-                               ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs >> 16)));
     }
   }
 }
