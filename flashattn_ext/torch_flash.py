@@ -77,6 +77,11 @@ def _aten_rng_state(rng_state: Tensor, query: Tensor):
     return as_uint64[:2], as_uint64[2]
 
 
+def _aten_rng_state_without_dropout(query: Tensor):
+    """aten's (rng_state, unused) pair of a forward that drew nothing: zeros."""
+    return _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+
+
 def _our_rng_state(rng_state: Tensor, unused: Tensor, dropout_p: float, query: Tensor) -> Tensor:
     """_aten_rng_state undone: the int64 {seed, offset, bits} our backward takes (empty without dropout)."""
     if dropout_p == 0.0:
@@ -137,7 +142,7 @@ def _sdpa_flash_forward_fp8(query: Tensor, key: Tensor, value: Tensor, q_descale
         raise _unsupported("dropout with FP8 inputs")
     out, lse = torch.ops.flashattn_ext.attention_forward_fp8(
         query, key, value, q_descale, k_descale, v_descale, is_causal, True, _scale(scale, query.size(-1)))
-    seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+    seed, offset = _aten_rng_state_without_dropout(query)
     return out, lse, None, None, query.size(2), key.size(2), seed, offset, out.new_empty(0)
 
 
@@ -171,7 +176,7 @@ def _flash_forward(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Optiona
     debug_mask = query.new_empty(0)
     out, lse = torch.ops.flashattn_ext.varlen_forward(
         query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, True, scale, left, right)
-    seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+    seed, offset = _aten_rng_state_without_dropout(query)
     return out, lse, seed, offset, debug_mask
 
 
@@ -213,5 +218,5 @@ def _flash_forward_fp8(query: Tensor, key: Tensor, value: Tensor, cum_seq_q: Opt
     q, k, v = _heads_first(query, key, value)
     out, lse = torch.ops.flashattn_ext.attention_forward_fp8(
         q, k, v, q_descale, k_descale, v_descale, is_causal, True, _scale(scale, query.size(-1)), left, right)
-    seed, offset = _aten_rng_state(torch.empty(0, dtype=torch.long, device=query.device), query)
+    seed, offset = _aten_rng_state_without_dropout(query)
     return out.transpose(1, 2), lse, seed, offset, out.new_empty(0)
