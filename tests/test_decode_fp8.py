@@ -83,9 +83,10 @@ def test_matches_float64_over_the_dequantized_cache(block_size, per_head, len_q,
     assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() <= 1e-3 + copy_rounding
 
 
-# The Hopper decode kernel's cases at head dim 128 (test_decode.py), and two row groups (32 query rows a
-# key/value head).
-HOPPER_CASES = [case for case in DECODE_CASES if case[1] == 128] + [(16, 128, 2, 16, 4, 8, [900, 40], 1024)]
+# The Hopper decode kernel's cases at head dim 128 (test_decode.py: up to 8 query rows a key/value head, where
+# the keys are the mma's rows), 12 rows (one row group) and 32 (two).
+HOPPER_CASES = [case for case in DECODE_CASES if case[1] == 128] + [(32, 128, 2, 8, 2, 3, [100, 500], 512),
+                                                                    (16, 128, 2, 16, 4, 8, [900, 40], 1024)]
 
 
 @on_paths("sm90")
@@ -115,7 +116,9 @@ def test_hopper_kernel_reads_fp8(path, case, options, dtype, per_head):
                                               return_lse=True, **on_cuda)
 
     names = kernel_names(call)
-    assert any(re.search(r"decode_kernel<.*DecodeTileConfig<128, \d, 1>", n) for n in names), names
+    configs = [m.group(1) for n in names for m in [re.search(r"decode_kernel<.*DecodeTileConfig<128, \d, 1, (\w+)>", n)]
+               if m]
+    assert configs == [str(heads_q // heads_kv * len_q <= 8).lower()], names  # (keys as rows up to 8 query rows)
     assert not any("elementwise" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     out, lse = call()

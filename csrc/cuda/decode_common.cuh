@@ -80,11 +80,12 @@ __device__ __forceinline__ QueryRow query_row(int64_t h_kv, int group, int len_q
 // registers, and the mask's row pointers 4.
 enum class ScoreTerm { kNone, kAlibi, kMask };
 
-// What a lane's two rows (lane / 4 and lane / 4 + 8 of a block of `rows` rows
-// from row0 of the query rows of key/value heads h_kv on) see: keys [begin,
-// end), bounded by key_end, of key/value head h_kv + head; rows past the
-// block's see none. kAlibi: each row's slope in log2 units; kMask: each
-// row's row of the mask (its columns contiguous).
+// What a lane's two rows (first and first + step of a block of `rows` rows
+// from row0 of the query rows of key/value heads h_kv on: lane / 4 and + 8
+// where the query rows are an mma's 16 rows) see: keys [begin, end), bounded
+// by key_end, of key/value head h_kv + head; rows past the block's see none.
+// kAlibi: each row's slope in log2 units; kMask: each row's row of the mask
+// (its columns contiguous).
 template <ScoreTerm kTerm>
 struct LaneRows {
   int64_t begin[2], end[2], token[2];
@@ -93,12 +94,12 @@ struct LaneRows {
   const uint8_t* mask_row[2];
 
   __device__ __forceinline__ LaneRows(const DecodeParams& params, const Visibility& vis, int64_t b, int64_t h_kv,
-                                      int row0, int rows, int64_t key_end, int lane) {
+                                      int row0, int rows, int64_t key_end, int first, int step) {
     const AttentionProblem& p = params.problem;
     const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int r = lane / 4 + half * 8;
+      const int r = first + half * step;
       const QueryRow row = query_row(h_kv, group, len_q, row0 + r);
       token[half] = row.token;
       head[half] = (row0 + r) / (group * len_q);
@@ -147,22 +148,23 @@ struct ScoreScale {
       : scale_log2(score_scale_log2(p)), softcap(p), softcapped(p.softcap > 0.0) {}
 };
 
-// A warp's scores of 16 (key, key/value head) pairs from pair0 of a tile
-// whose keys start at key0, in log2 units: scaled (or capped), -inf where a
-// row does not see the pair's key, the pair is another head's or the mask
-// hides it (visible: mask_bits), less ALiBi's bias where it counts. Pair i is
-// key key0 + (i >> heads_log2) of head i % 2^heads_log2 (one head: pair i is
-// key key0 + i).
-template <ScoreTerm kTerm>
-__device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kTerm>& rows,
-                                              const Visibility& vis, int64_t key0, int pair0, int heads_log2,
-                                              int lane, uint32_t visible) {
+// Scores in log2 units: scaled (or capped), -inf where a row does not see
+// the pair's key, the pair is another head's or the mask hides it (bit i of
+// visible: mask_bits), less ALiBi's bias where it counts. score(i) is the
+// lane's i-th score and place(i) its {pair, half}: the pair's index in a tile
+// whose keys start at key0 (pair i is key key0 + (i >> heads_log2) of head
+// i % 2^heads_log2; one head: key key0 + i), and which of the lane's rows
+// (LaneRows) it is a score of.
+template <ScoreTerm kTerm, int kScores, typename Score, typename Place>
+__device__ __forceinline__ void finish_scores_each(Score&& score, const ScoreScale& scale,
+                                                   const LaneRows<kTerm>& rows, const Visibility& vis, int64_t key0,
+                                                   int heads_log2, uint32_t visible, Place&& place) {
   if (scale.softcapped) {  // one branch a tile, not one per score
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] = scale.softcap.capped(s[i / 4][i % 4]);
+    for (int i = 0; i < kScores; ++i) score(i) = scale.softcap.capped(score(i));
   } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) s[i / 4][i % 4] *= scale.scale_log2;
+    for (int i = 0; i < kScores; ++i) score(i) *= scale.scale_log2;
   }
   // Each row's keys as offsets from key0, in 32 bits (keys are below 2^31:
   // the glue checks), clamped to the tile's pairs (fewer than 2^8 keys), so
@@ -174,18 +176,31 @@ __device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale
     past[half] = min(max(static_cast<int>(rows.end[half] - key0), -1), 1 << 8);
   }
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int pair = pair0 + nt * 8 + (lane % 4) * 2 + e % 2, key = pair >> heads_log2;
-      if ((pair & ((1 << heads_log2) - 1)) != rows.head[e / 2] || key < first[e / 2] || key >= past[e / 2] ||
-          !(visible >> (nt * 4 + e) & 1)) {
-        s[nt][e] = -INFINITY;
-      } else if constexpr (kTerm == ScoreTerm::kAlibi) {
-        s[nt][e] += alibi_bias(rows.alibi_log2[e / 2], static_cast<float>(vis.distance(rows.token[e / 2], key0 + key)));
-      }
+  for (int i = 0; i < kScores; ++i) {
+    const int2 at = place(i);
+    const int pair = at.x, half = at.y, key = pair >> heads_log2;
+    if ((pair & ((1 << heads_log2) - 1)) != rows.head[half] || key < first[half] || key >= past[half] ||
+        !(visible >> i & 1)) {
+      score(i) = -INFINITY;
+    } else if constexpr (kTerm == ScoreTerm::kAlibi) {
+      score(i) += alibi_bias(rows.alibi_log2[half], static_cast<float>(vis.distance(rows.token[half], key0 + key)));
     }
   }
+}
+
+// A warp's scores of 16 (key, key/value head) pairs from pair0 of a tile
+// whose keys start at key0, as mma accumulators (the queries' rows the mma's
+// rows: s[nt][e] is row lane / 4 + (e / 2) * 8's score of pair pair0 + nt * 8
+// + (lane % 4) * 2 + e % 2), finished (finish_scores_each; bit nt * 4 + e of
+// visible is s[nt][e]'s).
+template <ScoreTerm kTerm>
+__device__ __forceinline__ void finish_scores(float (&s)[2][4], const ScoreScale& scale, const LaneRows<kTerm>& rows,
+                                              const Visibility& vis, int64_t key0, int pair0, int heads_log2,
+                                              int lane, uint32_t visible) {
+  finish_scores_each<kTerm, 8>([&](int i) -> float& { return s[i / 4][i % 4]; }, scale, rows, vis, key0, heads_log2,
+                               visible, [&](int i) {
+                                 return make_int2(pair0 + (i / 4) * 8 + (lane % 4) * 2 + i % 2, (i % 4) / 2);
+                               });
 }
 
 // The online softmax over a warp's 16 keys: their scores become probabilities

@@ -65,6 +65,15 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_row, const uint32_t (&
                : "memory");
 }
 
+// movmatrix.sync.aligned.m8n8.trans.b16: an 8x8 b16 matrix held as an mma
+// fragment (lane i: row i / 4, elements 2 (i % 4) and the next) transposed,
+// in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t d;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(d) : "r"(x));
+  return d;
+}
+
 // mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32: D = A B + D
 // with A 16x16 (4 registers), B 16x8 (2 registers), D 16x8 in float (4 registers).
 template <typename Elem>

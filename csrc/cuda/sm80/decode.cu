@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_chunks_kernel(const Deco
     s_q[r * kStride + c] = x;
   }
 
-  const LaneRows<kTerm> lane_rows(params, vis, b, h_kv, row0, rows, key_end, lane);
+  const LaneRows<kTerm> lane_rows(params, vis, b, h_kv, row0, rows, key_end, lane / 4, 8);
 
   const uint32_t q_frag = ptx::smem_addr(s_q) + a_lane_offset<kStride>(lane) * kElemBytes;
   const uint32_t warp_keys = warp * Cfg::kKeysPerWarp * kStride * kElemBytes;

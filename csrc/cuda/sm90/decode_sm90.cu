@@ -101,7 +101,8 @@ bool prepare_launch(const DecodeParams& params, ElementType type, DecodeKernelPa
 
 // The tile config of a call: its head dim (64 or 128; an FP8 cache's rows are
 // whole 128-byte lines at 128 only), its cache's element size, and one row
-// group where a key/value head's query rows fit one mma tile, else two.
+// group where a key/value head's query rows fit one mma tile, else two (an
+// FP8 cache's up to 8 query rows: the keys as the mma's rows).
 template <typename Fn>
 bool dispatch_tile_config(const DecodeParams& params, Fn&& fn) {
   const AttentionProblem& p = params.problem;
@@ -114,7 +115,9 @@ bool dispatch_tile_config(const DecodeParams& params, Fn&& fn) {
     return false;
   };
   if (params.k_scale != nullptr) {
-    return p.head_dim == 128 && with_rows(std::integral_constant<int, 128>{}, std::integral_constant<int, 1>{});
+    if (p.head_dim != 128 || params.mask.data != nullptr) return false;  // (a mask comes only with 16-bit caches)
+    if (rows_per_head <= decoding::kRows / 2) return fn(DecodeTileConfig<128, 1, 1, true>{});
+    return with_rows(std::integral_constant<int, 128>{}, std::integral_constant<int, 1>{});
   }
   if (p.head_dim == 64) return with_rows(std::integral_constant<int, 64>{}, std::integral_constant<int, 2>{});
   if (p.head_dim == 128) return with_rows(std::integral_constant<int, 128>{}, std::integral_constant<int, 2>{});

@@ -1,12 +1,14 @@
 // The Hopper decode kernel's operands (decode_sm90_kernel.cuh): where a
 // lane's ldmatrix row lies in a stage, and how an FP8 (e4m3) cache's stages
-// become float16 mma fragments (the queries scaled into float16's range).
+// become float16 mma fragments (the queries scaled into float16's range), with
+// the queries' rows or (up to 8 of them) the keys as the mma's rows.
 #pragma once
 
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
+#include "cuda/launch.cuh"
 #include "cuda/ptx.cuh"
 #include "cuda/sm90/tile_config.h"
 
@@ -90,6 +92,91 @@ __device__ __forceinline__ void pv_fp8(float (&acc)[kHeadDim / 8][4], const uint
       ptx::mma_16x8x16<__half>(acc[2 * piece + 1], p_frag,
                                ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs >> 16)),
                                ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs >> 16)));
+    }
+  }
+}
+
+
+// The keys as the mma's rows (Cfg::kKeysAsRows): S^T += K Q^T over a warp's
+// 16 pairs of an FP8 cache's stage. K's fragments are qk_fp8's, now the A
+// operand (pairs lane / 4 and + 8); q_frag[ks][0] and [2] hold query row
+// lane / 4's columns in qk_fp8's order, the B operand. st: pairs lane / 4
+// (st[0], st[1]) and + 8 (st[2], st[3]) by query rows 2 (lane % 4) and + 1.
+template <int kHeadDim>
+__device__ __forceinline__ void qk_fp8_keys_as_rows(float (&st)[4], const uint32_t (&q_frag)[kHeadDim / 16][4],
+                                                    uint32_t k_base, int k_line, int k_piece) {
+  float odd[4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 32; ++kk) {
+    uint32_t k8[4];  // pairs 0-7 and pieces 2 kk, 2 kk + 1; then pairs 8-15
+    ptx::ldmatrix_x4(k8, swizzled(k_base, k_line, 2 * kk + k_piece));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const uint32_t a[4] = {ptx::e4m3x2_to_half2(static_cast<uint16_t>(k8[m])),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(k8[2 + m])),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(k8[m] >> 16)),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(k8[2 + m] >> 16))};
+      ptx::mma_16x8x16<__half>(m == 0 ? st : odd, a, q_frag[2 * kk + m][0], q_frag[2 * kk + m][2]);
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) st[e] += odd[e];
+}
+
+// The online softmax over S^T's 16 pairs (qk_fp8_keys_as_rows): a query row
+// (a column) lives in the 8 lanes of a lane % 4; acc (O^T, pv_fp8_keys_as_rows)
+// has row 2 (lane % 4) in [0] and [2], the next in [1] and [3].
+template <int kPieces>
+__device__ __forceinline__ void online_softmax_keys_as_rows(float (&st)[4], float (&row_max)[2], float (&row_sum)[2],
+                                                            float (&acc)[kPieces][4]) {
+  float rescales[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile_max = fmaxf(st[half], st[half + 2]);
+#pragma unroll
+    for (int lanes = 4; lanes < kWarpSize; lanes *= 2) {
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffff, tile_max, lanes));
+    }
+    const float new_max = fmaxf(row_max[half], tile_max);
+    const float max_used = new_max == -INFINITY ? 0.f : new_max;  // (as online_softmax)
+    rescales[half] = ptx::exp2_approx(row_max[half] - max_used);
+    row_max[half] = new_max;
+    st[half] = ptx::exp2_approx(st[half] - max_used);
+    st[half + 2] = ptx::exp2_approx(st[half + 2] - max_used);
+    row_sum[half] = row_sum[half] * rescales[half] + st[half] + st[half + 2];  // this lane's partial sum
+  }
+  if (__any_sync(0xffffffff, rescales[0] != 1.f || rescales[1] != 1.f)) {
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][e] *= rescales[e % 2];
+    }
+  }
+}
+
+// O^T += V^T P^T over a warp's 16 pairs of an FP8 cache's stage (the keys as
+// the mma's rows). V's bytes as pv_fp8 reads and regroups them, now the A
+// operand: of each 16 columns the even ones its rows 0-7, the odd ones 8-15.
+// p_b: P^T's B fragments (P's rows for query row lane / 4: movmatrix of S^T).
+// acc[i]: columns 16 i + 2 (lane / 4) ([0], [1]) and the next ([2], [3]), for
+// query rows 2 (lane % 4) ([0], [2]) and + 1 ([1], [3]).
+template <int kHeadDim>
+__device__ __forceinline__ void pv_fp8_keys_as_rows(float (&acc)[kHeadDim / 16][4], const uint32_t (&p_b)[2],
+                                                    uint32_t v_base, int v_line, int v_piece,
+                                                    const uint32_t (&v_keep)[2]) {
+#pragma unroll
+  for (int dp = 0; dp < kHeadDim / 32; ++dp) {
+    uint32_t v8[4];  // pairs 0-7 and 8-15 of piece 2 dp; then of piece 2 dp + 1
+    ptx::ldmatrix_x4_trans(v8, swizzled(v_base, v_line, 2 * dp + v_piece));
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const uint32_t low_pairs = ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120);
+      const uint32_t high_pairs = ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120);
+      const uint32_t a[4] = {ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs)),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs >> 16)),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs)),
+                             ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs >> 16))};
+      ptx::mma_16x8x16<__half>(acc[2 * dp + m], a, p_b[0], p_b[1]);
     }
   }
 }

@@ -209,8 +209,19 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
   const int group = static_cast<int>(p.heads_q / p.heads_kv), len_q = static_cast<int>(p.len_q);
   const int heads_log2 = kp.heads_log2;
   const int rows = kp.rows;  // (at most Cfg::kRows)
-  // This warp's 16 pairs of every tile, for 16 query rows from row0.
+  // This warp's 16 pairs of every tile, for 16 query rows from row0 (or the
+  // keys as the mma's rows: 8 query rows).
   const int key_warp = warp % Cfg::kKeyWarps, row0 = warp / Cfg::kKeyWarps * decoding::kRows;
+  // This lane's two query rows of the scores and the output (half 0 and 1);
+  // acc[t][e] holds row lane_row(half_of(e)), column acc_column(t, e).
+  constexpr int kAccTiles = Cfg::kKeysAsRows ? kHeadDim / 16 : kDimTiles;
+  auto lane_row = [&](int half) { return Cfg::kKeysAsRows ? 2 * (lane % 4) + half : row0 + lane / 4 + half * 8; };
+  auto half_of = [](int e) { return Cfg::kKeysAsRows ? e % 2 : e / 2; };
+  auto acc_column = [&](int t, int e) {
+    if (Cfg::kKeysAsRows) return t * 16 + 2 * (lane / 4) + e / 2;                 // (pv_fp8_keys_as_rows)
+    if (Cfg::kFp8Cache) return t / 2 * 16 + (lane % 4) * 4 + t % 2 + 2 * (e % 2);  // (pv_fp8)
+    return t * 8 + (lane % 4) * 2 + e % 2;
+  };
   const decoding::ScoreScale score_scale(p);
   const uint32_t stages_addr = ptx::smem_addr(stages);
   // This lane's ldmatrix rows among the warp's 16 pairs: K's for Q K^T (pairs
@@ -225,15 +236,18 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
   for (int index = blockIdx.x; index < kp.items; index += gridDim.x) {
     const DecodeItem item = decode_item<Cfg>(kp, index);
     const Visibility vis(p, p.len_q, item.length);
-    const LaneRows<kTerm> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end, lane);
+    const LaneRows<kTerm> lane_rows(params, vis, item.b, item.h_kv, row0, rows - row0, item.key_end,
+                                    lane_row(0) - row0, lane_row(1) - lane_row(0));
 
     // Q as mma A fragments: rows row0 + lane / 4 (registers 0, 2) and + 8 (1,
     // 3), columns 2 (lane % 4) and the next, + 8 (registers 2, 3) of each 16
     // (of an FP8 cache: columns 4 (lane % 4) and the next, + 2, in the order
-    // qk_fp8 gives K's); rows past the item's are zeros.
+    // qk_fp8 gives K's); rows past the item's are zeros. With the keys as the
+    // mma's rows, registers 0 and 2 hold row lane / 4 as the B operand.
     uint32_t q_frag[kHeadDim / 16][4];
+    constexpr int kQRowsALane = Cfg::kKeysAsRows ? 1 : 2;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < kQRowsALane; ++i) {
       const int r = row0 + lane / 4 + i * 8;
       const QueryRow row = decoding::query_row(item.h_kv, group, len_q, r);
       const Elem* q_row = static_cast<const Elem*>(params.q.data) + item.b * params.q.stride_batch +
@@ -263,8 +277,9 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
     // values' scale (value_scale).
     float key_dequant[2] = {1.f, 1.f}, value_scale[2] = {1.f, 1.f};
     if constexpr (Cfg::kFp8Cache) {
+      float to_half[2];  // of the lane's Q rows
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kQRowsALane; ++i) {
         float largest = 0.f;
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
@@ -273,22 +288,28 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
         }
         largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 1));
         largest = fmaxf(largest, __shfl_xor_sync(0xffffffff, largest, 2));
-        const float to_half = power_of_two_into_half_range(largest);
+        to_half[i] = power_of_two_into_half_range(largest);
 #pragma unroll
         for (int j = 0; j < kHeadDim / 8; ++j) {
           uint32_t& pair = q_frag[j / 2][i + 2 * (j % 2)];
           const float2 x = ptx::unpack2<Elem>(pair);
-          pair = ptx::pack2<__half>(x.x * to_half, x.y * to_half);
+          pair = ptx::pack2<__half>(x.x * to_half[i], x.y * to_half[i]);
         }
-        if (row0 + lane / 4 + i * 8 < rows) {
-          const int64_t scale_index = (item.h_kv + lane_rows.head[i]) * params.scale_stride_head;
-          key_dequant[i] = params.k_scale[scale_index] / to_half;
-          value_scale[i] = params.v_scale[scale_index];
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // (keys as rows: the scores' rows 2 (lane % 4) + half are other lanes' Q rows)
+        const float row_to_half =
+            Cfg::kKeysAsRows ? __shfl_sync(0xffffffff, to_half[0], 4 * lane_row(half)) : to_half[half];
+        if (lane_row(half) < rows) {
+          const int64_t scale_index = (item.h_kv + lane_rows.head[half]) * params.scale_stride_head;
+          key_dequant[half] = params.k_scale[scale_index] / row_to_half;
+          value_scale[half] = params.v_scale[scale_index];
         }
       }
     }
 
-    float acc[kDimTiles][4] = {};
+    float acc[kAccTiles][4] = {};
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
     for (int t = 0; t < item.tiles; ++t) {
       const int64_t key0 = item.tile0 + int64_t(t) * item.tile_keys;
@@ -311,6 +332,21 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
             if (key0 + (pair >> heads_log2) >= item.key_end) v_keep[i / 2] &= i % 2 ? 0x0000ffffu : 0xffff0000u;
           }
         }
+        if constexpr (Cfg::kKeysAsRows) {
+          // S^T = K Q^T, its online softmax, O^T += V^T P^T (P^T by movmatrix
+          // from S^T's accumulators, pairs 0-7 then 8-15).
+          float st[4] = {};
+          qk_fp8_keys_as_rows<kHeadDim>(st, q_frag, k_base, k_line, k_piece);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[e] *= key_dequant[e % 2];
+          decoding::finish_scores_each<kTerm, 4>(
+              [&](int i) -> float& { return st[i]; }, score_scale, lane_rows, vis, key0, heads_log2, visible,
+              [&](int i) { return make_int2(pair0 + lane / 4 + 8 * (i / 2), i % 2); });
+          online_softmax_keys_as_rows(st, row_max, row_sum, acc);
+          const uint32_t p_b[2] = {ptx::movmatrix_trans(ptx::pack2<__half>(st[0], st[1])),
+                                   ptx::movmatrix_trans(ptx::pack2<__half>(st[2], st[3]))};
+          pv_fp8_keys_as_rows<kHeadDim>(acc, p_b, v_base, v_line, v_piece, v_keep);
+        } else {
         // S = Q K^T over the warp's 16 pairs.
         float s[2][4] = {};
         if constexpr (Cfg::kFp8Cache) {
@@ -347,6 +383,7 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
             ptx::mma_16x8x16<Elem>(acc[2 * dp + 1], p_frag, v_frag[2], v_frag[3]);
           }
         }
+        }
       }
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) ptx::mbarrier_arrive(&bars.empty[stage]);
@@ -358,39 +395,49 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
 
     // This warp's result of the item's rows: out normalized (in acc), the
     // log-sum-exp in log2 units (-inf and zeros where a row saw no key).
-    float row_lse[2];
+    float row_lse[2], inverse[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      // (a row's lanes: a quad, or with the keys as rows the 8 lanes of a lane % 4)
       float sum = row_sum[half];
-      sum += __shfl_xor_sync(0xffffffff, sum, 1);
-      sum += __shfl_xor_sync(0xffffffff, sum, 2);
-      const float inverse = sum > 0.f ? value_scale[half] / sum : 0.f;
 #pragma unroll
-      for (int dt = 0; dt < kDimTiles; ++dt) {
-        acc[dt][2 * half] *= inverse;
-        acc[dt][2 * half + 1] *= inverse;
+      for (int lanes = Cfg::kKeysAsRows ? 4 : 1; lanes < (Cfg::kKeysAsRows ? kWarpSize : 4); lanes *= 2) {
+        sum += __shfl_xor_sync(0xffffffff, sum, lanes);
       }
+      inverse[half] = sum > 0.f ? value_scale[half] / sum : 0.f;
       row_lse[half] = sum > 0.f ? row_max[half] + log2f(sum) : -INFINITY;
     }
-    // ... to the merge's slot of key warp `slot_warp`.
+#pragma unroll
+    for (int t = 0; t < kAccTiles; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[t][e] *= inverse[half_of(e)];
+    }
+    // ... to the merge's slot of key warp `slot_warp` (the columns acc_column
+    // says, 2 or 4 at a time).
     auto store_result = [&](int slot_warp) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int slot = Cfg::merge_slot(slot_warp, row0 + lane / 4 + half * 8);
+        const int slot = Cfg::merge_slot(slot_warp, lane_row(half));
         float* out = merge_out + slot * Cfg::kMergeRowFloats;
-        if constexpr (Cfg::kFp8Cache) {  // (pv_fp8's columns: 4 (lane % 4) to + 3 of each 16, two n tiles)
+        if constexpr (Cfg::kKeysAsRows) {
 #pragma unroll
-          for (int dt = 0; dt < kDimTiles; dt += 2) {
-            *reinterpret_cast<float4*>(out + dt * 8 + (lane % 4) * 4) =
-                make_float4(acc[dt][2 * half], acc[dt + 1][2 * half], acc[dt][2 * half + 1], acc[dt + 1][2 * half + 1]);
+          for (int t = 0; t < kAccTiles; ++t) {
+            *reinterpret_cast<float2*>(out + acc_column(t, half)) = make_float2(acc[t][half], acc[t][half + 2]);
+          }
+        } else if constexpr (Cfg::kFp8Cache) {
+#pragma unroll
+          for (int t = 0; t < kAccTiles; t += 2) {
+            *reinterpret_cast<float4*>(out + acc_column(t, 2 * half)) =
+                make_float4(acc[t][2 * half], acc[t + 1][2 * half], acc[t][2 * half + 1], acc[t + 1][2 * half + 1]);
           }
         } else {
 #pragma unroll
-          for (int dt = 0; dt < kDimTiles; ++dt) {
-            *reinterpret_cast<float2*>(out + dt * 8 + (lane % 4) * 2) = make_float2(acc[dt][2 * half], acc[dt][2 * half + 1]);
+          for (int t = 0; t < kAccTiles; ++t) {
+            *reinterpret_cast<float2*>(out + acc_column(t, 2 * half)) = make_float2(acc[t][2 * half], acc[t][2 * half + 1]);
           }
         }
-        if (lane % 4 == 0) merge_lse[slot] = row_lse[half];
+        const bool row_leader = Cfg::kKeysAsRows ? lane / 4 == 0 : lane % 4 == 0;
+        if (row_leader) merge_lse[slot] = row_lse[half];
       }
     };
     constexpr int kConsumerThreads = Cfg::kConsumers * kWarpSize;
@@ -401,24 +448,25 @@ __device__ __forceinline__ void consume_items(const DecodeKernelParams& kp, unsi
       if (upper) store_result(key_warp - Cfg::kMergeKeyWarps);
       ptx::named_barrier_sync(1, kConsumerThreads);
       if (!upper) {
+        float own[2], other[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int slot = Cfg::merge_slot(key_warp, row0 + lane / 4 + half * 8);
-          const float other_lse = merge_lse[slot], lse_max = fmaxf(row_lse[half], other_lse);
-          const float own = row_lse[half] == -INFINITY ? 0.f : ptx::exp2_approx(row_lse[half] - lse_max);
-          const float other = other_lse == -INFINITY ? 0.f : ptx::exp2_approx(other_lse - lse_max);
-          const float total = own + other, inverse = total > 0.f ? 1.f / total : 0.f;
+          const float other_lse = merge_lse[Cfg::merge_slot(key_warp, lane_row(half))];
+          const float lse_max = fmaxf(row_lse[half], other_lse);
+          own[half] = row_lse[half] == -INFINITY ? 0.f : ptx::exp2_approx(row_lse[half] - lse_max);
+          other[half] = other_lse == -INFINITY ? 0.f : ptx::exp2_approx(other_lse - lse_max);
+          const float total = own[half] + other[half], scale = total > 0.f ? 1.f / total : 0.f;
+          own[half] *= scale;
+          other[half] *= scale;
           row_lse[half] = total > 0.f ? lse_max + log2f(total) : -INFINITY;
-          const float* other_out = merge_out + slot * Cfg::kMergeRowFloats;
+        }
 #pragma unroll
-          for (int dt = 0; dt < kDimTiles; ++dt) {
+        for (int t = 0; t < kAccTiles; ++t) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              // (the column store_result gave this accumulator)
-              const int col = Cfg::kFp8Cache ? dt / 2 * 16 + (lane % 4) * 4 + dt % 2 + 2 * e : dt * 8 + (lane % 4) * 2 + e;
-              float& x = acc[dt][2 * half + e];
-              x = (x * own + other_out[col] * other) * inverse;
-            }
+          for (int e = 0; e < 4; ++e) {
+            const int half = half_of(e);
+            const float* other_out = merge_out + Cfg::merge_slot(key_warp, lane_row(half)) * Cfg::kMergeRowFloats;
+            acc[t][e] = acc[t][e] * own[half] + other_out[acc_column(t, e)] * other[half];
           }
         }
       }

@@ -201,16 +201,23 @@ struct BwdSplitTileConfig {
 };
 
 // The decode kernel (decode_sm90_kernel.cuh), for caches of kCacheBytes-byte
-// elements: the queries' dtype (2), or float8 e4m3 (1).
-template <int kHeadDim_, int kRowGroups_, int kCacheBytes_ = 2>
+// elements: the queries' dtype (2), or float8 e4m3 (1). kKeysAsRows (FP8, up
+// to 8 query rows an item): the keys are the mma's 16 rows and the query rows
+// its 8 columns (S^T = K Q^T, O^T = V^T P^T), not the other way round: at
+// GQA 32:8 with one query token, 4 of 16 mma rows were queries, and the
+// tensor work and the accumulators of the other 12 bound the FP8 kernel.
+template <int kHeadDim_, int kRowGroups_, int kCacheBytes_ = 2, bool kKeysAsRows_ = false>
 struct DecodeTileConfig {
   static constexpr int kHeadDim = kHeadDim_;  // of keys and values
   static constexpr int kCacheBytes = kCacheBytes_;
   static constexpr bool kFp8Cache = kCacheBytes == 1;
+  static constexpr bool kKeysAsRows = kKeysAsRows_;
+  static_assert(!kKeysAsRows || (kFp8Cache && kRowGroups_ == 1), "keys as rows: FP8, one row group");
   // The item's query rows: one 16-row mma tile a row group of consumer warps
-  // (two for several query tokens of a GQA group: 8 tokens of 4 heads).
+  // (two for several query tokens of a GQA group: 8 tokens of 4 heads), or
+  // with kKeysAsRows the 8 columns of one.
   static constexpr int kRowGroups = kRowGroups_;
-  static constexpr int kRows = kRowGroups * kDecodeTileRows;
+  static constexpr int kRows = kKeysAsRows ? kDecodeTileRows / 2 : kRowGroups * kDecodeTileRows;
   // A row group's warps, 16 pairs of every tile each. An FP8 cache's tile
   // takes half the time to arrive, and one warp an SM sub-partition would
   // leave the tensor cores' and the conversions' latencies unhidden (one
