@@ -44,6 +44,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--caches", nargs="+", default=["contiguous", "16", "256"],
+                        help="'contiguous', or a paged cache's block size")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -62,7 +64,7 @@ def main():
             lengths = torch.full((batch,), length, device="cuda", dtype=torch.int32)
             scales = [torch.full((HEADS_KV,), 2.0**-4, device="cuda") * 2.0 ** torch.arange(HEADS_KV, device="cuda")
                       for _ in range(2)]
-            for block in (None, 16, 256):
+            for block in (None if cache == "contiguous" else int(cache) for cache in args.caches):
                 (key_fp8, value_fp8), table = fp8_caches(batch, length, block, gen)
                 heads_at = 1 if block is None else 2
                 view = [1, 1, 1, 1]

@@ -84,8 +84,10 @@ def test_matches_float64_over_the_dequantized_cache(block_size, per_head, len_q,
 
 
 # The Hopper decode kernel's cases at head dim 128 (test_decode.py: up to 8 query rows a key/value head, where
-# the keys are the mma's rows), 12 rows (one row group) and 32 (two).
-HOPPER_CASES = [case for case in DECODE_CASES if case[1] == 128] + [(32, 128, 2, 8, 2, 3, [100, 500], 512),
+# the keys are the mma's rows, but for paged blocks under 32 keys), 4 rows in blocks of 32 (two copies a stage),
+# 12 rows (one row group) and 32 (two).
+HOPPER_CASES = [case for case in DECODE_CASES if case[1] == 128] + [(32, 128, 2, 16, 4, 1, [700, 33], 768),
+                                                                    (32, 128, 2, 8, 2, 3, [100, 500], 512),
                                                                     (16, 128, 2, 16, 4, 8, [900, 40], 1024)]
 
 
@@ -118,7 +120,8 @@ def test_hopper_kernel_reads_fp8(path, case, options, dtype, per_head):
     names = kernel_names(call)
     configs = [m.group(1) for n in names for m in [re.search(r"decode_kernel<.*DecodeTileConfig<128, \d, 1, (\w+)>", n)]
                if m]
-    assert configs == [str(heads_q // heads_kv * len_q <= 8).lower()], names  # (keys as rows up to 8 query rows)
+    keys_as_rows = heads_q // heads_kv * len_q <= 8 and (block_size is None or block_size >= 32)
+    assert configs == [str(keys_as_rows).lower()], names
     assert not any("elementwise" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     out, lse = call()
