@@ -170,6 +170,11 @@ struct BwdParams {
   // (heads_q, total_q), dq_accum laid out by packed_dq_accum_start
   // (cuda/dq_accum.cuh). The tile order is not used.
   PackedSequences packed;
+  // (The Hopper backward in deterministic mode) zero-filled counters, one
+  // per query tile of dq_accum's (cuda::sm90::dq_semaphore_ints): how many
+  // key blocks have added their dQ of the tile, so that they add it in a
+  // fixed order. Null otherwise: dQ is added as it comes.
+  int* dq_semaphore = nullptr;
 };
 
 // x clamped to [low, high] (std::clamp is not callable from device code).

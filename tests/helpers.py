@@ -46,6 +46,18 @@ PATH_MARKS = {
 }
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(on=True):
+    """torch.use_deterministic_algorithms(on) within the block, the setting before it restored after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=warn_only)
+
+
 def on_paths(*names):
     """Parametrizes a test over the kernel paths named (see PATH_MARKS), each with its marks, through
     the `path` fixture (conftest.py): the test takes a `path` argument, whose .name and .device say

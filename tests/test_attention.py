@@ -18,8 +18,10 @@ from helpers import (
     ERROR_FLOOR,
     POISON_BYTES,
     assert_within_twice_sdpa,
+    deterministic_algorithms,
     expanded,
     forward_and_grads,
+    kernel_names,
     make_inputs,
     naive_attention,
     on_paths,
@@ -209,14 +211,10 @@ def test_a_row_that_sees_one_key_gets_exact_zero_gradients(path, case, dtype):
     dout = torch.randn(2, 3, len_q, dim, generator=gen, dtype=torch.float64).to(dtype).to(device)
     first = len_q - len_k if causal == "bottom_right" else 0  # the first row that sees key 0 alone
     alone = slice(None) if len_k == 1 else slice(first, first + 1)  # the rows that do
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(path.name == "deterministic")
-    try:
+    with deterministic_algorithms(path.name == "deterministic"):
         out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=causal is not None,
                                                   causal_lower_right=causal == "bottom_right")
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     assert (dq[:, :, alone] == 0).all()
     if len_k == 1 or len_q == 1:  # every row that sees key 0 sees it alone
         assert (dk == 0).all()
@@ -391,6 +389,67 @@ def check_backward(shape, mode, dtype, seed):
         w, b = torch.nan_to_num(w), torch.nan_to_num(b)  # rows that see no key: SDPA's NaN, our 0
         ours, sdpa = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
         assert ours <= 2 * sdpa + ERROR_FLOOR[dtype], f"{name}: {ours:.3g} vs SDPA's {sdpa:.3g}"
+
+
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim): key blocks of 128 a head fewer than its query tiles
+# (64 rows at head dim 128, 128 at 64), more of them (several blocks start at one tile), and a top-left causal
+# call whose last key blocks no row sees.
+DETERMINISTIC_SHAPES = [(2, 4, 2, 1000, 1000, 128), (2, 2, 2, 2047, 513, 128), (1, 3, 1, 300, 2100, 64),
+                        (1, 2, 1, 4096, 4096, 64)]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("mode", SM90_MODES)
+@pytest.mark.parametrize("shape", DETERMINISTIC_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_deterministic_backward_on_hopper(path, shape, mode):
+    """Under torch.use_deterministic_algorithms the Hopper kernel takes the backward (its name in the
+    profiler, no sm80 kernel), its key blocks adding their dQ of a tile in a fixed order: dq, dk and dv
+    bitwise equal over three runs, and within twice SDPA's error of float64."""
+    check_deterministic_backward(shape, mode)
+
+
+@on_paths("sm90")
+def test_deterministic_causal_backward_past_the_sms(path):
+    """Causal, more key blocks of 128 than the GPU has SMs: the blocks start last first and each waits
+    only for blocks that started before it, so the Hopper kernel takes it."""
+    len_k = (torch.cuda.get_device_properties(0).multi_processor_count + 3) * 128
+    check_deterministic_backward((1, 2, 1, 300, len_k, 64), "causal_lower_right")
+
+
+def check_deterministic_backward(shape, mode):
+    q, k, v = random_inputs(shape, torch.bfloat16, seed=sum(shape))
+    gen = torch.Generator().manual_seed(5)
+    grad_out = torch.randn(shape[0], shape[1], shape[3], shape[5], generator=gen).to("cuda")
+    ours = lambda *args, **kwargs: flashattn_ext.scaled_dot_product_attention(*args, enable_gqa=True, **kwargs)  # noqa: E731
+    with deterministic_algorithms():
+        names = kernel_names(lambda: gradients(ours, q, k, v, mode, grad_out))
+        runs = [gradients(ours, q, k, v, mode, grad_out) for _ in range(3)]
+    assert any("sm90" in n and "attention_backward_kernel" in n for n in names), names
+    assert not any("sm80" in n for n in names), names
+    for name, first, *others in zip(("out", "dq", "dk", "dv"), *runs):
+        assert all(torch.equal(first, other) for other in others), f"{name} differs between runs"
+    want = gradients(expanded(F.scaled_dot_product_attention), q.double(), k.double(), v.double(), mode, grad_out)
+    base = gradients(expanded(F.scaled_dot_product_attention), q, k, v, mode, grad_out)
+    scale = max(w.abs().max().item() for w in want[1:])
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), runs[0], base, want):
+        assert torch.isfinite(g).all(), name
+        w, b = torch.nan_to_num(w), torch.nan_to_num(b)
+        ours_error, sdpa_error = relative_error(g, w, zero_scale=scale), relative_error(b, w, zero_scale=scale)
+        assert ours_error <= 2 * sdpa_error + ERROR_FLOOR[torch.bfloat16], f"{name}: {ours_error:.3g} vs {sdpa_error:.3g}"
+
+
+@on_paths("sm90")
+def test_deterministic_backward_past_the_sms_runs_sm80(path):
+    """Not causal, more key blocks of 128 a head than the GPU has SMs: the Hopper kernel's order would have a
+    block wait for one not yet resident, so the sm80 kernels' separate dQ pass takes the deterministic
+    backward."""
+    len_k = (torch.cuda.get_device_properties(0).multi_processor_count + 1) * 128
+    q, k, v = random_inputs((1, 1, 1, 64, len_k, 64), torch.bfloat16, seed=2)
+    grad_out = torch.randn_like(q)
+    with deterministic_algorithms():
+        names = kernel_names(lambda: gradients(flashattn_ext.scaled_dot_product_attention, q, k, v, "full", grad_out))
+    assert any("sm80" in n and "attention_dq_kernel" in n for n in names), names
+    assert not any("sm90" in n and "attention_backward_kernel" in n for n in names), names
 
 
 @on_paths("sm90")

@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 
 import flashattn_ext
-from helpers import ERROR_FLOOR, POISON_BYTES, cuda_test, draw_rng_state, kernel_names, math_with_dropout_mask
+from helpers import ERROR_FLOOR, POISON_BYTES, cuda_test, deterministic_algorithms, draw_rng_state, kernel_names, math_with_dropout_mask
 from helpers import on_paths, poison_cuda_allocator, random_attn_mask, random_inputs, relative_error
 from helpers import dropout_bits  # noqa: F401  (a fixture)
 
@@ -245,11 +245,8 @@ def test_cuda_matches_reference_built_from_its_mask(dtype, shape, dropout_p, kwa
     batch, heads_q, heads_kv, len_q, len_k, dim = shape
     q = torch.randn(batch, heads_q, len_q, dim, dtype=dtype, device="cuda")
     k, v = (torch.randn(batch, heads_kv, len_k, dim, dtype=dtype, device="cuda") for _ in range(2))
-    torch.use_deterministic_algorithms(path.name == "deterministic")
-    try:
+    with deterministic_algorithms(path.name == "deterministic"):
         _, keep = check_against_mask_reference(q, k, v, dropout_p, **kwargs)
-    finally:
-        torch.use_deterministic_algorithms(False)
     kept, dropped = keep.float().mean().item(), dropped_below(dropout_p, dropout_bits) / 2**dropout_bits
     assert abs(kept - (1 - dropped)) < 5 * math.sqrt(dropped * (1 - dropped) / keep.numel())
 

@@ -15,6 +15,7 @@ from helpers import (
     POISON_BYTES,
     assert_within_twice_sdpa,
     cuda_test,
+    deterministic_algorithms,
     expanded,
     kernel_names,
     naive_attention,
@@ -71,13 +72,9 @@ def test_a_row_that_a_mask_leaves_one_key_gets_exact_zero_gradients(path, kind, 
     dout = torch.randn(batch, heads_q, len_q, dim, generator=gen, dtype=torch.float64)
     mask, lone = one_key_mask(kind, batch, len_q, len_k, dtype, gen)
     leaves = [t.to(dtype).to(device).requires_grad_() for t in (q, k, v)]
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(path.name == "deterministic")
-    try:
+    with deterministic_algorithms(path.name == "deterministic"):
         out = flashattn_ext.scaled_dot_product_attention(*leaves, attn_mask=mask.to(device), enable_gqa=True)
         dq, dk, dv = torch.autograd.grad(out, leaves, dout.to(dtype).to(device))
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     lone = lone.to(device).expand(batch, heads_q, len_q, dim)
     assert (dq[lone] == 0).all()
     if kind == "key_padding":
@@ -172,11 +169,8 @@ def test_cuda_kernels_read_masks(mask_name, dtype, head_dim, path):
         wrt = leaves + ([mask_leaf] if mask.requires_grad else [])
         return (out.detach(), *torch.autograd.grad(out, wrt, grad_out.to(out.dtype)))
 
-    torch.use_deterministic_algorithms(path.name == "deterministic")
-    try:
+    with deterministic_algorithms(path.name == "deterministic"):
         got = run(flashattn_ext.scaled_dot_product_attention, q, k, v, mask)
-    finally:
-        torch.use_deterministic_algorithms(False)
     upcast = [t.detach().double() for t in (q, k, v)]
     mask64 = mask if mask.dtype == torch.bool else mask.detach().double().requires_grad_()
     want = run(F.scaled_dot_product_attention, *upcast, mask64)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashattn_ext
-from helpers import on_paths
+from helpers import deterministic_algorithms, on_paths
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -79,7 +79,9 @@ ROW_CALLS = {
                        Call(softcap=30.0, dropout_p=0.1), Call(alibi=True, mask="float"),
                        Call(alibi=True, dropout_p=0.1)],
     "deterministic backward": [Call(backward=True, deterministic=True),
-                               Call(backward=True, deterministic=True, mask="bool", dropout_p=0.1)],
+                               Call(backward=True, deterministic=True, mask="bool", dropout_p=0.1),
+                               Call(backward=True, deterministic=True, head_dim=256),
+                               Call(backward=True, deterministic=True, is_causal=True, enable_gqa=True)],
 }
 
 # How the words of a cell read. A ✓ cell's words say which of the row's calls the path takes (the rest go
@@ -90,6 +92,7 @@ TAKES_WHEN = {
     "always": lambda call: True,
     "a separate dQ pass": lambda call: True,
     "up to D=128": lambda call: call.head_dim <= 128,
+    "up to D=128, no mask": lambda call: call.head_dim <= 128 and call.mask is None,
     "no mask, no dropout": lambda call: call.mask is None and call.dropout_p == 0.0,
 }
 SENT_TO = {"ATen": "aten", "Ampere's": "sm80"}
@@ -156,12 +159,8 @@ def route(call, device):
     options = dict(enable_gqa=call.enable_gqa, is_causal=call.is_causal, causal_lower_right=call.causal_lower_right,
                    attn_mask=attn_mask, dropout_p=call.dropout_p, window=call.window, softcap=call.softcap,
                    alibi_slopes=torch.rand(4, generator=gen).to(device) if call.alibi else None)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(call.deterministic)
-    try:
+    with deterministic_algorithms(call.deterministic):
         return flashattn_ext.kernel_route(q, k, v, backward=call.backward, **options)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
 
 
 GRID = read_grid(README.read_text(encoding="utf-8"))

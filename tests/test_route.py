@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import flashattn_ext
-from helpers import cuda_test, kernel_names, on_paths, random_inputs, relative_error
+from helpers import cuda_test, deterministic_algorithms, kernel_names, on_paths, random_inputs, relative_error
 
 
 def qkv(device, dtype, heads_q=4, heads_kv=4, len_q=256, len_k=256, dim=128):
@@ -60,14 +60,11 @@ def test_cuda_routes(monkeypatch):
     assert route(*qkv("cuda", bf16, heads_q=16, len_q=8, len_k=3000), enable_gqa=True)[0] == "decode"
     assert route(*qkv("cuda", bf16, heads_q=16, len_q=9, len_k=3000), enable_gqa=True)[0] == dense
     # Row 3: deterministic mode.
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         family, reason = route(q, k, v, backward=True)
-        assert family == "sm80" and "deterministic" in reason
+        assert family == dense and "deterministic" in reason
         family, reason = route(q, k, v, window=(64, 0), backward=True)
         assert family == "aten" and "sliding window" in reason
-    finally:
-        torch.use_deterministic_algorithms(False)
     # Rows 5 and 6 where the Hopper kernels are turned off.
     monkeypatch.setenv("FLASHATTN_EXT_KERNELS", "sm80")
     family, reason = route(q, k, v, softcap=30.0)

@@ -6,7 +6,6 @@ Each sweep case is drawn from random.Random(seed) with the seed in the test id, 
 ``pytest tests/test_sweep.py -k cuda-seed17`` reruns one case; every assertion message prints
 the case it drew.
 """
-import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from torch.nn.attention import bias as sdpa_bias
 
 import flashattn_ext
 from helpers import ERROR_FLOOR, cuda_test, naive_attention, on_paths, on_paths_each, poison_cuda_allocator
-from helpers import relative_error
+from helpers import deterministic_algorithms, relative_error
 
 LENGTHS = (1, 7, 63, 64, 65, 127, 128, 129, 255, 257, 1000)
 CUDA_ONLY_LENGTHS = (2048, 2049)
@@ -188,18 +187,6 @@ def check_against_reference(case, inputs, got, got_lse, context):
     torch.testing.assert_close(
         got_lse[..., dead:].double(), want_lse[..., dead:], rtol=1e-4, atol=1e-4, msg=lambda m: f"lse: {m}\n{context}"
     )
-
-
-@contextlib.contextmanager
-def deterministic_algorithms():
-    """torch.use_deterministic_algorithms(True) inside, the caller's setting restored after."""
-    was_enabled = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
 
 
 @on_paths_each("seed", SEEDS_BY_PATH, ids=lambda seed: f"seed{seed}")

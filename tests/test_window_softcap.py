@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import flashattn_ext
 from helpers import ERROR_FLOOR, POISON_BYTES, draw_rng_state, kernel_names
 from helpers import math_with_dropout_mask, naive_attention, on_paths, poison_cuda_allocator, random_inputs
-from helpers import dtype_name, on_paths_each, relative_error
+from helpers import deterministic_algorithms, dtype_name, on_paths_each, relative_error
 
-DTYPES_BY_PATH = {"cpu": (torch.float64, torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16)}
+DTYPES_BY_PATH = {"cpu": (torch.float64, torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16),
+                  "deterministic": (torch.bfloat16,)}
 
 
 def check(device, dtype, len_q, len_k, options, heads=(4, 2), dim=32, mask=None, seed=0):
@@ -99,14 +100,16 @@ def implementation(request, monkeypatch):
          "alibi_causal_lower_right", "alibi_per_batch_causal", "alibi_softcap_window"],
 )
 def test_matches_float64(options, len_q, len_k, path, dtype, implementation):
-    check(path.device, dtype, len_q, len_k, options)
+    with deterministic_algorithms(path.name == "deterministic"):
+        check(path.device, dtype, len_q, len_k, options)
 
 
 @on_paths_each("dtype", DTYPES_BY_PATH, ids=dtype_name)
 def test_softcap_with_float_mask_and_its_gradient(path, dtype, implementation):
     """The mask adds to the capped scores; its gradient is that of the capped scores."""
     mask = torch.randn(1, 4, 140, 170, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    check(path.device, dtype, 140, 170, dict(softcap=1.5, window=(60, 20)), mask=mask)
+    with deterministic_algorithms(path.name == "deterministic"):
+        check(path.device, dtype, 140, 170, dict(softcap=1.5, window=(60, 20)), mask=mask)
 
 
 @on_paths("cpu", "cuda")

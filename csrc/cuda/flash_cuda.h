@@ -168,6 +168,18 @@ int64_t varlen_forward_block_rows(const AttentionProblem& p);
 // but a mask's gradient; a packed batch at head dims up to 128.
 bool backward_covers(const BwdParams& params);
 
+// Whether the Hopper backward takes a call that backward_covers in
+// deterministic mode, where the key blocks add their dQ of a query tile in a
+// fixed order (counted in params.dq_semaphore): head dims up to 128, no
+// attn_mask, sliding window or packed batch, and unless causal no more key
+// blocks a head than SMs (the order has a block wait for others of its head
+// that may start after it: they must all be resident at once).
+bool deterministic_backward_covers(const BwdParams& params);
+
+// The counters params.dq_semaphore needs for `pairs` (batch, key/value head)
+// pairs: one per query tile of 64 rows (the smallest) of each query head.
+int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs);
+
 // How many (batch, key/value head) pairs the Hopper backward takes at most at
 // a time, and so how many pairs' rows its dq_accum must hold: all of them up
 // to head dim 128. Above, where dq_accum would add half the memory that q, k,
@@ -177,7 +189,9 @@ int64_t backward_chunk_pairs(const AttentionProblem& p);
 // Runs the Hopper backward (delta, then per chunk of pairs the kernel and
 // convert_dq_accum) and returns true where it covers the call:
 // backward_covers, params.dq_accum set (the atomic-dQ mode) for
-// backward_chunk_pairs pairs, tensors the copy engine can address. Else
+// backward_chunk_pairs pairs, params.dq_semaphore set where
+// deterministic_backward_covers (and null elsewhere), tensors the copy engine
+// can address. Else
 // launches nothing and returns false.
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 

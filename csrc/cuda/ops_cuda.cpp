@@ -251,25 +251,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // delta = rowsum(dO * O) per query row, in the lse's type (float32 here).
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
-  // dQ by float32 atomics (faster) unless the user asked for deterministic
-  // algorithms: the Hopper kernels' wherever they run, the sm80 kernels' up to
-  // head dim kMaxAtomicDqHeadDim.
+  // dQ added into a float32 workspace (faster): the Hopper kernels' wherever
+  // they run (in deterministic mode in a fixed order, counted in
+  // dq_semaphore), the sm80 kernels' up to head dim kMaxAtomicDqHeadDim unless
+  // the user asked for deterministic algorithms.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const bool sm90 = route.family == cuda::Family::kSm90;
-  at::Tensor dq_accum;
-  if (!deterministic && (sm90 || params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
+  at::Tensor dq_accum, dq_semaphore;
+  if (sm90 || (!deterministic && params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
     // key/value head) pairs a chunk at a time, over a workspace for one chunk.
     const AttentionProblem& p = params.problem;
     params.dq_accum_pairs = sm90 ? cuda::sm90::backward_chunk_pairs(p) : p.batch * p.heads_kv;
     dq_accum = at::empty({cuda::dq_accum_floats(p, params.dq_accum_pairs)}, q.options().dtype(at::kFloat));
     params.dq_accum = dq_accum.data_ptr<float>();
+    if (sm90 && deterministic) {  // (the kernel zeroes it)
+      dq_semaphore = at::empty({cuda::sm90::dq_semaphore_ints(p, params.dq_accum_pairs)}, q.options().dtype(at::kInt));
+      params.dq_semaphore = dq_semaphore.data_ptr<int>();
+    }
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor mask_block_map = sm90 ? map_mask_blocks(q, params, stream) : at::Tensor();
   if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
     // (Tensors the copy engine cannot address.)
     if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);
+    if (deterministic) {  // (the sm80 kernels' separate dQ pass)
+      params.dq_accum = nullptr;
+      params.dq_semaphore = nullptr;
+    }
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

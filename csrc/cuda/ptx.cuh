@@ -324,6 +324,28 @@ __device__ __forceinline__ void bulk_wait_group_read() {
 // cp.async.bulk.wait_group 0: wait until every bulk group has completed.
 __device__ __forceinline__ void bulk_wait_group() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
+// fence.proxy.async.global: orders this thread's global-memory accesses
+// through the copy engine (bulk copies and reductions) with its ordinary ones,
+// both ways (a bulk reduction completed before a release, an acquire before a
+// bulk reduction).
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// ld.acquire.gpu.global.s32: a load after which this thread's later memory
+// accesses see what the writer released before its store (red_release_add).
+__device__ __forceinline__ int load_acquire(const int* address) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+// red.release.gpu.global.add.s32: adds `value` once this thread's earlier
+// memory accesses are visible to the GPU.
+__device__ __forceinline__ void red_release_add(int* address, int value) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(address), "r"(value) : "memory");
+}
+
 // prefetch.tensormap: fetch a tensor map into the cache before its first use.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");

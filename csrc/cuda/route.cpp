@@ -91,11 +91,13 @@ bool use_sm90_kernels(const at::Tensor& q) {
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
   if (p.alibi_slopes != nullptr) {
     return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "
-                       "dropout or softcap; the backward not in deterministic mode)");
+                       "dropout or softcap; in deterministic mode the backward up to head dim 128 and, "
+                       "unless causal, as many blocks of 128 keys as the GPU has SMs)");
   }
   if (p.softcap > 0.0) {
     return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
-                       "or dropout; the backward not in deterministic mode)");
+                       "or dropout; in deterministic mode the backward up to head dim 128 and, "
+                       "unless causal, as many blocks of 128 keys as the GPU has SMs)");
   }
   if (p.has_window()) {
     return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "
@@ -116,6 +118,9 @@ Route route_forward(const at::Tensor& q, const FwdParams& params) {
 Route route_backward(const at::Tensor& q, const BwdParams& params) {
   if (auto gap = kernel_gap(q, params.problem)) return {Family::kAten, *gap};
   if (at::globalContext().deterministicAlgorithms()) {
+    if (use_sm90_kernels(q) && sm90::deterministic_backward_covers(params)) {
+      return {Family::kSm90, "deterministic mode: the Hopper backward, its key blocks adding dQ in a fixed order"};
+    }
     if (auto feature = hopper_only_feature(params.problem)) return {Family::kAten, *feature};
     return {Family::kSm80, "deterministic mode: the sm80 kernels' separate dQ pass"};
   }

@@ -36,7 +36,9 @@ struct Route {
 //      rows of a key/value head fit two 16-row tiles, no dropout, no mask or
 //      a bool one alone, the diagonal aligned bottom-right where it matters
 //      (FLASHATTN_EXT_KERNELS=dense turns this row off, for comparisons);
-//   3. (backward) in deterministic mode, the sm80 kernels' separate dQ pass;
+//   3. (backward) in deterministic mode, the Hopper kernel where
+//      sm90::deterministic_backward_covers, else rows 5 and 6 with the sm80
+//      kernels' separate dQ pass;
 //   4. the Hopper kernels on an H100 / H200 where they cover the call
 //      (sm90::forward_covers, sm90::backward_covers), unless
 //      FLASHATTN_EXT_KERNELS=sm80;

@@ -42,8 +42,9 @@ __device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>
 // K and V once, then each query tile's Q (with its attn_mask tile, unless the
 // mask hides none of the tile's pairs) and dO into the ring of stages; every
 // lane stages lse and delta of the tile's queries (plain loads: their rows are
-// not 16-byte aligned for the copy engine).
-template <typename Cfg, bool kVarlen = false>
+// not 16-byte aligned for the copy engine). kOrdered: deterministic mode's
+// walk (next_query_tile).
+template <typename Cfg, bool kVarlen = false, bool kOrdered = false>
 __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, const BwdBlock& block,
                                                     unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
                                                     unsigned char* s_dout, unsigned char* s_mask,
@@ -66,7 +67,7 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   }
   if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
   QueryTile t;
-  for (int tile = 0; next_query_tile<Cfg>(params, block, t); ++tile) {
+  for (int tile = 0; next_query_tile<Cfg, kOrdered>(params, block, t); ++tile) {
     const int head = static_cast<int>(block.h_kv * block.group) + t.head;
     // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
     const int64_t stats_row0 =

@@ -42,22 +42,33 @@ struct QueryTile {
 // dq_accum (the next heads' follow). q_start, k_start: the sequence's first
 // query and key row in a packed batch (0 in a dense call), len_q and len_k its
 // lengths (the call's in a dense one); dq_accum_head_rows: dq_accum's rows a
-// query head.
+// query head. In deterministic mode (dq_semaphore set: the counters of the
+// group's first query head, m_tiles a head), the block walks each head's
+// query blocks from m_rotation on, wrapping round (dq_add_rank).
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
-  int m_count, tiles;
+  int m_count, tiles, m_rotation, m_tiles;
   float* dq_accum;
+  int* dq_semaphore;
   int64_t q_start, k_start, len_q, len_k, dq_accum_head_rows;
 };
 
 // Moves t to the block's next query tile (query blocks within a head, then
 // heads), past those the attn_mask's block map hides; false past the last.
-// Every role of the block walks the same sequence.
-template <typename Cfg>
+// Every role of the block walks the same sequence. kOrdered (deterministic
+// mode): each head's query blocks from block.m_rotation on, wrapping round.
+template <typename Cfg, bool kOrdered = false>
 __device__ __forceinline__ bool next_query_tile(const BwdParams& params, const BwdBlock& block, QueryTile& t) {
   if (block.m_count == 0) return false;
   while (true) {
-    if (++t.m == block.m_count) {
+    if constexpr (kOrdered) {
+      if (t.m < 0) {
+        t.m = block.m_rotation;
+      } else {
+        if (++t.m == block.m_count) t.m = 0;
+        if (t.m == block.m_rotation) ++t.head;
+      }
+    } else if (++t.m == block.m_count) {
       t.m = 0;
       ++t.head;
     }
@@ -79,7 +90,8 @@ __device__ __forceinline__ bool next_query_tile(const BwdParams& params, const B
 // kWindow: the call has a sliding window (the kernels' template flag), whose
 // edges bound the query blocks on both sides. kVarlen: a packed batch (the
 // grid's batch is the sequence; blocks past its keys have no tiles).
-template <typename Cfg, bool kWindow, bool kVarlen = false>
+// kOrdered: deterministic mode (params.dq_semaphore set; neither of those).
+template <typename Cfg, bool kWindow, bool kVarlen = false, bool kOrdered = false>
 __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   const BwdParams& params = kp.call;
   const AttentionProblem& p = params.problem;
@@ -95,7 +107,11 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   BwdBlock block;
   block.h_kv = pair % p.heads_kv;
   block.b = pair / p.heads_kv;
-  block.col0 = position.block * Cfg::kBlockN;  // causal: the first key blocks have the most queries
+  // Causal: the first key blocks have the most queries, and start first; in
+  // deterministic mode last, as each adds its dQ after the blocks above it
+  // (dq_add_rank), which then start before it and never wait for it.
+  const bool lightest_first = kOrdered && p.is_causal;
+  block.col0 = (lightest_first ? n_blocks - 1 - position.block : position.block) * Cfg::kBlockN;
   block.group = p.heads_q / p.heads_kv;
   if constexpr (kVarlen) {
     const PackedSequences& packed = params.packed;
@@ -128,6 +144,10 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
     block.m_begin = Visibility(p).query_begin(block.col0) / Cfg::kBlockM;
     block.m_count = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM) - block.m_begin);
   }
+  block.m_rotation = 0;
+  block.m_tiles = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM));
+  block.dq_semaphore = kOrdered ? params.dq_semaphore + pair_in_chunk * block.group * block.m_tiles : nullptr;
+  if (kOrdered && !p.is_causal) block.m_rotation = static_cast<int>(position.block * block.m_tiles / n_blocks);
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
   if (Cfg::Mask::kPresent && params.mask_blocks.visibility != nullptr) {
     // Less those the mask hides; none left: dK = dV = 0, and no dQ.
@@ -135,6 +155,42 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
     for (block.tiles = 0; next_query_tile<Cfg>(params, block, t);) ++block.tiles;
   }
   return block;
+}
+
+// Deterministic mode: how many key blocks add their dQ of query block m
+// (each query head's alike) before this block does. The order is the one in
+// which their walks reach the tile when all run at one pace, so that none
+// waits long:
+//  - causal: from the last key block whose walk reaches the tile down, as
+//    each block's walk starts at the first query block that sees its keys
+//    (and the grid starts them last first: a block waits only for blocks
+//    that started before it);
+//  - else block j starts at query block o(j) = j * m_tiles / n_blocks (so that
+//    the key blocks of a head spread over its query blocks) and reaches m at
+//    step d(j) = (m - o(j)) mod m_tiles: they add by d, then by j. (Block j
+//    waits for block j + 1, and the last for the first: all of a head's
+//    blocks must be resident at once, deterministic_backward_covers.)
+template <typename Cfg>
+__device__ __forceinline__ int dq_add_rank(const AttentionProblem& p, const BwdBlock& block, int m) {
+  const int j = static_cast<int>(block.col0 / Cfg::kBlockN), n = static_cast<int>(ceil_div(p.len_k, Cfg::kBlockN));
+  if (p.is_causal) {
+    // Block i's walk starts at query_begin(i * kBlockN) / kBlockM (backward_block): it reaches m where that
+    // row lies before the tile's end. Past len_q it is len_q (a block no row sees still adds its zeros to the
+    // last tile).
+    const int64_t rows_end = int64_t{m + 1} * Cfg::kBlockM;
+    const int64_t last = rows_end > p.len_q ? n - 1 : (rows_end + Visibility(p).offset - 1) / Cfg::kBlockN;
+    return static_cast<int>(min(last, int64_t{n - 1})) - j;
+  }
+  const int tiles = block.m_tiles;
+  // The first key block whose start is query block x or later.
+  auto first_block = [&](int x) { return static_cast<int>((int64_t{x} * n + tiles - 1) / tiles); };
+  const int start = block.m_rotation, d = (m - start + tiles) % tiles;
+  // Blocks that reach m at a step before d start at one of the d query blocks
+  // before m's next (wrapping round); then those of j's start below j.
+  const int low = m - d + 1;
+  const int earlier = low >= 0 ? first_block(m + 1) - first_block(low)
+                               : first_block(m + 1) + n - first_block(tiles + low);
+  return earlier + j - first_block(start);
 }
 
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

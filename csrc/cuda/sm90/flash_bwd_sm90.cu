@@ -1,6 +1,7 @@
 // The Hopper backward's entry point at head dims up to 256: which calls it
-// covers, the chunks of (batch, key/value head) pairs, and the kernel's
-// instantiations without an attn_mask at head dims up to 128
+// covers (and which in deterministic mode), the chunks of (batch, key/value
+// head) pairs, and the kernel's instantiations without an attn_mask at head
+// dims up to 128
 // (flash_bwd_sm90_kernel.cuh has the kernel; flash_bwd_sm90_masked.cu the
 // instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256).
 #include "cuda/launch.cuh"
@@ -23,6 +24,17 @@ bool backward_covers(const BwdParams& params) {
          p.len_k > 0 && p.heads_q > 0 && p.batch > 0 && !(masked && (p.head_dim > 128 || params.dmask.data != nullptr));
 }
 
+bool deterministic_backward_covers(const BwdParams& params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t key_blocks = ceil_div(p.len_k, BwdTileConfig<128>::kBlockN);  // (the same at head dim 64)
+  return backward_covers(params) && p.head_dim <= 128 && params.mask_kind == MaskKind::kNone && !p.has_window() &&
+         !params.packed.present() && (p.is_causal || key_blocks <= multiprocessor_count());
+}
+
+int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs) {
+  return pairs * (p.heads_q / p.heads_kv) * ceil_div(p.len_q, int64_t{64});
+}
+
 int64_t backward_chunk_pairs(const AttentionProblem& p) {
   const int64_t pairs = p.batch * p.heads_kv;
   if (p.head_dim <= 128 || pairs <= 1) return pairs;
@@ -41,7 +53,7 @@ int64_t backward_chunk_pairs(const AttentionProblem& p) {
 
 bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
   if (params.dq_accum == nullptr || params.dq_accum_pairs != backward_chunk_pairs(params.problem) ||
-      !backward_covers(params)) {
+      !backward_covers(params) || (params.dq_semaphore != nullptr && !deterministic_backward_covers(params))) {
     return false;
   }
   const AttentionProblem& p = params.problem;
@@ -51,26 +63,35 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(p.has_window(), [&](auto window) {
-      using Elem = decltype(elem);
-      constexpr bool kWindow = decltype(window)::value;
-      constexpr MaskKind kNone = MaskKind::kNone;
-      if (params.packed.present()) {
-        launched = p.head_dim <= 64
-                       ? launch_backward<Elem, 64, false, kNone, kWindow, false, false, true>(params, stream)
-                       : launch_backward<Elem, 128, false, kNone, kWindow, false, false, true>(params, stream);
-      } else if (p.softcap > 0.0) {
-        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, true>(params, stream)
-                                    : launch_backward<Elem, 128, false, kNone, kWindow, true>(params, stream);
-      } else if (p.alibi_slopes != nullptr) {
-        launched = p.head_dim <= 64 ? launch_backward<Elem, 64, false, kNone, kWindow, false, true>(params, stream)
-                                    : launch_backward<Elem, 128, false, kNone, kWindow, false, true>(params, stream);
-      } else {
-        dispatch_flag(params.dropout.p > 0.0, [&](auto dropout) {
-          constexpr bool kDropout = decltype(dropout)::value;
-          launched = p.head_dim <= 64 ? launch_backward<Elem, 64, kDropout, kNone, kWindow>(params, stream)
-                                      : launch_backward<Elem, 128, kDropout, kNone, kWindow>(params, stream);
-        });
-      }
+      // Deterministic mode: dQ added in a fixed order (no window or packed batch).
+      dispatch_flag(params.dq_semaphore != nullptr, [&](auto ordered) {
+        using Elem = decltype(elem);
+        constexpr bool kWindow = decltype(window)::value, kOrdered = decltype(ordered)::value;
+        constexpr MaskKind kNone = MaskKind::kNone;
+        // The kernel of the call's options at its head dim (64 or 128).
+        auto launch = [&](auto dropout, auto softcap, auto alibi, auto varlen) {
+          constexpr bool kDropout = decltype(dropout)::value, kSoftcap = decltype(softcap)::value;
+          constexpr bool kAlibi = decltype(alibi)::value, kVarlen = decltype(varlen)::value;
+          launched = p.head_dim <= 64
+                         ? launch_backward<Elem, 64, kDropout, kNone, kWindow, kSoftcap, kAlibi, kVarlen, kOrdered>(
+                               params, stream)
+                         : launch_backward<Elem, 128, kDropout, kNone, kWindow, kSoftcap, kAlibi, kVarlen, kOrdered>(
+                               params, stream);
+        };
+        using std::false_type, std::true_type;
+        if constexpr (kWindow && kOrdered) {
+          return;
+        } else if (params.packed.present()) {
+          if constexpr (!kOrdered) launch(false_type{}, false_type{}, false_type{}, true_type{});
+        } else if (p.softcap > 0.0) {
+          launch(false_type{}, true_type{}, false_type{}, false_type{});
+        } else if (p.alibi_slopes != nullptr) {
+          launch(false_type{}, false_type{}, true_type{}, false_type{});
+        } else {
+          dispatch_flag(params.dropout.p > 0.0,
+                        [&](auto dropout) { launch(dropout, false_type{}, false_type{}, false_type{}); });
+        }
+      });
     });
   });
   return launched;

@@ -49,6 +49,8 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
   }
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), pairs = p.heads_kv * p.batch;
   if (n_blocks * params.dq_accum_pairs > std::numeric_limits<int>::max()) return false;  // the grid's limit
+  // (Deterministic mode, not causal: a head's key blocks resident at once, dq_add_rank.)
+  if (params.dq_semaphore != nullptr && !p.is_causal && n_blocks > multiprocessor_count()) return false;
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   if constexpr (kVarlen) {
     if (params.dq_accum_pairs != pairs) return false;  // (one chunk)
@@ -70,6 +72,9 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
     chunk.dq_accum_pair0 += chunk.dq_accum_pairs;
     chunk.dq_accum_pairs = pairs / chunks + (c < pairs % chunks);
     if (c > 0) cudaMemsetAsync(chunk.dq_accum, 0, dq_accum_floats(p, chunk.dq_accum_pairs) * sizeof(float), stream);
+    if (chunk.dq_semaphore != nullptr) {
+      cudaMemsetAsync(chunk.dq_semaphore, 0, dq_semaphore_ints(p, chunk.dq_accum_pairs) * sizeof(int), stream);
+    }
     kp.order_chunks = one_wave_chunks(chunk.dq_accum_pairs, n_blocks, sms);
     kernel<<<static_cast<unsigned>(n_blocks * chunk.dq_accum_pairs), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
     convert_dq_accum(chunk, type, DqAccumLayout::kWgmmaTiles, stream);

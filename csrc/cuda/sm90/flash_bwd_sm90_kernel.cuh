@@ -107,10 +107,16 @@ __device__ __forceinline__ float* dq_accum_block(const AttentionProblem& p, cons
 // The producer's dQ writer warp: the copy engine adds each dQ block to
 // dq_accum, so the consumers only store them to shared memory. A tile's
 // buffers go back to the consumers once the copy engine has read them, checked
-// kDqBuffers - 1 tiles later, so that its reads overlap the next tiles.
+// kDqBuffers - 1 tiles later, so that its reads overlap the next tiles. In
+// deterministic mode (kOrdered) each tile's additions wait for the block's
+// turn (dq_add_rank) and are counted once they have landed, the tile's
+// buffers then given back at once. (Counting them later, once the next
+// tile's are issued, deadlocks where the block before in a tile's order
+// reached it one step earlier: its count would wait for its next turn, which
+// waits for this block's count.)
 // (A struct that the kernel makes and runs: as a function taking these as
 // arguments, the walk compiled to PTX in another order.)
-template <typename Cfg, bool kVarlen>
+template <typename Cfg, bool kVarlen, bool kOrdered>
 struct BwdDqWriter {
   const BwdParams& params;
   const BwdBlock& block;
@@ -126,8 +132,16 @@ struct BwdDqWriter {
         ptx::named_barrier_arrive(Barriers::dq_empty(consumer, buffer), Barriers::kDqHandoffThreads);
       }
     }
-    for (int tile = 0; next_query_tile<Cfg>(params, block, t); ++tile) {
+    for (int tile = 0; next_query_tile<Cfg, kOrdered>(params, block, t); ++tile) {
       const int buffer = tile % Cfg::kDqBuffers;
+      // The tile's counter (kOrdered): how many blocks have added theirs.
+      int* const turns = kOrdered ? block.dq_semaphore + t.head * block.m_tiles + block.m_begin + t.m : nullptr;
+      if (kOrdered && lane == 0) {
+        const int rank = dq_add_rank<Cfg>(params.problem, block, static_cast<int>(block.m_begin + t.m));
+        while (ptx::load_acquire(turns) != rank) {
+        }
+        ptx::fence_proxy_async_global();  // (the additions below after the others')
+      }
       for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
         ptx::named_barrier_sync(Barriers::dq_full(consumer, buffer), Barriers::kDqHandoffThreads);
         float* dst = dq_accum_block<Cfg, kVarlen>(params.problem, block, t, consumer);
@@ -138,8 +152,14 @@ struct BwdDqWriter {
           ptx::bulk_commit_group();  // (empty if nothing to add: the group count stays in step)
         }
       }
-      const int read = tile - kLag;  // the tile whose buffers are read out now
-      if (lane == 0) ptx::bulk_wait_group_read<Cfg::kConsumers * kLag>();
+      if (kOrdered && lane == 0) {  // (landed: counted)
+        ptx::bulk_wait_group();
+        ptx::fence_proxy_async_global();
+        ptx::red_release_add(turns, 1);
+      }
+      // The tile whose buffers are read out now (kOrdered: this one, waited for).
+      const int read = kOrdered ? tile : tile - kLag;
+      if (!kOrdered && lane == 0) ptx::bulk_wait_group_read<Cfg::kConsumers * kLag>();
       __syncwarp();
       if (read >= 0 && read + Cfg::kDqBuffers < block.tiles) {
         for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
@@ -204,7 +224,7 @@ struct AttnMaskReader {
 // registers they work on and the attn_mask reader: a step function of its
 // own, or the reader's pointers as members, compiled to other PTX.)
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
-          bool kVarlen>
+          bool kVarlen, bool kOrdered>
 struct BwdConsumer {
   static constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN;
   static constexpr int kStages = Cfg::kStages;
@@ -257,7 +277,7 @@ struct BwdConsumer {
         softcap(kSoftcap ? BackwardSoftcap(p) : BackwardSoftcap()) {}
 
   // The next tile's query block (m_begin + m_index) and query head, where the
-  // consumers count them (locate_tile).
+  // consumers count them (locate_tile; next_query_tile's walk).
   struct TileCount {
     int m_index;
     int64_t head;
@@ -307,7 +327,7 @@ struct BwdConsumer {
     if (block.tiles > 0) ptx::mbarrier_wait(&shared.bars->kv_full, 0);
     const DqOperands dq_operands(shared, consumer);
     float dq[kDqRegs];
-    TileCount count{0, block.h_kv * block.group};
+    TileCount count{kOrdered ? block.m_rotation : 0, block.h_kv * block.group};
     for (int tile = 0; tile < block.tiles; ++tile) {
       // The tile: its stage's Q, dO, lse and delta; dropout's decisions for it.
       const StreamedTile t = locate_tile(tile, count);
@@ -387,7 +407,10 @@ struct BwdConsumer {
     }
     const int64_t bh = block.b * p.heads_q + count.head;
     const float alibi_log2 = kAlibi ? alibi_slope_log2(p, block.b, count.head) : 0.f;
-    if (!Cfg::Mask::kPresent && ++count.m_index == block.m_count) {
+    if constexpr (kOrdered) {  // (next_query_tile's walk)
+      if (++count.m_index == block.m_count) count.m_index = 0;
+      if (count.m_index == block.m_rotation) ++count.head;
+    } else if (!Cfg::Mask::kPresent && ++count.m_index == block.m_count) {
       count.m_index = 0;
       ++count.head;
     }
@@ -501,19 +524,21 @@ struct BwdConsumer {
 // log2 P off by up to 2^-8 moves tanh by that over softcap * log2(e)).
 // kAlibi: ALiBi's bias on the recomputed scores (it has no gradient), without a
 // mask, dropout or softcap. kVarlen: a packed batch (backward_block), with
-// none of these but a window.
+// none of these but a window. kOrdered: deterministic mode (backward_block),
+// without a mask, window or packed batch.
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
-          bool kVarlen>
+          bool kVarlen, bool kOrdered>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(Cfg::Mask::kPresent == (kMask != MaskKind::kNone), "a mask tile exactly where there is a mask");
   static_assert(!kSoftcap || (!kDropout && !Cfg::Mask::kPresent), "softcap without a mask or dropout");
   static_assert(!kAlibi || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap), "ALiBi alone");
   static_assert(!kVarlen || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap && !kAlibi), "a packed batch alone");
+  static_assert(!kOrdered || (!Cfg::Mask::kPresent && !kWindow && !kVarlen), "deterministic mode: none of these");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem[];
   const BwdSharedMemory<Cfg> shared(smem);
-  const BwdBlock block = backward_block<Cfg, kWindow, kVarlen>(kp);
+  const BwdBlock block = backward_block<Cfg, kWindow, kVarlen, kOrdered>(kp);
   // The keys each query sees (the causal diagonal, the window), in the block's sequence.
   const Visibility seen = kVarlen ? Visibility(kp.call.problem, block.len_q, block.len_k) : Visibility(kp.call.problem);
 
@@ -534,28 +559,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
     if (warp > 1 || block.tiles == 0) return;
     if (warp == 1) {
-      BwdDqWriter<Cfg, kVarlen>{kp.call, block, shared, lane}.run();
+      BwdDqWriter<Cfg, kVarlen, kOrdered>{kp.call, block, shared, lane}.run();
       return;
     }
-    load_backward_tiles<Cfg, kVarlen>(kp, block, shared.k, shared.v, shared.q, shared.dout, shared.mask, shared.stats,
-                                      shared.bars, lane);
+    load_backward_tiles<Cfg, kVarlen, kOrdered>(kp, block, shared.k, shared.v, shared.q, shared.dout, shared.mask,
+                                                shared.stats, shared.bars, lane);
     return;
   }
 
   // Consumers (BwdConsumer): the mainloop over the query tiles, then dK and dV.
   ptx::setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const BwdConsumer<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen> consumer(kp, block, shared, seen,
-                                                                                             warpgroup - 1);
+  const BwdConsumer<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen, kOrdered> consumer(
+      kp, block, shared, seen, warpgroup - 1);
   consumer.run();
 #endif
 }
 
 template <typename Elem, int kHeadDim, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap = false,
-          bool kAlibi = false, bool kVarlen = false>
+          bool kAlibi = false, bool kVarlen = false, bool kOrdered = false>
 bool launch_backward(const BwdParams& params, cudaStream_t stream) {
   using Cfg = BwdTileConfig<kHeadDim, mask_elem_bytes(kMask)>;
   return launch_backward_kernel<Elem, Cfg, kVarlen>(
-      params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen>, stream);
+      params, attention_backward_kernel<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen, kOrdered>,
+      stream);
 }
 
 // The instantiations with an attn_mask (flash_bwd_sm90_masked.cu): a call of
