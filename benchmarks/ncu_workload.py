@@ -3,13 +3,16 @@ shape, for Nsight Compute to profile (not a benchmark: nothing is timed here).
 
     ncu --section SpeedOfLight --section WarpStateStats -k regex:sm90 python3 benchmarks/ncu_workload.py
     python3 benchmarks/ncu_workload.py --dims 128 --causal off      # one cell
+    python3 benchmarks/ncu_workload.py --deterministic              # the backward in deterministic mode
 """
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
-import flashattn_ext
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (this checkout's build, not another install)
+import flashattn_ext  # noqa: E402
 
 BATCH, HEADS, SEQLEN = 4, 16, 4096
 
@@ -18,7 +21,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dims", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--causal", nargs="+", choices=["off", "on"], default=["off", "on"])
+    parser.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     args = parser.parse_args(argv)
+    torch.use_deterministic_algorithms(args.deterministic)
     for head_dim in args.dims:
         for causal in (c == "on" for c in args.causal):
             q, k, v = (

@@ -64,6 +64,17 @@ __device__ __forceinline__ void qk_fp8(float (&s)[2][4], const uint32_t (&q_frag
   for (int i = 0; i < 8; ++i) s[i / 4][i % 4] += odd[i / 4][i % 4];
 }
 
+// Of the ldmatrix.trans registers v8 of an FP8 cache's V (pv_fp8), matrix
+// pair m's bytes regrouped: (pair, column) (0, 0) (0, 1) (1, 0) (1, 1) ->
+// (0, 0) (1, 0) (0, 1) (1, 1), for pairs 0-7 and 8-15, each pair's bytes kept
+// only within the keys (v_keep).
+struct ValueBytes {
+  uint32_t low_pairs, high_pairs;
+};
+__device__ __forceinline__ ValueBytes regrouped_values(const uint32_t (&v8)[4], int m, const uint32_t (&v_keep)[2]) {
+  return {ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120), ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120)};
+}
+
 // O += P V over a warp's 16 pairs of an FP8 cache's stage. ldmatrix.trans
 // reads the e4m3 bytes as 16-bit elements, two columns each: of 8 pairs and
 // 16 columns, a lane gets columns 2 (lane / 4) and the next of pairs
@@ -83,9 +94,7 @@ __device__ __forceinline__ void pv_fp8(float (&acc)[kHeadDim / 8][4], const uint
     ptx::ldmatrix_x4_trans(v8, swizzled(v_base, v_line, 2 * dp + v_piece));
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      // bytes (pair, column) (0, 0) (0, 1) (1, 0) (1, 1) -> (0, 0) (1, 0) (0, 1) (1, 1)
-      const uint32_t low_pairs = ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120);
-      const uint32_t high_pairs = ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120);
+      const auto [low_pairs, high_pairs] = regrouped_values(v8, m, v_keep);
       const int piece = 2 * dp + m;
       ptx::mma_16x8x16<__half>(acc[2 * piece], p_frag, ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs)),
                                ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs)));
@@ -170,8 +179,7 @@ __device__ __forceinline__ void pv_fp8_keys_as_rows(float (&acc)[kHeadDim / 16][
     ptx::ldmatrix_x4_trans(v8, swizzled(v_base, v_line, 2 * dp + v_piece));
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const uint32_t low_pairs = ptx::prmt(v8[2 * m] & v_keep[0], 0, 0x3120);
-      const uint32_t high_pairs = ptx::prmt(v8[2 * m + 1] & v_keep[1], 0, 0x3120);
+      const auto [low_pairs, high_pairs] = regrouped_values(v8, m, v_keep);
       const uint32_t a[4] = {ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs)),
                              ptx::e4m3x2_to_half2(static_cast<uint16_t>(low_pairs >> 16)),
                              ptx::e4m3x2_to_half2(static_cast<uint16_t>(high_pairs)),
