@@ -88,16 +88,19 @@ bool use_sm90_kernels(const at::Tensor& q) {
 #endif
 }
 
+// Which backwards the Hopper kernels take in deterministic mode (sm90::deterministic_backward_covers).
+constexpr const char* kDeterministicHopperBackward =
+    "in deterministic mode the backward up to head dim 128 and, unless causal, as many blocks of 128 keys as the "
+    "GPU has SMs";
+
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
   if (p.alibi_slopes != nullptr) {
     return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "
-                       "dropout or softcap; in deterministic mode the backward up to head dim 128 and, "
-                       "unless causal, as many blocks of 128 keys as the GPU has SMs)");
+                       "dropout or softcap; ") + kDeterministicHopperBackward + ")";
   }
   if (p.softcap > 0.0) {
     return std::string("of the CUDA kernels only the Hopper ones take softcap (an H100 or H200, without attn_mask "
-                       "or dropout; in deterministic mode the backward up to head dim 128 and, "
-                       "unless causal, as many blocks of 128 keys as the GPU has SMs)");
+                       "or dropout; ") + kDeterministicHopperBackward + ")";
   }
   if (p.has_window()) {
     return std::string("of the CUDA kernels only the Hopper ones take a sliding window (an H100 or H200; the "

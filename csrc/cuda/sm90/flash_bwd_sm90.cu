@@ -32,7 +32,9 @@ bool deterministic_backward_covers(const BwdParams& params) {
 }
 
 int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs) {
-  return pairs * (p.heads_q / p.heads_kv) * ceil_div(p.len_q, int64_t{64});
+  constexpr int64_t kSmallestBlockM = BwdTileConfig<128>::kBlockM;
+  static_assert(kSmallestBlockM <= BwdTileConfig<64>::kBlockM, "the smallest query tile");
+  return pairs * (p.heads_q / p.heads_kv) * ceil_div(p.len_q, kSmallestBlockM);
 }
 
 int64_t backward_chunk_pairs(const AttentionProblem& p) {

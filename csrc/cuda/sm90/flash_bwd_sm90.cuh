@@ -49,8 +49,6 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
   }
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), pairs = p.heads_kv * p.batch;
   if (n_blocks * params.dq_accum_pairs > std::numeric_limits<int>::max()) return false;  // the grid's limit
-  // (Deterministic mode, not causal: a head's key blocks resident at once, dq_add_rank.)
-  if (params.dq_semaphore != nullptr && !p.is_causal && n_blocks > multiprocessor_count()) return false;
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   if constexpr (kVarlen) {
     if (params.dq_accum_pairs != pairs) return false;  // (one chunk)
