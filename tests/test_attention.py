@@ -450,6 +450,48 @@ def test_deterministic_backward_past_the_sms_runs_sm80(path):
     assert not any("sm90" in n and "attention_backward_kernel" in n for n in names), names
 
 
+# (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): MLA's prefill (192 / 128), GQA with ragged
+# lengths, and head dims the kernel pads (160 / 96 read as 192 / 128).
+MLA_SHAPES = [(2, 4, 2, 333, 700, 192, 128), (1, 3, 1, 1024, 1024, 192, 128), (2, 2, 2, 200, 129, 160, 96)]
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("options", [dict(), dict(is_causal=True), dict(is_causal=True, causal_lower_right=True),
+                                     dict(window=(100, 0), is_causal=True)],
+                         ids=["full", "causal", "causal_lower_right", "window"])
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_values_of_another_head_dim(path, shape, options):
+    """Queries and keys of head dim 192 with values of 128 (MLA's prefill): the Hopper forward (its kernel in
+    the profiler) against float64, every element of the output written (NaN-poisoned memory), the lse too; the
+    backward (the ATen fallback's) against float64's gradients."""
+    batch, heads_q, heads_kv, len_q, len_k, dim, dim_v = shape
+    gen = torch.Generator().manual_seed(len_q + dim_v)
+    q = torch.randn(batch, heads_q, len_q, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(batch, heads_kv, len_k, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(batch, heads_kv, len_k, dim_v, generator=gen, dtype=torch.float64)
+    dout = torch.randn(batch, heads_q, len_q, dim_v, generator=gen, dtype=torch.float64)
+    leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    options = dict(options, enable_gqa=heads_q != heads_kv)
+    names = kernel_names(lambda: flashattn_ext.attention_with_lse(*leaves, **options))
+    assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse = flashattn_ext.attention_with_lse(*leaves, **options)
+    grads = torch.autograd.grad(out, leaves, dout.to("cuda", torch.bfloat16))
+    exact = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out, want_lse = naive_attention(*exact, **options)
+    want_grads = torch.autograd.grad(want_out, exact, dout)
+    rounded = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    base_out, _ = naive_attention(*rounded, **options)
+    base_grads = torch.autograd.grad(base_out, rounded, dout.to(torch.bfloat16))
+    for name, g, b, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (base_out, *base_grads), (want_out, *want_grads)):
+        assert torch.isfinite(g).all(), f"{name}: not every element written"
+        ours, naive = relative_error(g.cpu(), w), relative_error(b, w)
+        assert ours <= 2 * naive + ERROR_FLOOR[torch.bfloat16], f"{name}: {ours:.3g} vs {naive:.3g}"
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), seen)
+    assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() < 1e-3
+
+
 @on_paths("sm90")
 @pytest.mark.parametrize("mode", SM90_MODES)
 def test_sequence_major_strides(path, mode):

@@ -149,7 +149,9 @@ namespace sm90 {
 // tell (float16 or bfloat16 is the caller's): head dim up to 256, 128 with an
 // attn_mask (value's equal), a positive scale, dropout (with the sm80 kernels'
 // numbers) or an attn_mask but not both, softcap or ALiBi (not both) with
-// neither, a sliding window with any of them.
+// neither, a sliding window with any of them; and MLA's prefill shape, queries
+// and keys of head dim 136 to 192 with values of 72 to 128, with none of these
+// but a window (nor a packed batch).
 bool forward_covers(const FwdParams& params);
 
 // Runs the Hopper forward and returns true where it covers the call:

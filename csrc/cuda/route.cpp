@@ -19,9 +19,9 @@ std::optional<std::string> kernel_gap(const at::Tensor& q, const AttentionProble
     return c10::str("the CUDA kernels take head dims that are multiples of 8 up to ", kMaxHeadDim, ", not ",
                     p.head_dim);
   }
-  if (p.head_dim_v != p.head_dim) {
-    return c10::str("the CUDA kernels need value's head dim equal to query's, not ", p.head_dim_v, " and ",
-                    p.head_dim);
+  if (p.head_dim_v % 8 != 0 || p.head_dim_v > kMaxHeadDim) {
+    return c10::str("the CUDA kernels take value head dims that are multiples of 8 up to ", kMaxHeadDim, ", not ",
+                    p.head_dim_v);
   }
   return std::nullopt;
 }
@@ -48,7 +48,7 @@ bool takes_decode_kernels(const FwdParams& params) {
                           (params.mask_kind == MaskKind::kBool && plain &&
                            (params.mask.stride_col == 1 || p.len_k <= 1));
   constexpr int64_t kLimit = int64_t{1} << 31;  // (the decode kernels' 32-bit indices)
-  return mask_taken && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 &&
+  return mask_taken && params.dropout.p == 0.0 && aligned && p.heads_kv > 0 && p.head_dim_v == p.head_dim &&
          p.heads_q / p.heads_kv * p.len_q <= kDecodeRouteRows && p.len_k < kLimit && p.batch < kLimit;
 }
 
@@ -94,6 +94,11 @@ constexpr const char* kDeterministicHopperBackward =
     "GPU has SMs";
 
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
+  if (p.head_dim_v != p.head_dim) {
+    return c10::str("of the CUDA kernels only the Hopper forward takes value head dims other than the query's (an "
+                    "H100 or H200: queries and keys of 136 to 192, values of 72 to 128, as MLA's 192 / 128, without "
+                    "attn_mask, dropout, softcap, ALiBi or a packed batch), not ", p.head_dim_v, " and ", p.head_dim);
+  }
   if (p.alibi_slopes != nullptr) {
     return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "
                        "dropout or softcap; ") + kDeterministicHopperBackward + ")";

@@ -2,6 +2,7 @@
 // instantiations without an attn_mask at head dims up to 128
 // (flash_fwd_sm90.cuh has the kernel; flash_fwd_sm90_masked.cu the
 // instantiations with a mask, flash_fwd_sm90_hdim256.cu those of head dim 256,
+// flash_fwd_sm90_mla.cu those of values of another head dim,
 // flash_fwd_sm90_varlen.cu those of a packed batch).
 #include "cuda/launch.cuh"
 #include "cuda/sm90/flash_fwd_sm90.cuh"
@@ -17,9 +18,13 @@ bool forward_covers(const FwdParams& params) {
   const bool plain = !masked && params.dropout.p == 0.0;
   const bool varlen_covered =
       !params.packed.present() || (plain && p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  return varlen_covered && !(p.softcap > 0.0 && !plain) &&
+  // Values of another head dim: MLA's prefill (192 / 128), plain but for a window.
+  const bool values_covered =
+      p.head_dim_v == p.head_dim ||
+      (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v > 64 && p.head_dim_v <= 128 && plain &&
+       p.softcap == 0.0 && p.alibi_slopes == nullptr && !params.packed.present());
+  return varlen_covered && values_covered && !(p.softcap > 0.0 && !plain) &&
          !(p.alibi_slopes != nullptr && !(plain && p.softcap == 0.0)) && p.scale > 0.0 &&
-         p.head_dim == p.head_dim_v &&
          p.head_dim <= (masked ? 128 : 256) && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;
 }
 
@@ -28,6 +33,7 @@ bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t s
   if (params.mask_kind != MaskKind::kNone) return forward_kernel::launch_masked_forward(params, type, stream);
   if (params.packed.present()) return forward_kernel::launch_varlen_forward(params, type, stream);
   const AttentionProblem& p = params.problem;
+  if (p.head_dim_v != p.head_dim) return forward_kernel::launch_mla_forward(params, type, stream);
   if (p.head_dim > 128) return forward_kernel::launch_hdim256_forward(params, type, stream);
   bool launched = false;
   dispatch_element_type(type, [&](auto elem) {

@@ -83,10 +83,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   FwdBuffers smem;
   smem.q = smem_base;
   smem.k = smem.q + Cfg::kQBytes;
-  smem.v = smem.k + kStages * Cfg::kKVBytes;
-  smem.mask = smem.v + kStages * Cfg::kKVBytes;
+  smem.v = smem.k + kStages * Cfg::kKBytes;
+  smem.mask = smem.v + kStages * Cfg::kVBytes;
   auto* shared = reinterpret_cast<FwdSharedState<kStages>*>(smem.mask + kStages * Cfg::Mask::kBytes);
-  static_assert(Cfg::kQBytes + kStages * (2 * Cfg::kKVBytes + Cfg::Mask::kBytes) + sizeof(FwdSharedState<kStages>) +
+  static_assert(Cfg::kQBytes + kStages * (Cfg::kKBytes + Cfg::kVBytes + Cfg::Mask::kBytes) + sizeof(FwdSharedState<kStages>) +
                         1024 <=
                     Cfg::kSmemBytes,
                 "the shared state fits after the tiles");
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
       epilogue.hand_back_out_stage();  // shared memory must outlive the copy engine's reads
       break;
     }
-    float o[Cfg::kHeadDim / 2], inv_sum[2];
+    float o[Cfg::kHeadDimV / 2], inv_sum[2];
     mainloop.tile(t, kv, q_round, o, inv_sum, epilogue);
     epilogue.store(t, kv, o, inv_sum);
   }
@@ -148,13 +148,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
 }
 
 // kCausal picks the tile shape (fwd_block_n); the kernel reads the call's
-// causal flag and window from params.
+// causal flag and window from params. kHeadDimV: the values' (and the
+// output's) head dim.
 template <typename Elem, int kHeadDim, bool kCausal, bool kDropout, MaskKind kMask, bool kWindow = false,
-          bool kSoftcap = false, bool kAlibi = false, bool kVarlen = false>
+          bool kSoftcap = false, bool kAlibi = false, bool kVarlen = false, int kHeadDimV = kHeadDim>
 bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kMasked = kMask != MaskKind::kNone;
   constexpr int kMaskElemBytes = mask_elem_bytes(kMask);
-  using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal, kMasked), kMaskElemBytes>;
+  using Cfg = FwdTileConfig<kHeadDim, fwd_block_n(kHeadDim, kCausal, kMasked, kHeadDimV), kMaskElemBytes, kHeadDimV>;
   const AttentionProblem& p = params.problem;
   FwdKernelParams kp;
   kp.call = params;
@@ -162,13 +163,15 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   const MappedShape shape = mapped_shape(p, params.packed, std::max(Cfg::kBlockM, Cfg::kBlockN));
   if (!shape.fits) return false;
   const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
-  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, shape.tensors, rows, heads, kBFloat16, box_rows);
-  };
-  if (!map(&kp.q_map, params.q, rows_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.k_map, params.k, rows_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, rows_k, p.heads_kv, Cfg::kBlockN) ||
-      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, rows_q, p.heads_q, 64))) {
+  // (The values' and the output's maps have their head dim.)
+  AttentionProblem values = shape.tensors;
+  values.head_dim = p.head_dim_v;
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, const AttentionProblem& dims, int64_t rows, int64_t heads,
+                 int box_rows) { return encode_tensor_map(m, t, dims, rows, heads, kBFloat16, box_rows); };
+  if (!map(&kp.q_map, params.q, shape.tensors, rows_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, shape.tensors, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, values, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, values, rows_q, p.heads_q, 64))) {
     return false;
   }
   if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
@@ -185,7 +188,7 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   if (tiles > kMaxTiles) return false;
   const int sms = multiprocessor_count();
   kp.tiles = static_cast<int>(tiles);
-  const int64_t kv_bytes_per_head = p.len_k * p.head_dim * 2 * int64_t{sizeof(Elem)};  // K and V, streamed
+  const int64_t kv_bytes_per_head = p.len_k * (p.head_dim + p.head_dim_v) * int64_t{sizeof(Elem)};  // K and V, streamed
   kp.order_chunks = heaviest_first_chunks(p.heads_q * p.batch, m_blocks, kv_bytes_per_head, sms);
   const int64_t blocks = std::min<int64_t>(tiles, sms);  // one block an SM (shared memory)
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
@@ -198,6 +201,9 @@ bool launch_masked_forward(const FwdParams& params, ElementType type, cudaStream
 // Head dim 256's dispatch (flash_fwd_sm90_hdim256.cu): a call of head dim
 // 129 to 256 without an attn_mask that forward_covers.
 bool launch_hdim256_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+// MLA's dispatch (flash_fwd_sm90_mla.cu): a call whose values' head dim is
+// not the queries' that forward_covers (192 / 128, zero-padded).
+bool launch_mla_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 // A packed batch's dispatch (flash_fwd_sm90_varlen.cu): a call with params.packed
 // that forward_covers.
 bool launch_varlen_forward(const FwdParams& params, ElementType type, cudaStream_t stream);

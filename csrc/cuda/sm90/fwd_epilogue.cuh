@@ -19,7 +19,7 @@ namespace forward_kernel {
 template <typename Elem, typename Cfg, bool kVarlen>
 struct FwdEpilogue {
   static constexpr int kStages = Cfg::kStages;
-  static constexpr int kHeadDim = Cfg::kHeadDim, kOutRegs = kHeadDim / 2;
+  static constexpr int kHeadDimV = Cfg::kHeadDimV, kOutRegs = kHeadDimV / 2;
   static constexpr bool kOutThroughSmem = Cfg::kOutThroughSmem;
   static constexpr int kOutBoxBytes = 64 * kSwizzleRowBytes;  // the out map's box: 64 rows x 64 columns
 
@@ -60,7 +60,7 @@ struct FwdEpilogue {
       // it, after the next tile's first Q K^T is issued.
       const int last = kv - 1;
       ptx::mbarrier_wait(&shared->k_empty[last % kStages], (last / kStages) & 1);
-      unsigned char* s_out = smem_k + (last % kStages) * Cfg::kKVBytes + consumer * Cfg::kColBlocks * kOutBoxBytes;
+      unsigned char* s_out = smem_k + (last % kStages) * Cfg::kKBytes + consumer * Cfg::kColBlocksV * kOutBoxBytes;
       const uint32_t out_addr = ptx::smem_addr(s_out);
       // stmatrix of 16 columns (two 8-column pieces) by this warp's 16 rows:
       // lane group m = lane / 8 addresses matrix m: rows + 8 (m % 2), piece + m / 2.
@@ -80,7 +80,7 @@ struct FwdEpilogue {
       if (tid == 0) {
         const int out_row = static_cast<int>(row0) + consumer * 64;
         if (out_row < len_q) {
-          for (int c = 0; c < Cfg::kColBlocks; ++c) {
+          for (int c = 0; c < Cfg::kColBlocksV; ++c) {
             ptx::tma_store_4d(&kp.out_map, s_out + c * kOutBoxBytes, c * kSwizzleCols, t.q_start + out_row, t.head,
                               kVarlen ? 0 : t.batch);
           }
@@ -95,8 +95,8 @@ struct FwdEpilogue {
       // Each thread stores its registers (with no key seen, zeros). Columns past
       // the head dim (padded to the kernel's) are not stored; the check is per
       // thread, so it is made only where there are such columns.
-      const int dim = static_cast<int>(p.head_dim);
-      const bool padded = dim < kHeadDim;
+      const int dim = static_cast<int>(p.head_dim_v);
+      const bool padded = dim < kHeadDimV;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = row0 + tile_row + half * 8;

@@ -40,11 +40,11 @@ __device__ __forceinline__ void issue_score_keys(float (&s)[kRegs], uint64_t q_d
 
 // O += P V over keys [kBegin, kEnd) of a tile.
 template <typename Elem, typename Cfg, int kBegin, int kEnd>
-__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDimV / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
                                               uint64_t v_desc) {
 #pragma unroll
   for (int kk = kBegin / 16; kk < kEnd / 16; ++kk) {
-    ptx::wgmma_rs<Elem, Cfg::kHeadDim, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+    ptx::wgmma_rs<Elem, Cfg::kHeadDimV, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
   }
 }
 
@@ -62,7 +62,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[kKeys / 2], uint64_t q_d
   ptx::wgmma_commit();
 }
 template <typename Elem, typename Cfg, int kKeys>
-__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDim / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDimV / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
                                          uint64_t v_desc) {
   ptx::wgmma_fence();
   issue_pv_keys<Elem, Cfg, 0, kKeys>(o, pa, v_desc);
@@ -76,7 +76,7 @@ template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWind
 struct FwdMainloop {
   static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   static constexpr int kKeyRegs = kBlockN / 2;           // a thread's share of its warpgroup's 64 x kBlockN scores
-  static constexpr int kOutRegs = Cfg::kHeadDim / 2;     // and of its 64 x kHeadDim output
+  static constexpr int kOutRegs = Cfg::kHeadDimV / 2;    // and of its 64 x kHeadDimV output
   // Ping-pong: the consumers take turns, in order, to issue a tile's two GEMMs
   // (named barrier 1 + c is consumer c's turn; the one before grants it), so
   // that one's softmax runs while the tensor cores work for the others. The
@@ -127,10 +127,10 @@ struct FwdMainloop {
   __device__ __forceinline__ void release_v(int kv) const { ptx::mbarrier_arrive(&shared->v_empty[kv % kStages]); }
   // Where stage kv % kStages's K or V tile starts.
   __device__ __forceinline__ uint64_t k_stage_desc(int kv) const {
-    return desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKVBytes);
+    return desc_advance(k_tile_desc, (kv % kStages) * Cfg::kKBytes);
   }
   __device__ __forceinline__ uint64_t v_stage_desc(int kv) const {
-    return desc_advance(v_tile_desc, (kv % kStages) * Cfg::kKVBytes);
+    return desc_advance(v_tile_desc, (kv % kStages) * Cfg::kVBytes);
   }
   // The key block of the kv-th K/V tile, the index-th of its query tile's;
   // read after K's wait and before its release.

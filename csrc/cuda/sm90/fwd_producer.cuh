@@ -89,9 +89,9 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
         out_waits ^= 1u << stage;
       }
       if constexpr (Cfg::Mask::kPresent) shared->stage_block[stage] = 2 * n_block + unmasked;
-      ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKVBytes + (unmasked ? 0 : mask_tile_bytes));
+      ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKBytes + (unmasked ? 0 : mask_tile_bytes));
       for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(smem.k + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
+        ptx::tma_load_4d(smem.k + stage * Cfg::kKBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
                          c * kSwizzleCols, key_row, kv_head, batch);
       }
       if (Cfg::Mask::kPresent && !unmasked) {
@@ -102,9 +102,9 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
         }
       }
       ptx::mbarrier_wait(&shared->v_empty[stage], parity ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&shared->v_full[stage], Cfg::kKVBytes);
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(smem.v + stage * Cfg::kKVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
+      ptx::mbarrier_arrive_expect_tx(&shared->v_full[stage], Cfg::kVBytes);
+      for (int c = 0; c < Cfg::kColBlocksV; ++c) {
+        ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
                          c * kSwizzleCols, key_row, kv_head, batch);
       }
       ++kv;

@@ -45,9 +45,10 @@ struct MaskTile {
 // attn_mask: its tile stages beside K and V, and 128 keys are whole 128-byte
 // rows of its shared-memory layout). At head dim 256, 80: two stages of K and
 // V beside Q then fill shared memory, and the output (128 registers a thread)
-// leaves room for 40 score registers only.
-constexpr int fwd_block_n(int head_dim, bool causal, bool masked) {
-  return head_dim > 128 ? 80 : head_dim > 64 && !causal && !masked ? 176 : 128;
+// leaves room for 40 score registers only. At head dim 192 with values of
+// 128 (MLA's prefill), 128: two stages fit, and the output takes 64.
+constexpr int fwd_block_n(int head_dim, bool causal, bool masked, int head_dim_v) {
+  return head_dim > 128 ? (head_dim_v <= 128 ? 128 : 80) : head_dim > 64 && !causal && !masked ? 176 : 128;
 }
 
 // The forward: one producer warpgroup loads Q once and streams K and V tiles
@@ -55,9 +56,11 @@ constexpr int fwd_block_n(int head_dim, bool causal, bool masked) {
 // query rows each compute on them.
 // kMaskElemBytes: the attn_mask's element size (1: bool, 2: additive, in the
 // inputs' dtype), 0 without one.
-template <int kHeadDim_, int kBlockN_, int kMaskElemBytes_ = 0>
+template <int kHeadDim_, int kBlockN_, int kMaskElemBytes_ = 0, int kHeadDimV_ = kHeadDim_>
 struct FwdTileConfig {
-  static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256; smaller head dims read as zero-padded
+  // Of queries and keys: 64, 128, 192 (with values of 128) or 256; smaller
+  // head dims read as zero-padded. Of values and the output: the same, or 128.
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;
   // Three consumers at head dim 64, where the softmax's exp2 costs as much as
   // the two GEMMs: with three taking turns, two hide the third's softmax.
   static constexpr int kConsumers = kHeadDim <= 64 ? 3 : 2;
@@ -78,9 +81,11 @@ struct FwdTileConfig {
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
-  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;    // of Q and K
+  static constexpr int kColBlocksV = kHeadDimV / kSwizzleCols;  // of V and the output
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // one K or V tile
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2;   // one K tile
+  static constexpr int kVBytes = kBlockN * kHeadDimV * 2;  // one V tile
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
   // The attn_mask's tile of a stage, for K's scores: read with K and freed with it.
@@ -90,15 +95,16 @@ struct FwdTileConfig {
   // repeats every 1024 bytes), plus slack to align the base. Three stages
   // where they fit (not with 176-key tiles at head dim 128, nor with a mask
   // at head dim 128, nor at 256).
-  static constexpr int kStageBytes = 2 * kKVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
+  static constexpr int kStageBytes = kKBytes + kVBytes + Mask::kBytes + 5 * 8;  // K, V, the mask, five mbarriers
   static constexpr int kFixedBytes = kQBytes + 192 + 1024;   // Q, its 2 mbarriers, the tile slots (4 mbarriers, 2 x 10 ints), dropout's state, the slack
   static constexpr int kStages = kFixedBytes + 3 * kStageBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   // Whether a tile's output fits in one K buffer, through which the copy engine
   // stores it (at head dim 128; at 64 and 256 it does not, and each thread
   // stores its registers).
-  static constexpr bool kOutThroughSmem = kBlockM * kHeadDim * 2 <= kKVBytes;
-  static_assert(kHeadDim % kSwizzleCols == 0, "whole 64-column blocks");
+  static constexpr bool kOutThroughSmem = kBlockM * kHeadDimV * 2 <= kKBytes;
+  static_assert(kHeadDim % kSwizzleCols == 0 && kHeadDimV % kSwizzleCols == 0, "whole 64-column blocks");
+  static_assert(kHeadDimV == kHeadDim || (kHeadDim == 192 && kHeadDimV == 128), "values' head dim: the same, or MLA's");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
