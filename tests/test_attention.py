@@ -478,7 +478,7 @@ def test_values_of_another_head_dim(path, shape, options):
     out, lse = flashattn_ext.attention_with_lse(*leaves, **options)
     grads = torch.autograd.grad(out, leaves, dout.to("cuda", torch.bfloat16))
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
-    want_out, want_lse = naive_attention(*exact, **options)
+    want_out, _ = naive_attention(*exact, **options)
     want_grads = torch.autograd.grad(want_out, exact, dout)
     rounded = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
     base_out, _ = naive_attention(*rounded, **options)
@@ -487,9 +487,11 @@ def test_values_of_another_head_dim(path, shape, options):
         assert torch.isfinite(g).all(), f"{name}: not every element written"
         ours, naive = relative_error(g.cpu(), w), relative_error(b, w)
         assert ours <= 2 * naive + ERROR_FLOOR[torch.bfloat16], f"{name}: {ours:.3g} vs {naive:.3g}"
-    seen = torch.isfinite(want_lse)
+    # The lse against float64 on the bf16 inputs: their rounding alone moves it by some 1e-3 at d=192.
+    _, rounded_lse = naive_attention(*(t.to(torch.bfloat16).double() for t in (q, k, v)), **options)
+    seen = torch.isfinite(rounded_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), seen)
-    assert (lse.cpu()[seen].double() - want_lse[seen]).abs().max().item() < 1e-3
+    assert (lse.cpu()[seen].double() - rounded_lse[seen]).abs().max().item() < 1e-3
 
 
 @on_paths("sm90")
