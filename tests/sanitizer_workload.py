@@ -1,7 +1,7 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
-small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims,
-dropout on some, bool and float masks (with the float mask's gradient), sliding windows, softcap, ALiBi,
-attention sinks, packed batches and decoding steps.
+small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims (and
+values of another, MLA's), dropout on some, bool and float masks (with the float mask's gradient),
+sliding windows, softcap, ALiBi, attention sinks, packed batches and decoding steps.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -191,6 +191,24 @@ def run_windowed(dtype):
                 raise RuntimeError(f"{name} is not finite for the window {options.get('window')} in {dtype}")
 
 
+def run_mla(dtype):
+    """Values of another head dim than the queries' (MLA's 192 / 128, and 160 / 96 read as those) through
+    the Hopper forward and backward: ragged tiles and blocks, GQA, causal both alignments, a window."""
+    for (batch, heads_q, heads_kv, len_q, len_k, dim, dim_v), options in (
+            ((1, 4, 2, 200, 333, 192, 128), dict(is_causal=True, causal_lower_right=True)),
+            ((2, 2, 2, 130, 65, 160, 96), dict()),
+            ((1, 2, 1, 150, 300, 192, 128), dict(window=(70, 10)))):
+        q = torch.randn(batch, heads_q, len_q, dim, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(batch, heads_kv, len_k, dim, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(batch, heads_kv, len_k, dim_v, device="cuda", dtype=dtype, requires_grad=True)
+        out, _ = flashattn_ext.attention_with_lse(q, k, v, enable_gqa=heads_q != heads_kv, **options)
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+            if not torch.isfinite(t).all():
+                raise RuntimeError(f"{name} is not finite for head dims {dim} / {dim_v} in {dtype}")
+
+
 def run_varlen(dtype):
     """A packed batch through the Hopper forward's one launch (rows past a sequence's end, empty
     sequences), head dims 64, 128 and 256, causal both alignments and a window."""
@@ -318,6 +336,8 @@ def main():
             print(f"ok packed batch {dtype} deterministic={deterministic}", flush=True)
             run_sinks(dtype)
             print(f"ok sinks {dtype} deterministic={deterministic}", flush=True)
+            run_mla(dtype)
+            print(f"ok values of another head dim {dtype} deterministic={deterministic}", flush=True)
     torch.use_deterministic_algorithms(False)  # (bad bounds: the one-launch paths, which do not raise)
     for dtype in DTYPES:
         run_varlen_bad_bounds(dtype)

@@ -461,9 +461,9 @@ MLA_SHAPES = [(2, 4, 2, 333, 700, 192, 128), (1, 3, 1, 1024, 1024, 192, 128), (2
                          ids=["full", "causal", "causal_lower_right", "window"])
 @pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_values_of_another_head_dim(path, shape, options):
-    """Queries and keys of head dim 192 with values of 128 (MLA's prefill): the Hopper forward (its kernel in
-    the profiler) against float64, every element of the output written (NaN-poisoned memory), the lse too; the
-    backward (the ATen fallback's) against float64's gradients."""
+    """Queries and keys of head dim 192 with values of 128 (MLA's prefill): the Hopper forward and backward
+    (their kernels in the profiler) against float64, every element of the output and gradients written
+    (NaN-poisoned memory), the lse too."""
     batch, heads_q, heads_kv, len_q, len_k, dim, dim_v = shape
     gen = torch.Generator().manual_seed(len_q + dim_v)
     q = torch.randn(batch, heads_q, len_q, dim, generator=gen, dtype=torch.float64)
@@ -472,11 +472,14 @@ def test_values_of_another_head_dim(path, shape, options):
     dout = torch.randn(batch, heads_q, len_q, dim_v, generator=gen, dtype=torch.float64)
     leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
     options = dict(options, enable_gqa=heads_q != heads_kv)
-    names = kernel_names(lambda: flashattn_ext.attention_with_lse(*leaves, **options))
+    grad_out = dout.to("cuda", torch.bfloat16)
+    names = kernel_names(
+        lambda: torch.autograd.grad(flashattn_ext.attention_with_lse(*leaves, **options)[0], leaves, grad_out))
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_split_kernel" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     out, lse = flashattn_ext.attention_with_lse(*leaves, **options)
-    grads = torch.autograd.grad(out, leaves, dout.to("cuda", torch.bfloat16))
+    grads = torch.autograd.grad(out, leaves, grad_out)
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, _ = naive_attention(*exact, **options)
     want_grads = torch.autograd.grad(want_out, exact, dout)

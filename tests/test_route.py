@@ -65,12 +65,16 @@ def test_cuda_routes(monkeypatch):
         assert family == dense and "deterministic" in reason
         family, reason = route(q, k, v, window=(64, 0), backward=True)
         assert family == "aten" and "sliding window" in reason
-    # Values of another head dim: MLA's 192 / 128 forward on Hopper (also in a decoding step's shape), else,
-    # and for any backward, the ATen fallback.
+    # Values of another head dim: MLA's 192 / 128 on Hopper, forward (also in a decoding step's shape) and
+    # backward (not in deterministic mode); else the ATen fallback.
     mla = (*qkv("cuda", bf16, dim=192)[:2], qkv("cuda", bf16)[2])
     assert route(*mla, is_causal=True)[0] == ("sm90" if hopper() else "aten")
     assert route(*(t[:, :, :1] if i == 0 else t for i, t in enumerate(mla)))[0] == ("sm90" if hopper() else "aten")
-    family, reason = route(*mla, is_causal=True, backward=True)
+    assert route(*mla, is_causal=True, backward=True)[0] == ("sm90" if hopper() else "aten")
+    with deterministic_algorithms():
+        family, reason = route(*mla, is_causal=True, backward=True)
+        assert family == "aten" and "value head dims" in reason
+    family, reason = route(*mla, dropout_p=0.1, backward=True)
     assert family == "aten" and "value head dims" in reason
     assert route(*qkv("cuda", bf16, dim=64)[:2], qkv("cuda", bf16, dim=32)[2])[0] == "aten"
     # Rows 5 and 6 where the Hopper kernels are turned off.

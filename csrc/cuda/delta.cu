@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Bw
   }
   const int64_t row = int64_t(blockIdx.x) * kDeltaRowsPerBlock + threadIdx.x / kDeltaLanesPerRow;
   const int lane = threadIdx.x % kDeltaLanesPerRow;
-  const int dim = static_cast<int>(p.head_dim);
+  const int dim = static_cast<int>(p.head_dim_v);  // (O and dO: the values' head dim)
   const bool in_range = row < p.batch * p.heads_q * p.len_q;
   float sum = 0.f;
   if (in_range) {
@@ -69,7 +69,7 @@ void compute_delta(const BwdParams& params, ElementType type, cudaStream_t strea
     return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride_batch % kVectorElems == 0 &&
            t.stride_head % kVectorElems == 0 && t.stride_row % kVectorElems == 0;
   };
-  const bool vectorized = p.head_dim % kVectorElems == 0 && aligned(params.out) && aligned(params.dout);
+  const bool vectorized = p.head_dim_v % kVectorElems == 0 && aligned(params.out) && aligned(params.dout);
   const int64_t zero_floats = params.dq_accum != nullptr ? dq_accum_floats(p, params.dq_accum_pairs) : 0;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(vectorized, [&](auto vector) {

@@ -95,9 +95,10 @@ constexpr const char* kDeterministicHopperBackward =
 
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p) {
   if (p.head_dim_v != p.head_dim) {
-    return c10::str("of the CUDA kernels only the Hopper forward takes value head dims other than the query's (an "
+    return c10::str("of the CUDA kernels only the Hopper ones take value head dims other than the query's (an "
                     "H100 or H200: queries and keys of 136 to 192, values of 72 to 128, as MLA's 192 / 128, without "
-                    "attn_mask, dropout, softcap, ALiBi or a packed batch), not ", p.head_dim_v, " and ", p.head_dim);
+                    "attn_mask, dropout, softcap, ALiBi or a packed batch; the backward not in deterministic mode), "
+                    "not ", p.head_dim_v, " and ", p.head_dim);
   }
   if (p.alibi_slopes != nullptr) {
     return std::string("of the CUDA kernels only the Hopper ones take ALiBi (an H100 or H200, without attn_mask, "

@@ -42,9 +42,8 @@ struct Route {
 //   4. the Hopper kernels on an H100 / H200 where they cover the call
 //      (sm90::forward_covers, sm90::backward_covers), unless
 //      FLASHATTN_EXT_KERNELS=sm80;
-//   5. the ATen fallback for a window, softcap, ALiBi or (forward only)
-//      values of another head dim than the queries', which only the Hopper
-//      kernels take;
+//   5. the ATen fallback for a window, softcap, ALiBi or values of another
+//      head dim than the queries', which only the Hopper kernels take;
 //   6. the sm80 kernels.
 // A Hopper kernel may still refuse at launch tensors the copy engine cannot
 // address; the call then runs row 5 or 6.

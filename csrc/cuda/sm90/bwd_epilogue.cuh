@@ -10,38 +10,43 @@
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 
-// Stores a consumer's dK (times the scale) and dV (times dropout's 1 / (1 -
-// p)): its rows key_row and key_row + 8 of the block, its accumulators'
-// columns from col0 of the head dim on. Columns past the head dim (padded to
-// the kernel's) are not stored (as in the forward's output).
+// Stores a consumer's dK or dV (dst, head dim `dim`; times `scale`): its rows
+// key_row and key_row + 8 of the block, its accumulators' columns from col0
+// on, those from first_col to the head dim (columns past it: the kernel's
+// padding; before first_col: another consumer's).
 template <typename Elem, bool kVarlen = false, int kGradRegs>
-__device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int key_row,
-                                                    int col0, int lane, const float (&dk)[kGradRegs],
-                                                    const float (&dv)[kGradRegs], float dv_scale) {
-  const AttentionProblem& p = params.problem;
-  const float scale = static_cast<float>(p.scale);
+__device__ __forceinline__ void store_key_gradient(const TensorView4d& dst, int64_t dim, const BwdParams& params,
+                                                   const BwdBlock& block, int key_row, int col0, int first_col,
+                                                   int lane, const float (&grad)[kGradRegs], float scale) {
   // (A packed batch: batch 0 of the tensors, the sequence's keys from row k_start.)
-  const int64_t batch = kVarlen ? 0 : block.b, len_k = kVarlen ? block.len_k : p.len_k;
-  Elem* dk_head = head_ptr<Elem>(params.dk, batch, block.h_kv) + block.k_start * params.dk.stride_row;
-  Elem* dv_head = head_ptr<Elem>(params.dv, batch, block.h_kv) + block.k_start * params.dv.stride_row;
-  const int dim = static_cast<int>(p.head_dim);
-  const bool padded = dim < col0 + 2 * kGradRegs;
+  const int64_t batch = kVarlen ? 0 : block.b, len_k = kVarlen ? block.len_k : params.problem.len_k;
+  Elem* head = head_ptr<Elem>(dst, batch, block.h_kv) + block.k_start * dst.stride_row;
+  const bool partial = dim < col0 + 2 * kGradRegs || first_col > col0;
   const int cols0 = col0 + (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int64_t key = block.col0 + key_row + half * 8;
     if (key >= len_k) continue;
-    Elem* dk_row = dk_head + key * params.dk.stride_row + cols0;
-    Elem* dv_row = dv_head + key * params.dv.stride_row + cols0;
+    Elem* row = head + key * dst.stride_row + cols0;
 #pragma unroll
     for (int j = 0; j < kGradRegs / 4; ++j) {
-      if (padded && j * 8 + cols0 >= dim) continue;
-      *reinterpret_cast<uint32_t*>(dk_row + j * 8) =
-          ptx::pack2<Elem>(dk[4 * j + 2 * half] * scale, dk[4 * j + 2 * half + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + j * 8) =
-          ptx::pack2<Elem>(dv[4 * j + 2 * half] * dv_scale, dv[4 * j + 2 * half + 1] * dv_scale);
+      if (partial && (j * 8 + cols0 >= dim || j * 8 + cols0 < first_col)) continue;
+      *reinterpret_cast<uint32_t*>(row + j * 8) =
+          ptx::pack2<Elem>(grad[4 * j + 2 * half] * scale, grad[4 * j + 2 * half + 1] * scale);
     }
   }
+}
+
+// Stores a consumer's dK (times the scale) and dV (times dropout's 1 / (1 -
+// p)), both of the same columns from col0 on (store_key_gradient).
+template <typename Elem, bool kVarlen = false, int kGradRegs>
+__device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int key_row,
+                                                    int col0, int lane, const float (&dk)[kGradRegs],
+                                                    const float (&dv)[kGradRegs], float dv_scale) {
+  const AttentionProblem& p = params.problem;
+  store_key_gradient<Elem, kVarlen>(params.dk, p.head_dim, params, block, key_row, col0, col0, lane, dk,
+                                    static_cast<float>(p.scale));
+  store_key_gradient<Elem, kVarlen>(params.dv, p.head_dim_v, params, block, key_row, col0, col0, lane, dv, dv_scale);
 }
 
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

@@ -42,8 +42,9 @@ __device__ __forceinline__ void init_backward_barriers(BwdBarriers<Cfg::kStages>
 // K and V once, then each query tile's Q (with its attn_mask tile, unless the
 // mask hides none of the tile's pairs) and dO into the ring of stages; every
 // lane stages lse and delta of the tile's queries (plain loads: their rows are
-// not 16-byte aligned for the copy engine). kOrdered: deterministic mode's
-// walk (next_query_tile).
+// not 16-byte aligned for the copy engine). V and dO have Cfg::kColBlocksV
+// column blocks (fewer than Q's and K's at MLA's head dims). kOrdered:
+// deterministic mode's walk (next_query_tile).
 template <typename Cfg, bool kVarlen = false, bool kOrdered = false>
 __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, const BwdBlock& block,
                                                     unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
@@ -57,12 +58,14 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   const int batch = kVarlen ? 0 : static_cast<int>(block.b), kv_head = static_cast<int>(block.h_kv);
   const int key_row = static_cast<int>(block.k_start + block.col0);
   if (lane == 0) {
-    ptx::mbarrier_arrive_expect_tx(&bars->kv_full, 2 * Cfg::kKVBytes);
+    ptx::mbarrier_arrive_expect_tx(&bars->kv_full, Cfg::kKBytes + Cfg::kVBytes);
     for (int c = 0; c < Cfg::kColBlocks; ++c) {
       ptx::tma_load_4d(s_k + c * Cfg::kKVColBlockBytes, &kp.k_map, &bars->kv_full, c * kSwizzleCols, key_row,
                        kv_head, batch);
-      ptx::tma_load_4d(s_v + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->kv_full, c * kSwizzleCols, key_row,
-                       kv_head, batch);
+      if (c < Cfg::kColBlocksV) {
+        ptx::tma_load_4d(s_v + c * Cfg::kKVColBlockBytes, &kp.v_map, &bars->kv_full, c * kSwizzleCols, key_row,
+                         kv_head, batch);
+      }
     }
   }
   if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
@@ -101,9 +104,9 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
     // under way before the stats' plain loads.
     if (lane == 0) {
       ptx::mbarrier_wait(&bars->dout_empty[stage], parity ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kQBytes);
-      for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(s_dout + stage * Cfg::kQBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
+      ptx::mbarrier_arrive_expect_tx(&bars->dout_full[stage], Cfg::kDoBytes);
+      for (int c = 0; c < Cfg::kColBlocksV; ++c) {
+        ptx::tma_load_4d(s_dout + stage * Cfg::kDoBytes + c * Cfg::kQColBlockBytes, &kp.dout_map,
                          &bars->dout_full[stage], c * kSwizzleCols, q_coord, head, batch);
       }
     }

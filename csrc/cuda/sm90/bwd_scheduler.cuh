@@ -124,13 +124,13 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
     block.len_k = keys.length;
     block.dq_accum_head_rows = packed_dq_accum_start(packed.total_q, p.batch);
     block.dq_accum = params.dq_accum + (block.h_kv * block.group * block.dq_accum_head_rows +
-                                        packed_dq_accum_start(queries.start, b)) * Cfg::kHeadDim;
+                                        packed_dq_accum_start(queries.start, b)) * Cfg::kDqAccumCols;
   } else {
     block.q_start = block.k_start = 0;
     block.len_q = p.len_q;
     block.len_k = p.len_k;
     block.dq_accum_head_rows = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
-    block.dq_accum = params.dq_accum + pair_in_chunk * block.group * block.dq_accum_head_rows * Cfg::kHeadDim;
+    block.dq_accum = params.dq_accum + pair_in_chunk * block.group * block.dq_accum_head_rows * Cfg::kDqAccumCols;
   }
   if constexpr (kWindow || kVarlen) {
     const Visibility seen(p, block.len_q, block.len_k);

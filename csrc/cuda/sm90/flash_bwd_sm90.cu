@@ -3,7 +3,8 @@
 // head) pairs, and the kernel's instantiations without an attn_mask at head
 // dims up to 128
 // (flash_bwd_sm90_kernel.cuh has the kernel; flash_bwd_sm90_masked.cu the
-// instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256).
+// instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256 and
+// MLA's 192 / 128).
 #include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90_kernel.cuh"
 
@@ -20,7 +21,12 @@ bool backward_covers(const BwdParams& params) {
   // A packed batch: head dims up to 128, none of the above but a window.
   const bool varlen_covered = !params.packed.present() || (p.head_dim <= 128 && !masked && params.dropout.p == 0.0 &&
                                                            p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  return p.head_dim == p.head_dim_v && softcap_covered && alibi_covered && varlen_covered && p.len_q > 0 &&
+  // Values of another head dim: MLA's (192 / 128), plain but for a window (as the forward: forward_covers).
+  const bool values_covered =
+      p.head_dim_v == p.head_dim ||
+      (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v > 64 && p.head_dim_v <= 128 && !masked &&
+       params.dropout.p == 0.0 && p.softcap == 0.0 && p.alibi_slopes == nullptr && !params.packed.present());
+  return values_covered && softcap_covered && alibi_covered && varlen_covered && p.len_q > 0 &&
          p.len_k > 0 && p.heads_q > 0 && p.batch > 0 && !(masked && (p.head_dim > 128 || params.dmask.data != nullptr));
 }
 

@@ -1,16 +1,18 @@
 // The Hopper backward at head dim 256 (head dims 129 to 256, zero-padded;
-// sm_90a), with dQ accumulated in float32: one thread block per (block of 64
-// keys, key/value head, batch). The producer warp streams Q and dO tiles as in
-// the backward of smaller head dims (flash_bwd_sm90.cuh). A consumer cannot
-// keep both dK and dV of 64 keys in registers here (256 a thread), so both
-// consumer warpgroups work on the block's 64 keys, each keeping half of the
-// columns of dK and dV, and split a tile's work (BwdSplitTileConfig):
+// sm_90a), and at MLA's head dims, queries and keys of 192 with values of 128
+// (136 to 192 and 72 to 128, zero-padded), with dQ accumulated in float32: one
+// thread block per (block of 64 keys, key/value head, batch). The producer
+// warp streams Q and dO tiles as in the backward of smaller head dims
+// (flash_bwd_sm90.cuh). A consumer cannot keep both dK and dV of 64 keys in
+// registers here (256 + 256 or 192 + 128 a thread), so both consumer
+// warpgroups work on the block's 64 keys, each keeping part of the columns of
+// dK and dV, and split a tile's work (BwdSplitTileConfig):
 //   consumer 0: S^T = K Q^T, P^T = exp(S^T * scale - lse); P^T to shared memory
 //   consumer 1: dP^T = V dO^T; reads P^T; dS^T = P^T * (dP^T - delta), to
 //               shared memory; consumer 0 reads it
 //   both:       dV += P^T dO and dK += dS^T Q over their columns (the A
-//               operand from registers), then dQ = dS K over their columns
-//               in two 64-column slices, each added to dq_accum by atomics
+//               operand from registers), then dQ = dS K over their 64-column
+//               slices, each added to dq_accum by atomics
 // With dropout both consumers draw the tile's Philox numbers (the same ones,
 // for the same scores: their score tiles share one register layout): consumer
 // 1 drops dP^T where the forward dropped P, and both drop P^T for dV.
@@ -67,9 +69,8 @@ __device__ __forceinline__ void ds_from_rounded_probabilities(float (&s)[kRegs],
   }
 }
 
-// Issues slice `slice` of a consumer's dQ columns = dS K over the block's
-// keys (ds_desc: the tile's dS^T buffer; k_desc: the consumer's columns of
-// K): one wgmma group.
+// Issues slice `slice` of dQ's columns = dS K over the block's keys (ds_desc:
+// the tile's dS^T buffer; k_desc: K as dQ's B operand): one wgmma group.
 template <typename Elem, typename Cfg, int kRegs>
 __device__ __forceinline__ void issue_dq_slice_gemm(float (&dq)[kRegs], uint64_t ds_desc, uint64_t k_desc, int slice) {
   fence_registers(dq);
@@ -98,7 +99,7 @@ __device__ __forceinline__ void add_dq_slice(float* dq_slice, const float (&dq)[
 // and a step move them by constant offsets. The score GEMM (K-major): consumer
 // 0's K and Q, consumer 1's V and dO. N-major: this consumer's columns of
 // stage 0's Q and dO as the B of dK += dS^T Q and dV += P^T dO (a step: 16
-// rows of queries), and of K as the B of dQ = dS K (a step: 16 keys).
+// rows of queries), and K as the B of dQ = dS K (a step: 16 keys).
 template <typename Cfg>
 struct SplitBwdDescriptors {
   uint64_t keys, queries, q_rows, dout_rows, k_dq;
@@ -107,14 +108,13 @@ struct SplitBwdDescriptors {
 
   __device__ __forceinline__ SplitBwdDescriptors(unsigned char* s_k, unsigned char* s_v, unsigned char* s_q,
                                                  unsigned char* s_dout, unsigned char* s_ds, int consumer) {
-    const int grad_col0 = consumer * Cfg::kGradCols;
     const uint32_t k_addr = ptx::smem_addr(s_k), q_addr = ptx::smem_addr(s_q), dout_addr = ptx::smem_addr(s_dout);
     keys = k_major_desc(consumer == 0 ? k_addr : ptx::smem_addr(s_v));
     queries = k_major_desc(consumer == 0 ? q_addr : dout_addr);
-    const int grad_col_block_bytes = grad_col0 / kSwizzleCols * Cfg::kQColBlockBytes;
-    q_rows = n_major_desc(q_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
-    dout_rows = n_major_desc(dout_addr + grad_col_block_bytes, Cfg::kQColBlockBytes);
-    k_dq = n_major_desc(k_addr + grad_col0 / kSwizzleCols * Cfg::kKVColBlockBytes, Cfg::kKVColBlockBytes);
+    auto col_block_bytes = [](int col) { return col / kSwizzleCols * Cfg::kQColBlockBytes; };
+    q_rows = n_major_desc(q_addr + col_block_bytes(Cfg::dk_col0(consumer)), Cfg::kQColBlockBytes);
+    dout_rows = n_major_desc(dout_addr + col_block_bytes(consumer * Cfg::kDvCols), Cfg::kQColBlockBytes);
+    k_dq = n_major_desc(k_addr, Cfg::kKVColBlockBytes);
     ds_dq = n_major_desc(ptx::smem_addr(s_ds), Cfg::kDsColBlockBytes);
   }
 };
@@ -128,9 +128,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     attention_backward_split_kernel(const __grid_constant__ BwdKernelParams kp) {
   static_assert(int{kDropout} + kSoftcap + kAlibi <= 1, "softcap, ALiBi or dropout");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kHeadDim = Cfg::kHeadDim, kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
+  constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   constexpr int kScoreRegs = kBlockM / 2;         // a thread's share of 64 keys x kBlockM queries
-  constexpr int kGradRegs = Cfg::kGradCols / 2;   // and of its 64 x kGradCols dK or dV
+  constexpr int kDkRegs = Cfg::kDkCols / 2;       // and of its 64 x kDkCols dK
+  constexpr int kDvRegs = Cfg::kDvCols / 2;       // and of its 64 x kDvCols dV
   constexpr int kDqRegs = kDqAccumSliceCols / 2;  // and of a 64 x 64 slice of dQ
   constexpr int kSteps = kBlockM / 16;            // k16 steps of P^T and dS^T as A operands
   const BwdParams& params = kp.call;
@@ -139,10 +140,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = swizzle_aligned(smem_raw);
   unsigned char* s_k = smem;
-  unsigned char* s_v = s_k + Cfg::kKVBytes;
-  unsigned char* s_q = s_v + Cfg::kKVBytes;
+  unsigned char* s_v = s_k + Cfg::kKBytes;
+  unsigned char* s_q = s_v + Cfg::kVBytes;
   unsigned char* s_dout = s_q + kStages * Cfg::kQBytes;
-  unsigned char* s_pt = s_dout + kStages * Cfg::kQBytes;
+  unsigned char* s_pt = s_dout + kStages * Cfg::kDoBytes;
   unsigned char* s_ds = s_pt + Cfg::kDsBytes;
   // Per stage: lse (in log2 units) and delta of the tile's queries.
   auto* s_stats = reinterpret_cast<float(*)[2][kBlockM]>(s_ds + Cfg::kDsBuffers * Cfg::kDsBytes);
@@ -183,7 +184,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tid = threadIdx.x % kWarpgroupThreads;
   const int lane = tid % kWarpSize;
   const int key_row = (tid / kWarpSize) * 16 + lane / 4;  // and key_row + 8, in the block
-  const int grad_col0 = consumer * Cfg::kGradCols;       // this consumer's columns of dK, dV and dQ
+  // This consumer's dQ slices: dq_slices from dq_slice0 on (consumer 1 has
+  // the larger share: with equal shares, a constant count).
+  const int dq_slice0 = Cfg::dq_slice0(consumer);
+  constexpr int kMostDqSlices = Cfg::kDqSlices - Cfg::dq_slice0(1);
+  const int dq_slices = consumer == 0 ? Cfg::dq_slice0(1) : kMostDqSlices;
   // Whether this thread holds key 0's dS (visibility.cuh: exactly 0 for rows that see key 0 alone).
   const bool holds_first_key = col0 + key_row == 0;
 
@@ -192,9 +197,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const float scale_log2 = score_scale_log2(p);
   const BackwardSoftcap softcap = kSoftcap ? BackwardSoftcap(p) : BackwardSoftcap();
 
-  float dk[kGradRegs], dv[kGradRegs];
+  float dk[kDkRegs], dv[kDvRegs];
 #pragma unroll
-  for (int i = 0; i < kGradRegs; ++i) dk[i] = dv[i] = 0.f;
+  for (int i = 0; i < kDkRegs; ++i) dk[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kDvRegs; ++i) dv[i] = 0.f;
 
   if (block.tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
@@ -205,7 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   for (int tile = 0; tile < block.tiles; ++tile) {
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
-    const uint32_t stage_offset = stage * Cfg::kQBytes;
+    const uint32_t q_stage_offset = stage * Cfg::kQBytes, dout_stage_offset = stage * Cfg::kDoBytes;
     const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
     const float alibi_log2 = kAlibi ? alibi_slope_log2(p, block.b, head) : 0.f;
     // Dropout's decisions for the tile (the same in both consumers).
@@ -219,15 +226,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float(&lse_q)[kBlockM] = s_stats[stage][0];
     const float(&delta_q)[kBlockM] = s_stats[stage][1];
 
-    // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T (64 keys x kBlockM queries).
+    // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T (64 keys x kBlockM
+    // queries; over kHeadDimV columns, fewer at MLA's head dims).
     float s[kScoreRegs];
     ptx::mbarrier_wait(&bars->q_full[stage], parity);
     ptx::mbarrier_wait(&bars->dout_full[stage], parity);
     fence_registers(s);
-    const uint64_t queries_stage_desc = desc_advance(desc.queries, stage_offset);
+    const uint64_t queries_stage_desc =
+        desc_advance(desc.queries, consumer == 0 ? q_stage_offset : dout_stage_offset);
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+      if (Cfg::kHeadDimV < Cfg::kHeadDim && consumer == 1 && kk == Cfg::kHeadDimV / 16) break;
       ptx::wgmma_ss<Elem, kBlockM>(s, desc_advance(desc.keys, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)),
                                    desc_advance(queries_stage_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
                                    kk > 0);
@@ -267,22 +277,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ptx::fence_proxy_async();
     }
     // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
-    accumulate_key_gradient<Elem>(dv, p_frag, desc.dout_rows, stage_offset);
+    accumulate_key_gradient<Elem>(dv, p_frag, desc.dout_rows, dout_stage_offset);
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
     if (consumer == 0) load_transposed_tile(ds_tile, ds_frag, tid, lane);
 
-    // dK += dS^T Q, then the two slices of this consumer's dQ columns = dS K
-    // over the block's keys, each added to the tile's dq_accum slice (one
-    // float4 a thread and register quad: dq_accum's layout).
-    accumulate_key_gradient<Elem>(dk, ds_frag, desc.q_rows, stage_offset);
+    // dK += dS^T Q, then this consumer's slices of dQ's columns = dS K over
+    // the block's keys, each added to the tile's dq_accum slice (one float4 a
+    // thread and register quad: dq_accum's layout).
+    accumulate_key_gradient<Elem>(dk, ds_frag, desc.q_rows, q_stage_offset);
     const uint64_t ds_tile_desc = desc_advance(desc.ds_dq, (tile % Cfg::kDsBuffers) * Cfg::kDsBytes);
-    float* dq_tile = block.dq_accum + (head_in_group * padded_len_q + row0) * kHeadDim;
+    float* dq_tile = block.dq_accum + (head_in_group * padded_len_q + row0) * Cfg::kDqAccumCols;
 #pragma unroll
-    for (int slice = 0; slice < Cfg::kGradCols / kDqAccumSliceCols; ++slice) {
+    for (int i = 0; i < kMostDqSlices; ++i) {
+      if (i == dq_slices) break;
+      const int slice = dq_slice0 + i;
       float dq[kDqRegs];
       issue_dq_slice_gemm<Elem, Cfg>(dq, ds_tile_desc, desc.k_dq, slice);
       wgmma_wait_fenced<0>(dq);
-      if (slice == 0) {  // dV and dK are done (wgmma groups complete in order): Q's and dO's stages are free
+      if (i == 0) {  // dV and dK are done (wgmma groups complete in order): Q's and dO's stages are free
         fence_registers(dv);
         fence_registers(dk);
         fence_registers(p_frag);
@@ -290,21 +302,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         ptx::mbarrier_arrive(&bars->dout_empty[stage]);
         ptx::mbarrier_arrive(&bars->q_empty[stage]);
       }
-      float* dq_slice = dq_tile + (grad_col0 / kDqAccumSliceCols + slice) * kDqAccumRowMultiple * kDqAccumSliceCols;
-      add_dq_slice(dq_slice, dq, tid);
+      add_dq_slice(dq_tile + slice * kDqAccumRowMultiple * kDqAccumSliceCols, dq, tid);
     }
   }
 
+  // dK from column dk_col0 on, stored past consumer 0's (at MLA's head dims
+  // consumer 1's first 64 columns are consumer 0's last); dV.
+  const int dk_col0 = Cfg::dk_col0(consumer);
+  store_key_gradient<Elem>(params.dk, p.head_dim, params, block, key_row, dk_col0, consumer * Cfg::kDkCols, lane, dk,
+                           static_cast<float>(p.scale));
   const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
-  store_key_gradients<Elem>(params, block, key_row, grad_col0, lane, dk, dv, dv_scale);
+  store_key_gradient<Elem>(params.dv, p.head_dim_v, params, block, key_row, consumer * Cfg::kDvCols,
+                           consumer * Cfg::kDvCols, lane, dv, dv_scale);
 #endif
 }
 
 }  // namespace
 
 bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
-  using Cfg = BwdSplitTileConfig<256>;
   bool launched = false;
+  if (params.problem.head_dim_v != params.problem.head_dim) {  // MLA's: none of softcap, ALiBi, dropout
+    using Cfg = BwdSplitTileConfig<192, 128>;
+    dispatch_element_type(type, [&](auto elem) {
+      dispatch_flag(params.problem.has_window(), [&](auto window) {
+        launched = launch_backward_kernel<decltype(elem), Cfg>(
+            params, attention_backward_split_kernel<decltype(elem), Cfg, false, decltype(window)::value, false, false>,
+            stream);
+      });
+    });
+    return launched;
+  }
+  using Cfg = BwdSplitTileConfig<256>;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(params.problem.has_window(), [&](auto window) {
       using Elem = decltype(elem);

@@ -100,7 +100,7 @@ __device__ __forceinline__ float* dq_accum_block(const AttentionProblem& p, cons
                                                  int consumer) {
   const int64_t row0 = (block.m_begin + t.m) * Cfg::kBlockM + 64 * (consumer % Cfg::kDqRowBlocks);
   if (row0 >= (kVarlen ? block.len_q : p.len_q)) return nullptr;
-  return block.dq_accum + (t.head * block.dq_accum_head_rows + row0) * Cfg::kHeadDim +
+  return block.dq_accum + (t.head * block.dq_accum_head_rows + row0) * Cfg::kDqAccumCols +
          (consumer / Cfg::kDqRowBlocks) * kDqAccumRowMultiple * kDqAccumSliceCols;
 }
 

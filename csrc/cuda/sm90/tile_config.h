@@ -141,6 +141,9 @@ struct BwdTileConfig {
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
+  // (As the producer names them where values have another head dim: BwdSplitTileConfig.)
+  static constexpr int kColBlocksV = kColBlocks, kKBytes = kKVBytes, kVBytes = kKVBytes, kDoBytes = kQBytes;
+  static constexpr int kDqAccumCols = kHeadDim;  // dq_accum's floats a row
   // One dS^T buffer: kBlockN rows (keys) of kBlockM queries, in blocks of 64 columns.
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;
@@ -166,19 +169,33 @@ struct BwdTileConfig {
   static_assert(kDqRowBlocks * (kHeadDim / kDqAccumSliceCols) == kConsumers, "one dQ block a consumer");
 };
 
-// The backward at head dim 256, where a consumer cannot keep both dK and dV of
-// 64 keys in registers (256 a thread): one block per kBlockN = 64 keys, and both
-// consumers on the same keys, each with half of the columns of dK, dV and dQ.
-// Consumer 0 computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T;
-// they hand P^T and dS^T to each other through shared memory. dQ goes to
-// dq_accum by float32 atomics from registers (no room for its blocks).
-template <int kHeadDim_>
+// The backward at head dim 256, and at MLA's 192 with values of 128, where a
+// consumer cannot keep both dK and dV of 64 keys in registers (256 + 256 or
+// 192 + 128 a thread): one block per kBlockN = 64 keys, and both consumers on
+// the same keys, each with part of the columns of dK, dV and dQ. Consumer 0
+// computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T; they hand
+// P^T and dS^T to each other through shared memory. dQ goes to dq_accum by
+// float32 atomics from registers (no room for its blocks).
+// Each consumer keeps 128 columns of dK: at 192 consumer 1's are columns 64
+// to 191, and it stores those past consumer 0's only (a spare 64 x 64 x 64
+// GEMM a tile, which balances consumer 0's larger score GEMM: both then issue
+// seven). Half of dV's columns each; dQ's 64-column slices split, consumer 0
+// taking the first half (rounded down).
+template <int kHeadDim_, int kHeadDimV_ = kHeadDim_>
 struct BwdSplitTileConfig {
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;  // of Q and K; of V and dO
+  static_assert((kHeadDim == 256 && kHeadDimV == 256) || (kHeadDim == 192 && kHeadDimV == 128),
+                "head dim 256, or MLA's 192 / 128");
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64;  // keys per block
   static constexpr int kBlockM = 64;  // queries per streamed tile
-  static constexpr int kGradCols = kHeadDim / kConsumers;  // a consumer's columns of dK, dV and dQ
+  static constexpr int kDkCols = 128;                      // a consumer's columns of dK
+  static constexpr int kDvCols = kHeadDimV / kConsumers;   // and of dV
+  static constexpr int kDqSlices = kHeadDim / kDqAccumSliceCols;
+  __device__ static constexpr int dk_col0(int consumer) { return consumer * (kHeadDim - kDkCols); }
+  __device__ static constexpr int dq_slice0(int consumer) { return consumer * (kDqSlices / 2); }
+  // dq_accum's floats a row: dispatch_head_dim runs head dims past 128 as 256.
+  static constexpr int kDqAccumCols = dq_accum_cols(256);
   static constexpr int kStages = 2;
   static constexpr int kDsBuffers = 2;  // as in BwdTileConfig
   using Mask = MaskTile<kBlockM, kBlockN, 0>;  // no attn_mask
@@ -186,9 +203,9 @@ struct BwdSplitTileConfig {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
 
-  static constexpr int kColBlocks = kHeadDim / kSwizzleCols;
-  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V
-  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO tile
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols, kColBlocksV = kHeadDimV / kSwizzleCols;
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;  // a stage's tiles
   // The P^T buffer and each dS^T buffer: kBlockN rows (keys) of kBlockM queries, one 64-column block.
   static constexpr int kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;
@@ -198,12 +215,13 @@ struct BwdSplitTileConfig {
   // The mbarriers, the stages' query tiles (12 bytes each, 16 kept) and dropout's state (BwdBarriers).
   static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 16 * kStages + 32;
   // K, V, the stages of Q and dO, P^T, the dS^T buffers, the stats, the barriers; slack to align the base.
-  static constexpr int kSmemBytes = 2 * kKVBytes + kStages * 2 * kQBytes + (1 + kDsBuffers) * kDsBytes +
-                                    kStatsBytes + kBarrierBytes + 1024;
+  static constexpr int kSmemBytes = kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
+                                    (1 + kDsBuffers) * kDsBytes + kStatsBytes + kBarrierBytes + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
   static_assert(kBlockM == kSwizzleCols && kBlockM == kDqAccumRowMultiple,
                 "a tile: one dS^T column block, one dq_accum tile");
-  static_assert(kGradCols % kDqAccumSliceCols == 0, "whole dq_accum slices a consumer");
+  static_assert(kDkCols <= kHeadDim && 2 * kDkCols >= kHeadDim && kDvCols % kSwizzleCols == 0,
+                "dK's columns covered by the two consumers', dV's split in whole column blocks");
 };
 
 // The decode kernel (decode_sm90_kernel.cuh), for caches of kCacheBytes-byte
