@@ -181,18 +181,18 @@ __device__ __forceinline__ void zero_rows_seeing_one_key(float (&dst)[kRegs], co
 // dS^T) into a tile of rows of queries, a key a row, in blocks of 64 columns
 // (kColBlockBytes apart), 128-byte swizzled like the tiles the copy engine
 // writes (16-byte chunk c of row r at chunk c ^ (r % 8)), so that wgmma reads
-// it as it lies. Register r of step kk: rows +0 / +8 (r % 2), columns +0 / +8 (r / 2).
+// it as it lies. Register r of step kk holds rows +0 / +8 (r % 2), columns
+// +0 / +8 (r / 2) of the warp's 16 x 16 block: the four 8 x 8 matrices of one
+// stmatrix, lanes 8 m .. 8 m + 7 giving the row addresses of matrix m.
 template <int kColBlockBytes, int kSteps>
 __device__ __forceinline__ void store_transposed_tile(unsigned char* tile, const uint32_t (&frag)[kSteps][4],
                                                       int key_row, int lane) {
+  const int matrix = lane / 8, row = key_row - lane / 4 + (matrix % 2) * 8 + lane % 8;
+  const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = key_row + (r % 2) * 8, chunk = 2 * kk + r / 2;  // chunk: 8 queries
-      *reinterpret_cast<uint32_t*>(tile + (chunk / 8) * kColBlockBytes + row * kSwizzleRowBytes +
-                                   (((chunk % 8) ^ (row % 8)) * 16) + (lane % 4) * 4) = frag[kk][r];
-    }
+    const int chunk = 2 * kk + matrix / 2;  // chunk: 8 queries
+    ptx::stmatrix_x4(row_addr + (chunk / 8) * kColBlockBytes + (((chunk % 8) ^ (row % 8)) * 16), frag[kk]);
   }
 }
 
