@@ -4,7 +4,7 @@
 // thread block per (block of 64 keys, key/value head, batch). The producer
 // warp streams Q and dO tiles as in the backward of smaller head dims
 // (flash_bwd_sm90.cuh). A consumer cannot keep both dK and dV of 64 keys in
-// registers here (256 + 256 or 192 + 128 a thread), so both consumer
+// registers here (256 or 160 registers a thread), so both consumer
 // warpgroups work on the block's 64 keys, each keeping part of the columns of
 // dK and dV, and split a tile's work (BwdSplitTileConfig):
 //   consumer 0: S^T = K Q^T, P^T = exp(S^T * scale - lse); P^T to shared memory

@@ -170,8 +170,8 @@ struct BwdTileConfig {
 };
 
 // The backward at head dim 256, and at MLA's 192 with values of 128, where a
-// consumer cannot keep both dK and dV of 64 keys in registers (256 + 256 or
-// 192 + 128 a thread): one block per kBlockN = 64 keys, and both consumers on
+// consumer cannot keep both dK and dV of 64 keys in registers (256 or 160
+// registers a thread): one block per kBlockN = 64 keys, and both consumers on
 // the same keys, each with part of the columns of dK, dV and dQ. Consumer 0
 // computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T; they hand
 // P^T and dS^T to each other through shared memory. dQ goes to dq_accum by
