@@ -12,13 +12,12 @@ stock SDPA's.
     python3 benchmarks/bench_decode_step.py [--out FILE]
 """
 import argparse
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench_timing import interleaved_median_cuda_events
+from bench_timing import interleaved_median_cuda_events, with_kernels
 import flashattn_ext
 
 # (batch, query heads, key heads, head dim, keys, query tokens)
@@ -47,21 +46,6 @@ def static_cache_mask(batch, tokens, keys):
     position = torch.arange(used - tokens, used, device="cuda")[:, None]
     mask = torch.arange(keys, device="cuda")[None, :] <= position
     return mask[None, None].expand(batch, 1, tokens, keys).contiguous()
-
-
-def with_kernels(family, fn):
-    """fn run with FLASHATTN_EXT_KERNELS=family (None: unset)."""
-    def call():
-        old = os.environ.pop("FLASHATTN_EXT_KERNELS", None)
-        if family is not None:
-            os.environ["FLASHATTN_EXT_KERNELS"] = family
-        try:
-            return fn()
-        finally:
-            os.environ.pop("FLASHATTN_EXT_KERNELS", None)
-            if old is not None:
-                os.environ["FLASHATTN_EXT_KERNELS"] = old
-    return call
 
 
 def main():

@@ -12,10 +12,9 @@ arm's within 1e-2 of the default's (relative to the largest gradient).
     python3 benchmarks/bench_deterministic.py [--out results/deterministic/FILE.md]
 """
 import argparse
-import os
 from pathlib import Path
 
-from bench_timing import interleaved_median_cuda_events  # (puts this checkout first on sys.path)
+from bench_timing import interleaved_median_cuda_events, with_kernels  # (puts this checkout first on sys.path)
 
 import torch
 
@@ -29,20 +28,12 @@ SHAPES = [(4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True), (1, 16, 1
 
 def backward_in_mode(out, inputs, grad_out, deterministic, kernels=None):
     def run():
-        previous = os.environ.get("FLASHATTN_EXT_KERNELS")
-        if kernels is not None:
-            os.environ["FLASHATTN_EXT_KERNELS"] = kernels
         torch.use_deterministic_algorithms(deterministic)
         try:
             return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
         finally:
             torch.use_deterministic_algorithms(False)
-            if kernels is not None:
-                if previous is None:
-                    del os.environ["FLASHATTN_EXT_KERNELS"]
-                else:
-                    os.environ["FLASHATTN_EXT_KERNELS"] = previous
-    return run
+    return with_kernels(kernels, run)
 
 
 def main():

@@ -9,10 +9,9 @@ The bar: at least 0.9x the head-dim-128 kernels' TFLOP/s.
     python3 benchmarks/bench_mla.py [--out results/training/FILE.md]
 """
 import argparse
-import os
 from pathlib import Path
 
-from bench_timing import interleaved_median_cuda_events  # (puts this checkout first on sys.path)
+from bench_timing import interleaved_median_cuda_events, with_kernels  # (puts this checkout first on sys.path)
 
 import torch
 
@@ -20,17 +19,6 @@ import flashattn_ext
 
 # (batch, heads, length, causal)
 SHAPES = [(4, 16, 4096, False), (4, 16, 4096, True), (1, 16, 16384, False), (1, 16, 16384, True)]
-
-
-def through_aten(fn):
-    """fn, run with FLASHATTN_EXT_KERNELS=aten (read at each call)."""
-    def call():
-        os.environ["FLASHATTN_EXT_KERNELS"] = "aten"
-        try:
-            return fn()
-        finally:
-            del os.environ["FLASHATTN_EXT_KERNELS"]
-    return call
 
 
 def main():
@@ -53,12 +41,12 @@ def main():
         with torch.no_grad():
             forwards = [lambda t=t: flashattn_ext.scaled_dot_product_attention(*t, is_causal=causal)
                         for t in (mla, d128)]
-            forward_times = interleaved_median_cuda_events(forwards + [through_aten(forwards[0])], args.reps)
+            forward_times = interleaved_median_cuda_events(forwards + [with_kernels("aten", forwards[0])], args.reps)
         outs = [flashattn_ext.scaled_dot_product_attention(*t, is_causal=causal) for t in (mla, d128)]
         grad_out = torch.randn_like(outs[0])
         backwards = [lambda o=o, t=t: torch.autograd.grad(o, t, grad_out, retain_graph=True)
                      for o, t in zip(outs, (mla, d128))]
-        backward_times = interleaved_median_cuda_events(backwards + [through_aten(backwards[0])], args.reps)
+        backward_times = interleaved_median_cuda_events(backwards + [with_kernels("aten", backwards[0])], args.reps)
         pairs = batch * heads * length * length / (2 if causal else 1)
         for name, times, flops in (("forward", forward_times, lambda e, ev: 2 * (e + ev)),
                                    ("backward", backward_times, lambda e, ev: 2 * (3 * e + 2 * ev))):

@@ -2,12 +2,13 @@
 median of many calls after warm-up, and interleaved medians for comparing providers under the same
 clock drift. Importing it puts this checkout first on sys.path, so the scripts measure its
 flashattn_ext, not another install."""
+import os
 import socket
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -15,6 +16,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 MIN_REPS, MAX_REPS, WARMUP_CALLS = 5, 50, 2
+
+
+def with_kernels(family: Optional[str], fn: Callable) -> Callable:
+    """fn, run with FLASHATTN_EXT_KERNELS=family (None: unset), which flashattn_ext reads at each call; the
+    variable as it was afterwards."""
+    def call():
+        old = os.environ.pop("FLASHATTN_EXT_KERNELS", None)
+        if family is not None:
+            os.environ["FLASHATTN_EXT_KERNELS"] = family
+        try:
+            return fn()
+        finally:
+            os.environ.pop("FLASHATTN_EXT_KERNELS", None)
+            if old is not None:
+                os.environ["FLASHATTN_EXT_KERNELS"] = old
+    return call
 
 
 def synchronize(device: torch.device) -> None:
