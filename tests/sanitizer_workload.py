@@ -44,6 +44,13 @@ DTYPES = (torch.float16, torch.bfloat16)
 DROPOUT_CASES = (CASES[1], CASES[3], CASES[4])  # run again in bfloat16 with dropout_p = 0.3
 
 
+def check_finite(where, **tensors):
+    """Raises, naming the first of tensors (name=tensor) with an element that is not finite, and where."""
+    for name, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise RuntimeError(f"{name} is not finite {where}")
+
+
 def run(case, dtype, dropout_p=0.0):
     """Forward and backward of one case; raises if a result is not finite."""
     batch, heads_q, heads_kv, len_q, len_k, head_dim, mode = case
@@ -57,9 +64,7 @@ def run(case, dtype, dropout_p=0.0):
     )
     out.backward(torch.randn_like(out))
     torch.cuda.synchronize()  # so that a kernel's error is reported with the case that launched it
-    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
-        if not torch.isfinite(t).all():
-            raise RuntimeError(f"{name} is not finite for {case} in {dtype}")
+    check_finite(f"for {case} in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def run_dense(dtype):
@@ -82,9 +87,8 @@ def run_sinks(dtype):
         out, _ = flashattn_ext.attention_with_lse(q, k, v, is_causal=True, enable_gqa=True, sinks=sinks)
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
-        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dsinks", sinks.grad)):
-            if not torch.isfinite(t).all():
-                raise RuntimeError(f"{name} is not finite with sinks at head dim {head_dim} in {dtype}")
+        check_finite(f"with sinks at head dim {head_dim} in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad,
+                     dsinks=sinks.grad)
 
 
 def run_copied_inputs(dtype):
@@ -97,9 +101,7 @@ def run_copied_inputs(dtype):
     out = flashattn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
     out.sum().backward()  # its gradient is a stride-0 expanded one
     torch.cuda.synchronize()
-    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
-        if not torch.isfinite(t).all():
-            raise RuntimeError(f"{name} is not finite for the copied inputs in {dtype}")
+    check_finite(f"for the copied inputs in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def run_masked(dtype):
@@ -134,9 +136,8 @@ def run_masked(dtype):
     if not torch.isfinite(out3).all():
         raise RuntimeError(f"out is not finite for the key-padding mask's blocks in {dtype}")
     torch.cuda.synchronize()
-    for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad), ("dmask", float_mask_rows.grad)):
-        if not torch.isfinite(t).all():
-            raise RuntimeError(f"{name} is not finite for the masked case in {dtype}")
+    check_finite(f"for the masked case in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad,
+                 dmask=float_mask_rows.grad)
 
 
 def run_mask_blocks(dtype):
@@ -186,9 +187,7 @@ def run_windowed(dtype):
         out, _ = flashattn_ext.attention_with_lse(q, k, v, enable_gqa=heads_q != heads_kv, **options)
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
-        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
-            if not torch.isfinite(t).all():
-                raise RuntimeError(f"{name} is not finite for the window {options.get('window')} in {dtype}")
+        check_finite(f"for the window {options.get('window')} in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def run_mla(dtype):
@@ -204,9 +203,7 @@ def run_mla(dtype):
         out, _ = flashattn_ext.attention_with_lse(q, k, v, enable_gqa=heads_q != heads_kv, **options)
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
-        for name, t in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
-            if not torch.isfinite(t).all():
-                raise RuntimeError(f"{name} is not finite for head dims {dim} / {dim_v} in {dtype}")
+        check_finite(f"for head dims {dim} / {dim_v} in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
 def run_varlen(dtype):
