@@ -21,12 +21,7 @@ bool backward_covers(const BwdParams& params) {
   // A packed batch: head dims up to 128, none of the above but a window.
   const bool varlen_covered = !params.packed.present() || (p.head_dim <= 128 && !masked && params.dropout.p == 0.0 &&
                                                            p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  // Values of another head dim: MLA's (192 / 128), plain but for a window (as the forward: forward_covers).
-  const bool values_covered =
-      p.head_dim_v == p.head_dim ||
-      (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v > 64 && p.head_dim_v <= 128 && !masked &&
-       params.dropout.p == 0.0 && p.softcap == 0.0 && p.alibi_slopes == nullptr && !params.packed.present());
-  return values_covered && softcap_covered && alibi_covered && varlen_covered && p.len_q > 0 &&
+  return values_head_dim_covered(params) && softcap_covered && alibi_covered && varlen_covered && p.len_q > 0 &&
          p.len_k > 0 && p.heads_q > 0 && p.batch > 0 && !(masked && (p.head_dim > 128 || params.dmask.data != nullptr));
 }
 

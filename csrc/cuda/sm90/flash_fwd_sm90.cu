@@ -18,12 +18,7 @@ bool forward_covers(const FwdParams& params) {
   const bool plain = !masked && params.dropout.p == 0.0;
   const bool varlen_covered =
       !params.packed.present() || (plain && p.softcap == 0.0 && p.alibi_slopes == nullptr);
-  // Values of another head dim: MLA's prefill (192 / 128), plain but for a window.
-  const bool values_covered =
-      p.head_dim_v == p.head_dim ||
-      (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v > 64 && p.head_dim_v <= 128 && plain &&
-       p.softcap == 0.0 && p.alibi_slopes == nullptr && !params.packed.present());
-  return varlen_covered && values_covered && !(p.softcap > 0.0 && !plain) &&
+  return varlen_covered && values_head_dim_covered(params) && !(p.softcap > 0.0 && !plain) &&
          !(p.alibi_slopes != nullptr && !(plain && p.softcap == 0.0)) && p.scale > 0.0 &&
          p.head_dim <= (masked ? 128 : 256) && p.len_q > 0 && p.len_k > 0 && p.heads_q > 0 && p.batch > 0;
 }

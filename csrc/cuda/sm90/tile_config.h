@@ -51,6 +51,20 @@ constexpr int fwd_block_n(int head_dim, bool causal, bool masked, int head_dim_v
   return head_dim > 128 ? (head_dim_v <= 128 ? 128 : 80) : head_dim > 64 && !causal && !masked ? 176 : 128;
 }
 
+// Whether the Hopper kernels take the call's values' head dim: the queries'
+// own, or MLA's prefill (queries and keys of 136 to 192, values of 72 to 128,
+// run as 192 / 128) without an attn_mask, dropout, softcap, ALiBi or a packed
+// batch (a window is fine). Forward and backward (FwdParams, BwdParams) take
+// the same calls.
+template <typename Params>
+bool values_head_dim_covered(const Params& params) {
+  const AttentionProblem& p = params.problem;
+  return p.head_dim_v == p.head_dim ||
+         (p.head_dim > 128 && p.head_dim <= 192 && p.head_dim_v > 64 && p.head_dim_v <= 128 &&
+          params.mask_kind == MaskKind::kNone && params.dropout.p == 0.0 && p.softcap == 0.0 &&
+          p.alibi_slopes == nullptr && !params.packed.present());
+}
+
 // The forward: one producer warpgroup loads Q once and streams K and V tiles
 // through a ring of kStages shared-memory stages; kConsumers warpgroups of 64
 // query rows each compute on them.
