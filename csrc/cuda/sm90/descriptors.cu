@@ -53,10 +53,10 @@ bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_
 
 }  // namespace
 
-bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
-                       int64_t heads, bool bfloat16, int box_rows) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(rows),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(p.batch)};
+bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
+                       int64_t batches, bool bfloat16, int box_rows) {
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batches)};
   return encode_tiled(map, t.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                       dims, {t.stride_row, t.stride_head, t.stride_batch},
                       {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1});

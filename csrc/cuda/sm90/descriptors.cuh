@@ -68,15 +68,15 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
   return smem_raw + (kSwizzleAtomBytes - ptx::smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
 }
 
-// Encodes a tensor map of one of the call's 16-bit tensors (q, k, v or dout)
-// seen as 4-d (col, row, head, batch): p.head_dim columns, `rows` rows,
-// `heads` heads, p.batch batches, t's strides. Its boxes are 64 columns x
+// Encodes a tensor map of one of the call's 16-bit tensors (q, k, v, dout or
+// out) seen as 4-d (col, row, head, batch): `cols` columns (its head dim),
+// `rows` rows, `heads` heads, `batches` batches, t's strides. Its boxes are 64 columns x
 // box_rows rows of one (head, batch), 128-byte swizzled, out-of-range elements
 // read as zero. Returns false where the copy engine cannot take the tensor (a
 // stride not a multiple of 16 bytes or zero, a misaligned base, sizes past its
 // limits, or no driver entry point); the caller then runs another kernel.
-bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, const AttentionProblem& p, int64_t rows,
-                       int64_t heads, bool bfloat16, int box_rows);
+bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
+                       int64_t batches, bool bfloat16, int box_rows);
 
 // A decoding step's cache element: the queries' dtype, or float8 e4m3.
 enum class CacheElement { kFloat16, kBFloat16, kE4M3 };

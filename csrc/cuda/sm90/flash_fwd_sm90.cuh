@@ -163,15 +163,13 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   const MappedShape shape = mapped_shape(p, params.packed, std::max(Cfg::kBlockM, Cfg::kBlockN));
   if (!shape.fits) return false;
   const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
-  // (The values' and the output's maps have their head dim.)
-  AttentionProblem values = shape.tensors;
-  values.head_dim = p.head_dim_v;
-  auto map = [&](CUtensorMap* m, const TensorView4d& t, const AttentionProblem& dims, int64_t rows, int64_t heads,
-                 int box_rows) { return encode_tensor_map(m, t, dims, rows, heads, kBFloat16, box_rows); };
-  if (!map(&kp.q_map, params.q, shape.tensors, rows_q, p.heads_q, Cfg::kBlockM) ||
-      !map(&kp.k_map, params.k, shape.tensors, rows_k, p.heads_kv, Cfg::kBlockN) ||
-      !map(&kp.v_map, params.v, values, rows_k, p.heads_kv, Cfg::kBlockN) ||
-      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, values, rows_q, p.heads_q, 64))) {
+  auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads, int box_rows) {
+    return encode_tensor_map(m, t, cols, rows, heads, shape.tensors.batch, kBFloat16, box_rows);
+  };
+  if (!map(&kp.q_map, params.q, p.head_dim, rows_q, p.heads_q, Cfg::kBlockM) ||
+      !map(&kp.k_map, params.k, p.head_dim, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      !map(&kp.v_map, params.v, p.head_dim_v, rows_k, p.heads_kv, Cfg::kBlockN) ||
+      (Cfg::kOutThroughSmem && !map(&kp.out_map, params.out, p.head_dim_v, rows_q, p.heads_q, 64))) {
     return false;
   }
   if (kMasked && !encode_mask_tiles(&kp.mask_map, &kp.mask, params.mask, kMaskElemBytes, p, Cfg::kBlockM)) {
