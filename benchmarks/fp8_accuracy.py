@@ -5,14 +5,16 @@ Methods: bf16 attention; FP8 with one descale a tensor (FA3's baseline), one a (
 (torch's PER_HEAD), one a block of 128 rows (flashattn_ext.fp8.quantize_fp8(per_block=True)), each also with
 queries and keys rotated by a random Hadamard matrix first (flashattn_ext.fp8.hadamard_rotation: FA3's
 incoherent processing), and with the values rotated too (the output rotated back: O (V R) R^T = O V). Two errors a method:
-- "op": flashattn_ext.scaled_dot_product_attention_fp8 on the CPU, which computes in float32 on the inputs
-  dequantized: the error of the inputs' quantization alone (and the output's bfloat16 rounding);
+- "op": flashattn_ext.scaled_dot_product_attention_fp8 on --device. On the CPU it computes in float32 on the
+  inputs dequantized: the error of the inputs' quantization alone (and the output's bfloat16 rounding). On a
+  Hopper GPU, descales a tensor or a (sequence, head) at head dim 128 run the e4m3 kernel (P in e4m3 as
+  emulated next), block descales the inputs dequantized to bfloat16, then the bfloat16 forward;
 - "P in e4m3": the same inputs, with the probabilities also cast to e4m3 before P V (times 256 first, as
   FA3/FA4 do; each row's max known, as an online softmax's final max), in float64: what a kernel whose
   tensor cores take e4m3 P adds.
 The error is the root-mean-square of (out - float64 out) over the output, as FA3 reports it.
 
-    python3 benchmarks/fp8_accuracy.py [--length 2048] [--heads 4] [--dim 128] [--out FILE]
+    python3 benchmarks/fp8_accuracy.py [--length 2048] [--heads 4] [--dim 128] [--device cuda] [--out FILE]
 """
 import argparse
 import math
@@ -67,16 +69,19 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="where the op runs (the reference stays on the CPU)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
     q, k, v = outlier_inputs(1, args.heads, args.length, args.dim, gen)
     scale = 1 / math.sqrt(args.dim)
     want = torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
-    bf16 = flashattn_ext.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16()).double()
+    device = torch.device(args.device)
+    bf16 = flashattn_ext.scaled_dot_product_attention(*(x.bfloat16().to(device) for x in (q, k, v))).cpu().double()
     rotation = hadamard_rotation(args.dim, generator=gen).double()
 
-    lines = [f"# FP8 attention's error against float64 (CPU, torch {torch.__version__})", "",
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [f"# FP8 attention's error against float64 ({where}, torch {torch.__version__})", "",
              f"B = 1, H = {args.heads}, L = {args.length}, D = {args.dim}, not causal; inputs N(0, 1) + "
              f"N(0, 100) x Bernoulli(0.001); seed {args.seed}. RMS of (out - float64 out); ratio: to FP8 with "
              "one descale a tensor (the same column).", "",
@@ -94,8 +99,9 @@ def main():
             q_in, k_in = (q @ rotation, k @ rotation) if rotate_qk else (q, k)
             v_in = v @ rotation if rotate_v else v
             (q8, qd), (k8, kd), (v8, vd) = (quantize(x) for x in (q_in, k_in, v_in))
-            op = flashattn_ext.scaled_dot_product_attention_fp8(q8, k8, v8, q_descale=qd, k_descale=kd,
-                                                                v_descale=vd).double()
+            op = flashattn_ext.scaled_dot_product_attention_fp8(
+                q8.to(device), k8.to(device), v8.to(device), q_descale=qd.to(device), k_descale=kd.to(device),
+                v_descale=vd.to(device)).cpu().double()
             emulated = attention_p_in_e4m3(dequantized(q8, qd), dequantized(k8, kd), dequantized(v8, vd), scale)
             if rotate_v:  # O (V R) R^T = O V
                 op, emulated = op @ rotation.T, emulated @ rotation.T

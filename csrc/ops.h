@@ -192,4 +192,15 @@ int dropout_bits();
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                                     int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end);
 
+// The attention_forward_fp8 op's pieces (ops_fp8.cpp): the checks of its
+// inputs, and its path on any device, attention_forward on the tensors
+// dequantized (CUDA's glue runs it where the e4m3 kernel does not take the call).
+void check_fp8_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+                      const std::optional<at::Tensor>& v_descale);
+std::tuple<at::Tensor, at::Tensor> attention_forward_fp8_dequantized(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale, bool is_causal,
+    bool causal_lower_right, double scale, int64_t window_left, int64_t window_right);
+
 }  // namespace flashattn_ext

@@ -4,7 +4,8 @@
 // x * descale[b, h_kv], the query's heads by their key/value head), or a
 // (sequence, key/value head, block of kFp8BlockRows rows) (FA3's block
 // quantization); out in bfloat16, the log-sum-exp in float32. Until the
-// Hopper kernels take e4m3 operands (issue 47), every device runs it through
+// Hopper forward's e4m3 kernel takes the call (CUDA: csrc/cuda/ops_fp8_cuda.cpp,
+// per-head descales at head dim 128; issue 47), every device runs it through
 // attention_forward on the tensors dequantized: in float32 on the CPU (the
 // values exact), in bfloat16 on CUDA (each value rounded once).
 #include <torch/library.h>
@@ -45,6 +46,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
                                                          const std::optional<at::Tensor>& v_descale, bool is_causal,
                                                          bool causal_lower_right, double scale, int64_t window_left,
                                                          int64_t window_right) {
+  check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale);
+  return attention_forward_fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, is_causal, causal_lower_right,
+                                           scale, window_left, window_right);
+}
+
+}  // namespace
+
+void check_fp8_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+                      const std::optional<at::Tensor>& v_descale) {
   for (const auto& [t, name] : {std::pair{&q, "query"}, std::pair{&k, "key"}, std::pair{&v, "value"}}) {
     check_rank4(*t, name);
     check_device(*t, name, q);
@@ -68,6 +79,13 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
                 name, " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), or with one a block of ",
                 kFp8BlockRows, " rows (", batch, ", ", heads_kv, ", ", blocks, "), got shape ", (*d)->sizes());
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_fp8_dequantized(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& q_descale,
+    const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale, bool is_causal,
+    bool causal_lower_right, double scale, int64_t window_left, int64_t window_right) {
+  const int64_t heads_kv = k.size(1);
   // The CPU computes in float32, where e4m3 times a float32 descale is exact
   // up to the product's rounding; CUDA's kernels take 16-bit inputs.
   const at::ScalarType dtype = q.is_cpu() ? at::kFloat : at::kBFloat16;
@@ -78,8 +96,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
       std::nullopt);
   return {out.to(at::kBFloat16), lse.to(at::kFloat)};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   m.def(

@@ -1,7 +1,7 @@
 """A small CUDA workload for compute-sanitizer: forward and backward of flashattn_ext over a few
 small, ragged shapes in float16 and bfloat16, with every causal mode, GQA, several head dims (and
 values of another, MLA's), dropout on some, bool and float masks (with the float mask's gradient),
-sliding windows, softcap, ALiBi, attention sinks, packed batches and decoding steps.
+sliding windows, softcap, ALiBi, attention sinks, packed batches, decoding steps and the FP8 forward.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python3 tests/sanitizer_workload.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 tests/sanitizer_workload.py
@@ -206,6 +206,24 @@ def run_mla(dtype):
         check_finite(f"for head dims {dim} / {dim_v} in {dtype}", out=out, dq=q.grad, dk=k.grad, dv=v.grad)
 
 
+def run_fp8(dtype):
+    """The FP8 forward's e4m3 kernel (descales a (batch, key/value head), head dim 128) and its transpose of
+    V: ragged key tiles and transpose blocks, GQA, causal both alignments (rows that see no key). The
+    dtype (of the main loop's sections) is unused: e4m3 in, bfloat16 out."""
+    del dtype
+    for batch, heads_q, heads_kv, len_q, len_k, is_causal, lower_right in (
+            (1, 4, 2, 200, 333, True, True), (2, 2, 2, 130, 65, True, True), (1, 2, 1, 1, 129, False, False)):
+        q = (torch.randn(batch, heads_q, len_q, 128, device="cuda") * 40).to(torch.float8_e4m3fn)
+        k, v = ((torch.randn(batch, heads_kv, len_k, 128, device="cuda") * 40).to(torch.float8_e4m3fn)
+                for _ in range(2))
+        descales = [torch.full((batch, heads_kv), 0.01, device="cuda") for _ in range(3)]
+        out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, *descales, is_causal, lower_right,
+                                                                 128**-0.5)
+        torch.cuda.synchronize()
+        if out.isnan().any() or lse.isnan().any():
+            raise RuntimeError(f"the FP8 forward's out or lse has a NaN for {(batch, heads_q, len_q, len_k)}")
+
+
 def run_varlen(dtype):
     """A packed batch through the Hopper forward's one launch (rows past a sequence's end, empty
     sequences), head dims 64, 128 and 256, causal both alignments and a window."""
@@ -335,6 +353,8 @@ def main():
             print(f"ok sinks {dtype} deterministic={deterministic}", flush=True)
             run_mla(dtype)
             print(f"ok values of another head dim {dtype} deterministic={deterministic}", flush=True)
+    run_fp8(None)
+    print("ok fp8 forward", flush=True)
     torch.use_deterministic_algorithms(False)  # (bad bounds: the one-launch paths, which do not raise)
     for dtype in DTYPES:
         run_varlen_bad_bounds(dtype)

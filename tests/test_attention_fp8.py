@@ -8,7 +8,7 @@ import torch
 
 import flashattn_ext
 from flashattn_ext.fp8 import hadamard_rotation, quantize_fp8, scaled_dot_product_attention_fp8
-from helpers import naive_attention, on_paths, relative_error
+from helpers import POISON_BYTES, kernel_names, naive_attention, on_paths, poison_cuda_allocator, relative_error
 
 FP8 = torch.float8_e4m3fn
 # The error allowed relative to the output's scale: the output's bfloat16 rounding (CUDA: also the
@@ -163,3 +163,91 @@ def test_torch_quantized_sdpa_runs_ours(path):
     want, _ = naive_attention(dequantize(q, qd), dequantize(k, kd), dequantize(v, vd), is_causal=True,
                               causal_lower_right=True, enable_gqa=True, scale=1 / math.sqrt(64))
     assert got.dtype == torch.bfloat16 and relative_error(got.cpu(), want) <= OUT_TOLERANCE["cuda"]
+
+
+# The Hopper forward's e4m3 kernel (head dim 128, descales a (batch, key/value head)): S = Q K^T and O = P V
+# in e4m3 wgmma, P rounded to e4m3 (exp(s - max) times 256, against each row's running max). That rounding
+# alone costs 1-3e-2 of the output's scale on these inputs (flat rows: every probability rounded by up to
+# 2^-4). float64 attention that rounds P the same way against the rows' final max measures it; the kernel
+# rounds against running maxima, so its roundings differ but are as large. Its error against float64 may
+# exceed that rounding's by a quarter, plus twice bfloat16's rounding of the output (2^-8 of its scale): a
+# wrong layout or lost keys cost O(1). Its lse (float32 sums of the unrounded P) is held to float64's within
+# twice the dequantize path's error plus a floor, in natural-log units.
+NATIVE_ROUNDING_SLACK, NATIVE_OUT_FLOOR, NATIVE_LSE_FLOOR = 1.25, 2.0 ** -8, 1e-3
+
+
+def attention_with_e4m3_probabilities(q, k, v, is_causal, lower_right, scale):
+    """float64 softmax(q k^T scale) v with exp(s - max) rounded to e4m3 at 256 in P V, each row's final max
+    (rows that see no key: 0)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale
+    if is_causal:
+        len_q, len_k = scores.shape[-2:]
+        diagonal = len_k - len_q if lower_right else 0
+        above = torch.arange(len_k)[None, :] > torch.arange(len_q)[:, None] + diagonal
+        scores = scores.masked_fill(above, -math.inf)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - row_max.masked_fill(row_max.isinf(), 0))
+    rounded = (p * 256).to(FP8).double() / 256
+    return torch.nan_to_num((rounded @ v) / p.sum(dim=-1, keepdim=True))
+
+
+def fp8_native_call(q, k, v, descales, is_causal, causal_lower_right):
+    return lambda: torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, *descales, is_causal, causal_lower_right,
+                                                                 1 / math.sqrt(q.shape[-1]))
+
+
+def block_descales(descale, length):
+    """A (batch, heads_kv) descale as the same value on each block of 128 rows: the op's dequantize path."""
+    return descale[:, :, None].expand(-1, -1, (length + 127) // 128).contiguous()
+
+
+@on_paths("sm90")
+@pytest.mark.parametrize("batch, heads_q, heads_kv, len_q, len_k, is_causal, lower_right", [
+    (2, 4, 4, 256, 256, False, False), (1, 8, 2, 333, 700, False, False), (1, 8, 2, 333, 700, True, False),
+    (1, 8, 2, 333, 700, True, True), (2, 2, 1, 700, 333, True, True), (1, 2, 2, 1, 129, False, False),
+], ids=["mha", "gqa-ragged", "gqa-causal", "gqa-causal-lower-right", "causal-lower-right-unseen-rows", "one-row"])
+def test_native_kernel_matches_float64(path, batch, heads_q, heads_kv, len_q, len_k, is_causal, lower_right):
+    """The e4m3 kernel runs (profiler) and writes every element (NaN-poisoned memory beforehand); its out and
+    lse against float64 attention over the dequantized inputs, within what rounding P to e4m3 costs. With
+    lower-right alignment and more queries than keys, the first rows see no key: out 0, lse -inf."""
+    gen = torch.Generator().manual_seed(21)
+    q, k, v, descales = fp8_inputs(batch, heads_q, heads_kv, len_q, len_k, 128, gen, "cuda")
+    native = fp8_native_call(q, k, v, descales, is_causal, lower_right)
+    names = kernel_names(native)
+    assert any("FwdFp8TileConfig" in n for n in names) and any("fp8_transpose_values" in n for n in names), names
+    poison_cuda_allocator(POISON_BYTES)
+    out, lse = native()
+    qd, kd, vd = descales
+    dequantized = fp8_native_call(q, k, v, (block_descales(qd, len_q), block_descales(kd, len_k),
+                                            block_descales(vd, len_k)), is_causal, lower_right)
+    assert not any("FwdFp8TileConfig" in n for n in kernel_names(dequantized))
+    out_deq, lse_deq = dequantized()
+    want, want_lse = naive_attention(dequantize(q, qd), dequantize(k, kd), dequantize(v, vd), is_causal=is_causal,
+                                     causal_lower_right=lower_right, enable_gqa=True, scale=1 / math.sqrt(128))
+    assert out.dtype == torch.bfloat16 and out.shape == want.shape and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any()
+    seen = want_lse.isfinite()
+    assert torch.equal(lse.cpu().isfinite(), seen) and out.cpu()[~seen].eq(0).all()
+    rounding_error = relative_error(attention_with_e4m3_probabilities(
+        dequantize(q, qd), dequantize(k, kd), dequantize(v, vd), is_causal, lower_right, 1 / math.sqrt(128)), want)
+    out_error = relative_error(out.cpu(), want)
+    lse_error = (lse.cpu().double() - want_lse)[seen].abs().max().item()
+    lse_error_deq = (lse_deq.cpu().double() - want_lse)[seen].abs().max().item()
+    print(f"out error {out_error:.3e} (P's rounding alone {rounding_error:.3e}, the dequantize path "
+          f"{relative_error(out_deq.cpu(), want):.3e}), lse error {lse_error:.3e} ({lse_error_deq:.3e})")
+    assert out_error <= NATIVE_ROUNDING_SLACK * rounding_error + NATIVE_OUT_FLOOR
+    assert lse_error <= 2 * lse_error_deq + NATIVE_LSE_FLOOR
+
+
+@on_paths("sm90")
+def test_native_kernel_leaves_what_it_does_not_take(path):
+    """Head dim 64, block descales and a window go through the dequantize path."""
+    gen = torch.Generator().manual_seed(22)
+    q, k, v, (qd, kd, vd) = fp8_inputs(1, 2, 2, 64, 64, 64, gen, "cuda")
+    assert not any("FwdFp8TileConfig" in n for n in kernel_names(fp8_native_call(q, k, v, (qd, kd, vd), True, False)))
+    q, k, v, (qd, kd, vd) = fp8_inputs(1, 2, 2, 64, 64, 128, gen, "cuda")
+    def windowed():
+        return torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, qd, kd, vd, True, False, 0.1, 8, 0)
+    assert not any("FwdFp8TileConfig" in n for n in kernel_names(windowed))

@@ -160,6 +160,30 @@ bool forward_covers(const FwdParams& params);
 // params.tile_counter set. Else launches nothing and returns false.
 bool attention_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
 
+// The FP8 forward (attention_forward_fp8, flash_fwd_sm90_fp8.cu): q, k, v
+// in float8 e4m3 (fwd's views, in bytes), out bfloat16, lse float32;
+// descales float32 contiguous (batch, heads_kv) (a stored x stands for x *
+// descale[b, kv head]). values_t: a workspace of fp8_values_t_bytes bytes
+// that the call fills with v transposed (batch, heads_kv, head dim,
+// fp8_values_t_keys(len_k)), the keys in the order the kernel's P fragments
+// take (e4m3_fragment_column), zero past len_k.
+struct Fp8FwdParams {
+  FwdParams fwd;
+  const float *q_descale = nullptr, *k_descale = nullptr, *v_descale = nullptr;
+  void* values_t = nullptr;
+};
+int64_t fp8_values_t_keys(int64_t len_k);
+int64_t fp8_values_t_bytes(const AttentionProblem& p);
+// Whether the FP8 forward takes a call: head dim 128 (value's equal), causal
+// of either alignment or not, GQA; no window, attn_mask, dropout, softcap,
+// ALiBi or packed batch; descales given.
+bool fp8_forward_covers(const Fp8FwdParams& params);
+// Runs it (the transpose of v, then the kernel) and returns true where it
+// covers the call and the copy engine can address the tensors (last dims
+// contiguous, strides multiples of 16 bytes), params.fwd.tile_counter set.
+// Else launches nothing and returns false.
+bool attention_forward_fp8(const Fp8FwdParams& params, cudaStream_t stream);
+
 // The query rows of the Hopper forward's tiles for a packed batch (their
 // blocks are what plan_packed_forward orders).
 int64_t varlen_forward_block_rows(const AttentionProblem& p);

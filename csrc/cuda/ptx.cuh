@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -127,6 +128,20 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t select
 __device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t pair) {
   uint32_t d;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(d) : "h"(pair));
+  return d;
+}
+
+// Four floats rounded to float8 e4m3 (saturating to +-448) in one register,
+// x0 in the low byte. cvt.rn.satfinite.e4m3x2.f32 puts its first source in
+// the upper byte of its 16-bit result.
+__device__ __forceinline__ uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {
+  uint32_t d;
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(d)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
   return d;
 }
 
@@ -463,6 +478,36 @@ struct WgmmaSS;
 template <typename Elem, int N, int kTransB>
 struct WgmmaRS;
 
+// wgmma.mma_async.sync.aligned.m64nNk32.f32.e4m3.e4m3 (Elem __nv_fp8_e4m3): a
+// k32 step, both operands K-major (8-bit wgmma has no transpose), so the
+// forms take no transpose immediates; the A fragment is 4 registers of 4
+// bytes (a0: row lane / 4, k 4 (lane % 4) .. + 3, byte i the k-th + i; a1:
+// row + 8; a2, a3: the same at k + 16).
+#define FLASHATTN_WGMMA_E4M3(N, D_REGS, ACC, A0, A1, A2, A3, A4, A5)                                             \
+  template <>                                                                                                    \
+  struct WgmmaSS<__nv_fp8_e4m3, N, 0, 0> {                                                                       \
+    static __device__ __forceinline__ void run(float(&d)[N / 2], uint64_t desc_a, uint64_t desc_b,               \
+                                               bool accumulate) {                                                \
+      asm volatile(                                                                                              \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" A2 ", 0;\n"                                                       \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " D_REGS ", %" A0 ", %" A1 ", p, 1, 1;\n}\n"  \
+          : ACC                                                                                                  \
+          : "l"(desc_a), "l"(desc_b), "r"(int(accumulate)));                                                     \
+    }                                                                                                            \
+  };                                                                                                             \
+  template <>                                                                                                    \
+  struct WgmmaRS<__nv_fp8_e4m3, N, 0> {                                                                          \
+    static __device__ __forceinline__ void run(float(&d)[N / 2], const uint32_t(&a)[4], uint64_t desc_b,         \
+                                               bool accumulate) {                                                \
+      asm volatile(                                                                                              \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %" A5 ", 0;\n"                                                       \
+          "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 " D_REGS ", {%" A0 ", %" A1 ", %" A2         \
+          ", %" A3 "}, %" A4 ", p, 1, 1;\n}\n"                                                                    \
+          : ACC                                                                                                  \
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(int(accumulate)));                      \
+    }                                                                                                            \
+  };
+
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
 FLASHATTN_WGMMA(__half, "f16", 32, FLASHATTN_WGMMA_D16, FLASHATTN_WGMMA_ACC16, "16", "17", "18", "19", "20", "21", "22")
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 48, FLASHATTN_WGMMA_D24, FLASHATTN_WGMMA_ACC24, "24", "25", "26", "27", "28", "29", "30")
@@ -477,6 +522,9 @@ FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA
 FLASHATTN_WGMMA(__half, "f16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA_ACC88, "88", "89", "90", "91", "92", "93", "94")
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 256, FLASHATTN_WGMMA_D128, FLASHATTN_WGMMA_ACC128, "128", "129", "130", "131", "132", "133", "134")
 FLASHATTN_WGMMA(__half, "f16", 256, FLASHATTN_WGMMA_D128, FLASHATTN_WGMMA_ACC128, "128", "129", "130", "131", "132", "133", "134")
+FLASHATTN_WGMMA_E4M3(128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
+
+#undef FLASHATTN_WGMMA_E4M3
 
 #undef FLASHATTN_WGMMA
 #undef FLASHATTN_WGMMA_D16

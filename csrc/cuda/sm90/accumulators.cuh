@@ -43,6 +43,33 @@ __device__ __forceinline__ void to_fragments(const float (&x)[kRegs], uint32_t (
   }
 }
 
+// The same in float8 e4m3, for 8-bit wgmma's k32 A fragments (a0: row r,
+// k 4 (lane % 4) .. + 3; a1: row r + 8; a2, a3: k + 16), from the
+// accumulator with no shuffle: a thread holds keys 2 (lane % 4) and the next
+// of each 8-column tile, so a register takes two tiles' pairs, and the A
+// fragment's k position p of each 32 columns holds column
+// e4m3_fragment_column(p). The B operand's rows must be in that order
+// (fp8_transpose_values).
+template <int kRegs>
+__device__ __forceinline__ void to_e4m3_fragments(const float (&x)[kRegs], uint32_t (&frag)[kRegs / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kRegs / 16; ++kk) {
+    const float* t = &x[16 * kk];  // four 8-column tiles: registers 4 j .. 4 j + 3 of tile j
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int half = r % 2, tile = 2 * (r / 2);  // a0 / a2: row r (half 0), tiles 0, 1 / 2, 3
+      frag[kk][r] = ptx::pack4_e4m3(t[4 * tile + 2 * half], t[4 * tile + 2 * half + 1], t[4 * tile + 4 + 2 * half],
+                                    t[4 * tile + 4 + 2 * half + 1]);
+    }
+  }
+}
+// The column (key within its group of 32) that k position p of an e4m3 A
+// fragment made by to_e4m3_fragments holds: p = 16 h + 4 c + i holds column
+// 16 h + 2 c + i (i < 2) or 16 h + 8 + 2 c + i - 2.
+__host__ __device__ constexpr int e4m3_fragment_column(int p) {
+  return 16 * (p / 16) + 2 * ((p % 16) / 4) + (p % 4 < 2 ? p % 4 : 8 + p % 4 - 2);
+}
+
 // Element i of an accumulator that to_fragments rounded into frag, as a float.
 template <typename Elem, int kSteps>
 __device__ __forceinline__ float from_fragments(const uint32_t (&frag)[kSteps][4], int i) {

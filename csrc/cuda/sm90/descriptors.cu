@@ -54,12 +54,16 @@ bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_
 }  // namespace
 
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
-                       int64_t batches, bool bfloat16, int box_rows) {
+                       int64_t batches, MapElement element, int box_rows) {
+  if (t.stride_col != 1) return false;
+  const int elem_bytes = element == MapElement::kE4M3 ? 1 : 2;
+  const CUtensorMapDataType type = element == MapElement::kE4M3       ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : element == MapElement::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                                      : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batches)};
-  return encode_tiled(map, t.data, bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-                      dims, {t.stride_row, t.stride_head, t.stride_batch},
-                      {kSwizzleCols, static_cast<cuuint32_t>(box_rows), 1, 1});
+  return encode_tiled(map, t.data, type, elem_bytes, dims, {t.stride_row, t.stride_head, t.stride_batch},
+                      {static_cast<cuuint32_t>(kSwizzleRowBytes / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1});
 }
 
 bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,

@@ -6,8 +6,12 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/ptx.cuh"
 #include "cuda/sm90/tile_config.h"
@@ -68,15 +72,26 @@ __device__ __forceinline__ unsigned char* swizzle_aligned(unsigned char* smem_ra
   return smem_raw + (kSwizzleAtomBytes - ptx::smem_addr(smem_raw) % kSwizzleAtomBytes) % kSwizzleAtomBytes;
 }
 
-// Encodes a tensor map of one of the call's 16-bit tensors (q, k, v, dout or
-// out) seen as 4-d (col, row, head, batch): `cols` columns (its head dim),
-// `rows` rows, `heads` heads, `batches` batches, t's strides. Its boxes are 64 columns x
-// box_rows rows of one (head, batch), 128-byte swizzled, out-of-range elements
-// read as zero. Returns false where the copy engine cannot take the tensor (a
-// stride not a multiple of 16 bytes or zero, a misaligned base, sizes past its
-// limits, or no driver entry point); the caller then runs another kernel.
+// The element of a tensor the copy engine loads into swizzled tiles.
+enum class MapElement { kFloat16, kBFloat16, kE4M3 };
+template <typename Elem>
+constexpr MapElement map_element() {
+  if constexpr (std::is_same_v<Elem, __nv_bfloat16>) return MapElement::kBFloat16;
+  if constexpr (std::is_same_v<Elem, __nv_fp8_e4m3>) return MapElement::kE4M3;
+  return MapElement::kFloat16;
+}
+
+// Encodes a tensor map of one of the call's tensors (q, k, v, dout or out; V
+// transposed for e4m3) seen as 4-d (col, row, head, batch): `cols` columns
+// (its head dim), `rows` rows, `heads` heads, `batches` batches, t's strides,
+// its columns contiguous. Its boxes are one 128-byte row of columns (64 16-bit
+// elements, 128 e4m3) x box_rows rows of one (head, batch), 128-byte swizzled,
+// out-of-range elements read as zero. Returns false where the copy engine
+// cannot take the tensor (a stride not a multiple of 16 bytes or zero, a
+// misaligned base, sizes past its limits, or no driver entry point); the
+// caller then runs another kernel.
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
-                       int64_t batches, bool bfloat16, int box_rows);
+                       int64_t batches, MapElement element, int box_rows);
 
 // A decoding step's cache element: the queries' dtype, or float8 e4m3.
 enum class CacheElement { kFloat16, kBFloat16, kE4M3 };

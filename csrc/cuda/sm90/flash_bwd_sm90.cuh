@@ -35,7 +35,7 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
   if (!shape.fits) return false;
   const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, cols, rows, heads, shape.tensors.batch, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, cols, rows, heads, shape.tensors.batch, map_element<Elem>(), box_rows);
   };
   if (!map(&kp.q_map, params.q, p.head_dim, rows_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.dout_map, params.dout, p.head_dim_v, rows_q, p.heads_q, Cfg::kBlockM) ||

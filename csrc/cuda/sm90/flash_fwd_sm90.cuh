@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_forward_kernel(con
   const int consumer = warpgroup - 1;
   const FwdMainloop<Elem, Cfg, kDropout, kMask, kWindow, kSoftcap, kAlibi, kVarlen> mainloop(kp, smem, shared,
                                                                                               consumer);
-  FwdEpilogue<Elem, Cfg, kVarlen> epilogue{kp,       shared,        smem.k, consumer, mainloop.tid, mainloop.lane,
+  FwdEpilogue<FwdOutElem<Elem>, Cfg, kVarlen> epilogue{kp,       shared,        smem.k, consumer, mainloop.tid, mainloop.lane,
                                            mainloop.tile_row};
   for (int round = 0, kv = 0, q_round = 0;; ++round) {
     const int slot = round % 2;
@@ -159,12 +159,11 @@ bool launch_forward(const FwdParams& params, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
   FwdKernelParams kp;
   kp.call = params;
-  constexpr bool kBFloat16 = std::is_same_v<Elem, __nv_bfloat16>;
   const MappedShape shape = mapped_shape(p, params.packed, std::max(Cfg::kBlockM, Cfg::kBlockN));
   if (!shape.fits) return false;
   const int64_t rows_q = shape.rows_q, rows_k = shape.rows_k;
   auto map = [&](CUtensorMap* m, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads, int box_rows) {
-    return encode_tensor_map(m, t, cols, rows, heads, shape.tensors.batch, kBFloat16, box_rows);
+    return encode_tensor_map(m, t, cols, rows, heads, shape.tensors.batch, map_element<Elem>(), box_rows);
   };
   if (!map(&kp.q_map, params.q, p.head_dim, rows_q, p.heads_q, Cfg::kBlockM) ||
       !map(&kp.k_map, params.k, p.head_dim, rows_k, p.heads_kv, Cfg::kBlockN) ||
@@ -205,6 +204,8 @@ bool launch_mla_forward(const FwdParams& params, ElementType type, cudaStream_t 
 // A packed batch's dispatch (flash_fwd_sm90_varlen.cu): a call with params.packed
 // that forward_covers.
 bool launch_varlen_forward(const FwdParams& params, ElementType type, cudaStream_t stream);
+// The e4m3 forward's launch (flash_fwd_sm90_fp8.cu): a call that fp8_forward_covers.
+bool launch_fp8_forward(const Fp8FwdParams& params, cudaStream_t stream);
 
 }  // namespace forward_kernel
 }  // namespace flashattn_ext::cuda::sm90

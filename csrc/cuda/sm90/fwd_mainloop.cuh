@@ -7,7 +7,9 @@
 // softmax of tile j waits only for the first; and the consumers take turns to
 // issue them (ping-pong), so that one's softmax hides under the others'
 // GEMMs. Tiles that cross the causal diagonal, a window's edges or the end of
-// the keys come last and are masked.
+// the keys come last and are masked. With e4m3 operands (FwdFp8TileConfig)
+// the GEMMs take k32 steps, V comes transposed, P is rounded to e4m3 and the
+// descales enter the softmax's scale and the rows' 1 / sum.
 #pragma once
 
 #include <type_traits>
@@ -25,6 +27,13 @@
 namespace flashattn_ext::cuda::sm90 {
 namespace forward_kernel {
 
+// The k extent of one wgmma: 16 for 16-bit elements, 32 for e4m3 (32 bytes
+// of a K-major row either way).
+template <typename Elem>
+constexpr int kStepK = 32 / int(sizeof(Elem));
+template <typename Elem>
+constexpr bool kIsE4M3 = std::is_same_v<Elem, __nv_fp8_e4m3>;
+
 // S = Q K^T over keys [kBegin, kEnd) of a tile, into those keys' registers of
 // s (a narrower accumulator's layout is a prefix of the wider one's).
 template <typename Elem, typename Cfg, int kBegin, int kEnd, int kRegs>
@@ -32,19 +41,40 @@ __device__ __forceinline__ void issue_score_keys(float (&s)[kRegs], uint64_t q_d
   auto& s_keys = *reinterpret_cast<float(*)[(kEnd - kBegin) / 2]>(&s[kBegin / 2]);
   const uint64_t keys_desc = desc_advance(k_desc, kBegin * kSwizzleRowBytes);
 #pragma unroll
-  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+  for (int kk = 0; kk < Cfg::kHeadDim / kStepK<Elem>; ++kk) {
     ptx::wgmma_ss<Elem, kEnd - kBegin>(s_keys, desc_advance(q_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
                                        desc_advance(keys_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
   }
 }
 
-// O += P V over keys [kBegin, kEnd) of a tile.
+// The probabilities of a key tile as A fragments: one per k step.
+template <typename Elem, typename Cfg>
+using ProbFragments = uint32_t[Cfg::kBlockN / kStepK<Elem>][4];
+
+// O += P V over keys [kBegin, kEnd) of a tile: V N-major (16-bit), or
+// transposed and K-major (e4m3: a k32 step is 32 bytes along its rows).
 template <typename Elem, typename Cfg, int kBegin, int kEnd>
-__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDimV / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+__device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDimV / 2], const ProbFragments<Elem, Cfg>& pa,
                                               uint64_t v_desc) {
+  constexpr int kStep = kStepK<Elem>;
 #pragma unroll
-  for (int kk = kBegin / 16; kk < kEnd / 16; ++kk) {
-    ptx::wgmma_rs<Elem, Cfg::kHeadDimV, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+  for (int kk = kBegin / kStep; kk < kEnd / kStep; ++kk) {
+    if constexpr (Cfg::kValuesTransposed) {
+      ptx::wgmma_rs<Elem, Cfg::kHeadDimV>(o, pa[kk], desc_advance(v_desc, k_major_step_bytes(Cfg::kVtColBlockBytes, kk)),
+                                          true);
+    } else {
+      ptx::wgmma_rs<Elem, Cfg::kHeadDimV, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
+    }
+  }
+}
+
+// The probabilities s rounded to A fragments.
+template <typename Elem, int kRegs, int kSteps>
+__device__ __forceinline__ void to_prob_fragments(const float (&s)[kRegs], uint32_t (&frags)[kSteps][4]) {
+  if constexpr (kIsE4M3<Elem>) {
+    to_e4m3_fragments(s, frags);
+  } else {
+    to_fragments<Elem>(s, frags);
   }
 }
 
@@ -62,7 +92,7 @@ __device__ __forceinline__ void issue_scores(float (&s)[kKeys / 2], uint64_t q_d
   ptx::wgmma_commit();
 }
 template <typename Elem, typename Cfg, int kKeys>
-__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDimV / 2], const uint32_t (&pa)[Cfg::kBlockN / 16][4],
+__device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDimV / 2], const ProbFragments<Elem, Cfg>& pa,
                                          uint64_t v_desc) {
   ptx::wgmma_fence();
   issue_pv_keys<Elem, Cfg, 0, kKeys>(o, pa, v_desc);
@@ -74,6 +104,8 @@ __device__ __forceinline__ void issue_pv(float (&o)[Cfg::kHeadDimV / 2], const u
 template <typename Elem, typename Cfg, bool kDropout, MaskKind kMask, bool kWindow, bool kSoftcap, bool kAlibi,
           bool kVarlen>
 struct FwdMainloop {
+  static_assert(!kIsE4M3<Elem> || (!kDropout && !Cfg::Mask::kPresent && !kSoftcap && !kAlibi && !kVarlen),
+                "e4m3 operands: no dropout, attn_mask, softcap, ALiBi or packed batch (yet)");
   static constexpr int kBlockM = Cfg::kBlockM, kBlockN = Cfg::kBlockN, kStages = Cfg::kStages;
   static constexpr int kKeyRegs = kBlockN / 2;           // a thread's share of its warpgroup's 64 x kBlockN scores
   static constexpr int kOutRegs = Cfg::kHeadDimV / 2;    // and of its 64 x kHeadDimV output
@@ -107,7 +139,8 @@ struct FwdMainloop {
         tile_row(consumer * 64 + (tid / kWarpSize) * 16 + lane / 4),
         q_tile_desc(k_major_desc(ptx::smem_addr(smem.q) + consumer * 64 * kSwizzleRowBytes)),
         k_tile_desc(k_major_desc(ptx::smem_addr(smem.k))),
-        v_tile_desc(n_major_desc(ptx::smem_addr(smem.v), Cfg::kKVColBlockBytes)),
+        v_tile_desc(Cfg::kValuesTransposed ? k_major_desc(ptx::smem_addr(smem.v))
+                                           : n_major_desc(ptx::smem_addr(smem.v), Cfg::kKVColBlockBytes)),
         modifiers(kp, smem.mask, tile_row, lane) {
     if (consumer == 0) ptx::named_barrier_arrive(1, kTurnThreads);
   }
@@ -203,12 +236,21 @@ struct FwdMainloop {
       tile_modifiers.add_alibi(s, block.n_block);
       modifiers.apply_stage_mask(s, kv_index, block);
     };
-    FwdOnlineSoftmax softmax{modifiers.softmax_scale(kSoftcap || kAlibi)};
+    // e4m3: the scores and the output times their operands' descales (per
+    // batch and key/value head), the scores' in the softmax's scale.
+    float qk_descale = 1.f, v_descale = 1.f;
+    if constexpr (kIsE4M3<Elem>) {
+      const int64_t pair = int64_t(t.batch) * p.heads_kv + t.kv_head;
+      qk_descale = kp.q_descale[pair] * kp.k_descale[pair];
+      v_descale = kp.v_descale[pair];
+    }
+    FwdOnlineSoftmax<kIsE4M3<Elem>> softmax{modifiers.softmax_scale(kSoftcap || kAlibi) * qk_descale};
     // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
     auto finish_rows = [&] {
       float* lse = static_cast<float*>(params.lse) +
                    (kVarlen ? t.head * params.packed.total_q + t.q_start : (t.batch * p.heads_q + t.head) * p.len_q);
       softmax.finish(inv_sum, kDropout ? shared->dropout.keep_scale : 1.f, lse, row0 + tile_row, len_q, lane);
+      if constexpr (kIsE4M3<Elem>) inv_sum[0] *= v_descale, inv_sum[1] *= v_descale;
     };
 
 #pragma unroll
@@ -227,7 +269,7 @@ struct FwdMainloop {
       using Narrow0 = std::integral_constant<int, Cfg::kNarrowKeys0>;
       using Narrow1 = std::integral_constant<int, Cfg::kNarrowKeys1>;
       ptx::mbarrier_wait(&shared->q_full, q_round++ & 1);
-      uint32_t pa[kBlockN / 16][4];
+      ProbFragments<Elem, Cfg> pa;
       {
         float s[kKeyRegs];
         wait_k(kv);
@@ -241,7 +283,7 @@ struct FwdMainloop {
         if (tile_modifiers.needs_mask(block.n_block)) tile_modifiers.mask(s, block.n_block);
         float rescale[2];
         softmax.step(s, rescale);
-        to_fragments<Elem>(s, pa);
+        to_prob_fragments<Elem>(s, pa);
         if constexpr (kDropout) apply_dropout(pa, t, row0, block.n_block);
       }
       // The index-th key tile of the tile, index >= 1 (its GEMMs over its first
@@ -277,8 +319,8 @@ struct FwdMainloop {
         fence_registers(o);
         release_v(kv + index - 1);
         if (rescale_o) scale_rows(o, rescale);
-        auto& probs = *reinterpret_cast<uint32_t(*)[kKeys / 16][4]>(&pa);
-        to_fragments<Elem>(s, probs);
+        auto& probs = *reinterpret_cast<uint32_t(*)[kKeys / kStepK<Elem>][4]>(&pa);
+        to_prob_fragments<Elem>(s, probs);
         if constexpr (kDropout) apply_dropout(probs, t, row0, block.n_block);
       };
       const int whole_tiles = last_width == kBlockN ? n_blocks : n_blocks - 1;

@@ -9,7 +9,8 @@
 // tile's Q loads as soon as the consumers' last Q K^T of the current one is
 // done (q_empty), and a stage whose K buffer holds a consumer's output (head
 // dim 128: fwd_epilogue.cuh) is refilled only once the copy engine has read it
-// (out_free).
+// (out_free). FP8's values come transposed (FwdFp8TileConfig): a tile of
+// them is every head-dim row's kBlockN keys.
 #pragma once
 
 #include "cuda/attn_mask.cuh"
@@ -71,7 +72,7 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
       ptx::mbarrier_wait(&shared->q_empty, (q_round++ & 1) ^ 1);
       ptx::mbarrier_arrive_expect_tx(&shared->q_full, Cfg::kQBytes);
       for (int c = 0; c < Cfg::kColBlocks; ++c) {
-        ptx::tma_load_4d(smem.q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * kSwizzleCols,
+        ptx::tma_load_4d(smem.q + c * Cfg::kQColBlockBytes, &kp.q_map, &shared->q_full, c * Cfg::kColBlockCols,
                          t.q_start + t.row0, head, batch);
       }
     }
@@ -92,7 +93,7 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
       ptx::mbarrier_arrive_expect_tx(&shared->k_full[stage], Cfg::kKBytes + (unmasked ? 0 : mask_tile_bytes));
       for (int c = 0; c < Cfg::kColBlocks; ++c) {
         ptx::tma_load_4d(smem.k + stage * Cfg::kKBytes + c * Cfg::kKVColBlockBytes, &kp.k_map, &shared->k_full[stage],
-                         c * kSwizzleCols, key_row, kv_head, batch);
+                         c * Cfg::kColBlockCols, key_row, kv_head, batch);
       }
       if (Cfg::Mask::kPresent && !unmasked) {
         for (int c = 0; c < Cfg::Mask::kColBlocks; ++c) {
@@ -104,8 +105,13 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
       ptx::mbarrier_wait(&shared->v_empty[stage], parity ^ 1);
       ptx::mbarrier_arrive_expect_tx(&shared->v_full[stage], Cfg::kVBytes);
       for (int c = 0; c < Cfg::kColBlocksV; ++c) {
-        ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map, &shared->v_full[stage],
-                         c * kSwizzleCols, key_row, kv_head, batch);
+        if constexpr (Cfg::kValuesTransposed) {  // (head dim, keys): every head-dim row, the tile's keys
+          ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kVtColBlockBytes, &kp.v_map,
+                           &shared->v_full[stage], key_row + c * Cfg::kColBlockCols, 0, kv_head, batch);
+        } else {
+          ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map,
+                           &shared->v_full[stage], c * kSwizzleCols, key_row, kv_head, batch);
+        }
       }
       ++kv;
     }

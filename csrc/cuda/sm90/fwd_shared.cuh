@@ -3,6 +3,10 @@
 // and the block's shared-memory state and buffers.
 #pragma once
 
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
 #include "cuda/dropout_flags.cuh"
 #include "cuda/flash_cuda.h"
 #include "cuda/sm90/descriptors.cuh"
@@ -23,7 +27,14 @@ struct FwdKernelParams {
   // with rows of its own that every head shares, such as an (L, S) mask),
   // else in grid_position's.
   bool heads_first;
+  // e4m3 operands (attention_forward_fp8): their descales, (batch, heads_kv)
+  // contiguous; null for 16-bit ones.
+  const float *q_descale = nullptr, *k_descale = nullptr, *v_descale = nullptr;
 };
+
+// The output's element: the inputs', or bfloat16 for e4m3 inputs.
+template <typename Elem>
+using FwdOutElem = std::conditional_t<std::is_same_v<Elem, __nv_fp8_e4m3>, __nv_bfloat16, Elem>;
 
 // Where a tile of the forward lies, and which key tiles its consumers run:
 // n_blocks of them from key block first_block on (those its rows see, through

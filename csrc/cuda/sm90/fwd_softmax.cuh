@@ -55,12 +55,20 @@ __device__ __forceinline__ void rows_max(const float (&s)[kRegs], float (&row_ma
 // as it stands otherwise. The probabilities then stay below 2^kMaxGrowth (the
 // same sums and output, against another reference), and most tiles leave the
 // output unscaled: measured 1-3% faster than moving it every tile (H100).
+// Probabilities rounded to e4m3 (kE4M3) are taken against the exact max and
+// 2^8 larger: a row's largest is then exactly 256 (e4m3 holds it; a lagging
+// max would round it by up to 2^-4, and with it an output that one key
+// dominates), and e4m3's 3 mantissa bits, which it keeps only from 2^-6 up,
+// reach keys down to 2^-14 of the max. The sums carry the same factor, so
+// 1 / sum cancels it, and the lse takes it out.
 // The tile's max comes first, from independent chains (rows_max): the
 // compiler keeps the order of fmaxf and of float adds as written, and one
 // chain through a row's scores is latency the exps wait for.
 // Scores come in log2 units, times softmax_scale (1 where they come scaled).
+template <bool kE4M3 = false>
 struct FwdOnlineSoftmax {
-  static constexpr float kMaxGrowth = 8.f;
+  static constexpr float kMaxGrowth = kE4M3 ? 0.f : 8.f;
+  static constexpr float kProbShift = kE4M3 ? 8.f : 0.f;
   float softmax_scale;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
@@ -87,7 +95,7 @@ struct FwdOnlineSoftmax {
       }
       // A row with nothing visible yet keeps max -inf; subtract 0 instead so
       // that exp2(-inf - max) stays 0 rather than NaN.
-      const float max_used = row_max[half] == -INFINITY ? 0.f : row_max[half];
+      const float max_used = row_max[half] == -INFINITY ? 0.f : row_max[half] - kProbShift;
       float tile_sum[2] = {0.f, 0.f};  // two chains, as for the max
 #pragma unroll
       for (int j = 0; j < kRegs / 4; ++j) {
@@ -114,7 +122,8 @@ struct FwdOnlineSoftmax {
       sum += __shfl_xor_sync(0xffffffff, sum, 2);
       inv_sum[half] = sum > 0.f ? keep_scale / sum : 0.f;
       if (lane % 4 == 0 && row + half * 8 < len_q) {
-        lse_rows[row + half * 8] = sum > 0.f ? (row_max[half] + log2f(sum)) * float(M_LN2) : -INFINITY;
+        const float log2_sum_exp = row_max[half] - kProbShift + log2f(sum);
+        lse_rows[row + half * 8] = sum > 0.f ? log2_sum_exp * float(M_LN2) : -INFINITY;
       }
     }
   }

@@ -95,6 +95,8 @@ struct FwdTileConfig {
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
 
+  static constexpr int kColBlockCols = kSwizzleCols;           // elements of a 128-byte row
+  static constexpr bool kValuesTransposed = false;              // V as loaded: (keys, head dim), N-major in P V
   static constexpr int kColBlocks = kHeadDim / kSwizzleCols;    // of Q and K
   static constexpr int kColBlocksV = kHeadDimV / kSwizzleCols;  // of V and the output
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
@@ -119,6 +121,48 @@ struct FwdTileConfig {
   static constexpr bool kOutThroughSmem = kBlockM * kHeadDimV * 2 <= kKBytes;
   static_assert(kHeadDim % kSwizzleCols == 0 && kHeadDimV % kSwizzleCols == 0, "whole 64-column blocks");
   static_assert(kHeadDimV == kHeadDim || (kHeadDim == 192 && kHeadDimV == 128), "values' head dim: the same, or MLA's");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+};
+
+// The FP8 (e4m3) forward at head dim 128 (attention_forward_fp8): the same
+// kernel and roles as FwdTileConfig's, with 1-byte Q, K and V. A 128-byte
+// swizzled row then holds 128 elements, so Q and K are one column block, and
+// a wgmma k32 step is 32 bytes, as a 16-bit k16 step is (k_major_step_bytes
+// holds). 8-bit wgmma reads only K-major operands, so V comes transposed
+// (fp8_transpose_values: (head dim, keys) rows, keys permuted within each 32,
+// see there) and P V reads a tile of it as a K-major B of kHeadDimV rows x
+// kBlockN keys: one 128-byte column block at 128 keys. The output (bfloat16)
+// leaves from registers: a K buffer (1 byte an element) does not hold it.
+template <int kHeadDim_>
+struct FwdFp8TileConfig {
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
+  static_assert(kHeadDim == 128, "head dim 128: whole 128-byte rows of e4m3");
+  static constexpr int kConsumers = 2;
+  static constexpr int kBlockM = 64 * kConsumers;
+  static constexpr int kBlockN = 128;  // one 128-byte row of the transposed values a head-dim row
+  static constexpr bool kNarrowLastTile = false;
+  static constexpr int kNarrowKeys0 = kBlockN, kNarrowKeys1 = kBlockN;
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static constexpr int kColBlockCols = kSwizzleRowBytes;  // 1-byte elements
+  static constexpr bool kValuesTransposed = true;
+  static constexpr int kColBlocks = kHeadDim / kColBlockCols;        // of Q and K
+  static constexpr int kColBlocksV = kBlockN / kColBlockCols;        // of a transposed V tile (its keys)
+  static constexpr int kQBytes = kBlockM * kHeadDim;
+  static constexpr int kKBytes = kBlockN * kHeadDim;
+  static constexpr int kVBytes = kBlockN * kHeadDimV;
+  static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
+  static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // of K
+  static constexpr int kVtColBlockBytes = kHeadDimV * kSwizzleRowBytes;  // of a transposed V tile
+  using Mask = MaskTile<kBlockM, kBlockN, 0>;
+  static constexpr int kStageBytes = kKBytes + kVBytes + 5 * 8;
+  static constexpr int kFixedBytes = kQBytes + 192 + 1024;
+  static constexpr int kStages = 4;  // 32 KiB a stage: four fit, with room to spare
+  static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
+  static constexpr bool kOutThroughSmem = false;
+  static_assert(kBlockN % 32 == 0, "whole 32-key groups (the permutation of the transposed values)");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 };
 
