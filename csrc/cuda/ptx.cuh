@@ -161,6 +161,13 @@ __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Two bfloat16 products at once, each rounded to nearest.
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // One register of two 16-bit elements to two floats (low half first): pack2's inverse.
 template <typename Elem>
 __device__ __forceinline__ float2 unpack2(uint32_t v);

@@ -233,6 +233,15 @@ struct BwdConsumer {
   static constexpr int kDqRegs = kDqAccumSliceCols / 2;  // a thread's share of its 64 x 64 dQ block
   using Barriers = BwdNamedBarriers<Cfg>;
   using Frags = uint32_t[kBlockM / 16][4];  // P^T or dS^T as wgmma A fragments
+  // With 128-query tiles (head dim 64) in bfloat16, and neither dropout nor
+  // softcap, dS^T = P^T (dP^T - delta) is made from the rounded fragments of
+  // P^T and of dP^T - delta, two products an instruction
+  // (times_probabilities): float P^T is not kept (registers are short), and
+  // reading it back from its fragments took more instructions than the
+  // products. (Not in float16: dP^T - delta may pass its range where dS^T
+  // does not.)
+  static constexpr bool kPairedDs =
+      kBlockM > 64 && !kDropout && !kSoftcap && std::is_same_v<Elem, __nv_bfloat16>;
 
   const BwdKernelParams& kp;
   const BwdParams& params;
@@ -362,10 +371,15 @@ struct BwdConsumer {
       accumulate_key_gradient<Elem>(dv, p_frag, dout_rows_desc, stage_offset);
 
       // dS^T = P^T * (dP^T - delta), to registers and to the tile's dS^T buffer.
-      if constexpr (!kDropout) ds_from_probabilities(dpt, st, p_frag, lse_q, delta_q);
+      if constexpr (kPairedDs) {  // (dpt: dP^T - delta until the product)
+        dp_less_delta(dpt, delta_q);
+      } else if constexpr (!kDropout) {
+        ds_from_probabilities(dpt, st, p_frag, lse_q, delta_q);
+      }
       zero_lone_key_rows<kBlockM, kWindow>(dpt, params, seen, block.col0, t.row0, holds_first_key, lane);
       if constexpr (Cfg::Mask::kPresent) zero_rows_seeing_one_key<kBlockM>(dpt, delta_q, lane);
       to_fragments<Elem>(dpt, ds_frag);
+      if constexpr (kPairedDs) times_probabilities(ds_frag, p_frag);
       const int ds_buffer = tile % Cfg::kDsBuffers;
       store_ds(ds_frag, tile, ds_buffer);
 
@@ -461,7 +475,7 @@ struct BwdConsumer {
   // Without dropout, dS^T = P^T * (dP^T - delta) (times the cap's derivative
   // with softcap); dpt becomes dS^T. (With 128-query tiles registers are short:
   // P^T is read back from its rounded fragments there, so that st dies with
-  // its conversion.)
+  // its conversion; in bfloat16 without softcap kPairedDs takes its place.)
   __device__ __forceinline__ void ds_from_probabilities(float (&dpt)[kScoreRegs], const float (&st)[kScoreRegs],
                                                         const Frags& p_frag, const float (&lse_q)[kBlockM],
                                                         const float (&delta_q)[kBlockM]) const {
@@ -470,6 +484,23 @@ struct BwdConsumer {
       const float pt = kBlockM > 64 ? from_fragments<Elem>(p_frag, i) : st[i];
       dpt[i] = pt * (dpt[i] - delta_q[query_of(i)]);
       if constexpr (kSoftcap) dpt[i] *= softcap.cap_derivative(pt, lse_q[query_of(i)]);
+    }
+  }
+
+  // dpt = dP^T - delta (kPairedDs: the second factor of dS^T, zeroed where
+  // dS^T must be exactly 0 before its product).
+  __device__ __forceinline__ void dp_less_delta(float (&dpt)[kScoreRegs], const float (&delta_q)[kBlockM]) const {
+#pragma unroll
+    for (int i = 0; i < kScoreRegs; ++i) dpt[i] -= delta_q[query_of(i)];
+  }
+
+  // ds_frag (dP^T - delta, rounded) times P^T as rounded for dV, a pair of
+  // products an instruction: dS^T's fragments (kPairedDs).
+  __device__ __forceinline__ static void times_probabilities(Frags& ds_frag, const Frags& p_frag) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ds_frag[kk][r] = ptx::mul_bf16x2(ds_frag[kk][r], p_frag[kk][r]);
     }
   }
 
