@@ -66,6 +66,21 @@ except (ImportError, OSError) as import_error:  # still measure torch's backends
     def set_dropout_bits(bits):
         pass
 
+try:  # FlashAttention-4's sm90 kernels compiled ahead of time (benchmarks/fa4/README.md: how to put them on sys.path)
+    from fa4_aot import flash_attn_func as fa4_flash_attn_func
+except ImportError as fa4_import_error:
+    def fa4_flash_attn_func(*args, _error=fa4_import_error, **kwargs):
+        raise _error
+
+
+def fa4_attention(q, k, v, attn_mask=None, is_causal=False, dropout_p=0.0):
+    """FlashAttention-4 on (B, H, N, D) views of (B, N, H, D) tensors (its own layout: no copy)."""
+    if attn_mask is not None or dropout_p > 0:
+        raise NotImplementedError("FlashAttention-4 (compiled ahead of time): no attn_mask or dropout")
+    out = fa4_flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=is_causal)
+    return out.transpose(1, 2)
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 DASH = "—"
@@ -80,6 +95,8 @@ class Provider:
     backend: Optional[SDPBackend] = None  # SDPA backend forced while it runs
     max_n: int = sys.maxsize  # longer sequences are skipped
     env: Optional[Tuple[str, str]] = None  # an environment variable set while it runs
+    seq_major: bool = False  # its inputs stored (B, N, H, D), passed as (B, H, N, D) views
+    by_default: bool = True  # timed without --providers
 
     def context(self):
         if self.env is not None:
@@ -103,6 +120,7 @@ def environment(name: str, value: str):
 # Column order of anchors.md, with flashattn_ext where its extra kernel stands.
 GPU_PROVIDERS = [
     Provider("cudnn", "SDPA cuDNN", F.scaled_dot_product_attention, SDPBackend.CUDNN_ATTENTION),
+    Provider("fa4", "FlashAttention-4", fa4_attention, seq_major=True, by_default=False),
     Provider("flash", "SDPA flash (FA2)", F.scaled_dot_product_attention, SDPBackend.FLASH_ATTENTION),
     Provider("ext", "flashattn_ext", ext_attention),
     # Our mma.sync kernels where the Hopper ones would run (the same on other GPUs).
@@ -170,7 +188,11 @@ class Report:
 
 # ----------------------------------------------------------------------------- measuring
 
-def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device):
+def make_inputs(b: int, h: int, n: int, d: int, dtype: torch.dtype, device: torch.device, seq_major: bool = False):
+    """q, k, v of shape (B, H, N, D), requiring grad; seq_major: views of (B, N, H, D) tensors."""
+    if seq_major:
+        return [torch.randn(b, n, h, d, dtype=dtype, device=device, requires_grad=True).transpose(1, 2)
+                for _ in range(3)]
     return [torch.randn(b, h, n, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3)]
 
 
@@ -249,15 +271,16 @@ def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal
     cell), with the budget split between them; a cell is the mean of its rounds' medians."""
     # (A padded head dim takes the heads of the one it runs padded to.)
     b, h = max(1, setup.tokens // n), setup.heads[min(x for x in setup.heads if x >= d)]
-    q, k, v = make_inputs(b, h, n, d, DTYPES[dtype], device)
+    providers = [p for p in report.providers if n <= p.max_n]
+    inputs = {layout: make_inputs(b, h, n, d, DTYPES[dtype], device, layout)
+              for layout in {p.seq_major for p in providers}}
     mask = make_mask(mask_kind, b, n, DTYPES[dtype], device)
     flops = forward_flops(b, h, n, d, causal)
-    providers = [p for p in report.providers if n <= p.max_n]
     seconds: Dict[str, List[Tuple[Optional[float], Optional[float]]]] = {p.label: [] for p in providers}
     for round_index in range(setup.rounds):
         for provider in providers if round_index % 2 == 0 else providers[::-1]:
             seconds[provider.label].append(
-                time_forward_backward(provider, q, k, v, causal, dropout, mask, device,
+                time_forward_backward(provider, *inputs[provider.seq_major], causal, dropout, mask, device,
                                       setup.budget_s / setup.rounds, report))
 
     def mean_or_none(values):
@@ -276,7 +299,7 @@ def measure_row(report: Report, setup: Setup, dtype: str, d: int, n: int, causal
 
 def peak_extra_mib(provider: Provider, n: int, dtype: torch.dtype, device: torch.device) -> float:
     """Extra peak memory of one forward and backward, upstream gradient included, in MiB."""
-    q, k, v = make_inputs(1, 16, n, 128, dtype, device)
+    q, k, v = make_inputs(1, 16, n, 128, dtype, device, provider.seq_major)
 
     def forward_backward():
         out = provider.attention(q, k, v)
@@ -488,7 +511,10 @@ def new_report(args, setup: Setup, device: torch.device, today: str) -> Report:
         "Providers: flashattn_ext, and torch's SDPA with one backend forced by `torch.nn.attention.sdpa_kernel` "
         f"(math only up to N={MATH_MAX_N}). — means the provider failed (see the notes) or was skipped.",
     ]
-    providers = [p for p in setup.providers if args.providers is None or p.key in args.providers]
+    providers = [p for p in setup.providers if (p.key in args.providers if args.providers else p.by_default)]
+    if any(p.key == "fa4" for p in providers):
+        header.append("FlashAttention-4: flash-attn-4 4.0.0b36's sm90 kernels compiled ahead of time "
+                      "(benchmarks/fa4/pack.sh), on (B, N, H, D) tensors, its own layout.")
     return Report("Attention: flashattn_ext against torch SDPA", header, providers, args.dtypes[0],
                   dropout_column=args.dropout != [0.0], mask_column=args.masks != ["none"])
 
