@@ -180,8 +180,8 @@ int64_t fp8_values_t_bytes(const AttentionProblem& p);
 bool fp8_forward_covers(const Fp8FwdParams& params);
 // Runs it (the transpose of v, then the kernel) and returns true where it
 // covers the call and the copy engine can address the tensors (last dims
-// contiguous, strides multiples of 16 bytes), params.fwd.tile_counter set.
-// Else launches nothing and returns false.
+// contiguous, strides multiples of 16 bytes), params.fwd.tile_counter and
+// params.values_t set. Else launches nothing and returns false.
 bool attention_forward_fp8(const Fp8FwdParams& params, cudaStream_t stream);
 
 // The query rows of the Hopper forward's tiles for a packed batch (their

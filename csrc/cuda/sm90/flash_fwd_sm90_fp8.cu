@@ -76,7 +76,7 @@ bool fp8_forward_covers(const Fp8FwdParams& params) {
          p.softcap == 0.0 && p.alibi_slopes == nullptr && fwd.mask_kind == MaskKind::kNone && fwd.dropout.p == 0.0 &&
          !fwd.packed.present() && p.scale > 0.0 && p.len_q > 0 && p.len_k > 0 && p.heads_kv > 0 &&
          p.heads_q % p.heads_kv == 0 && p.batch > 0 && params.q_descale != nullptr && params.k_descale != nullptr &&
-         params.v_descale != nullptr && params.values_t != nullptr;
+         params.v_descale != nullptr;
 }
 
 namespace forward_kernel {
@@ -132,7 +132,7 @@ bool launch_fp8_forward(const Fp8FwdParams& params, cudaStream_t stream) {
 }  // namespace forward_kernel
 
 bool attention_forward_fp8(const Fp8FwdParams& params, cudaStream_t stream) {
-  if (params.fwd.tile_counter == nullptr || !fp8_forward_covers(params)) return false;
+  if (params.fwd.tile_counter == nullptr || params.values_t == nullptr || !fp8_forward_covers(params)) return false;
   return forward_kernel::launch_fp8_forward(params, stream);
 }
 
