@@ -11,10 +11,9 @@ arm's within 1e-2 of the default's (relative to the largest gradient).
 
     python3 benchmarks/bench_deterministic.py [--out results/deterministic/FILE.md]
 """
-import argparse
-from pathlib import Path
 
-from bench_timing import interleaved_median_cuda_events, with_kernels  # (puts this checkout first on sys.path)
+from bench_timing import (  # (puts this checkout first on sys.path)
+    interleaved_median_cuda_events, save_table, table_arguments, with_kernels)
 
 import torch
 
@@ -37,10 +36,7 @@ def backward_in_mode(out, inputs, grad_out, deterministic, kernels=None):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = table_arguments(__doc__)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"# Deterministic backward against the default ({torch.cuda.get_device_name()}, bf16, "
              f"torch {torch.__version__})", "",
@@ -76,9 +72,7 @@ def main():
         lines.append(line)
         del q, k, v, inputs, out, grad_out, want, first, second
         torch.cuda.empty_cache()
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    save_table(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,10 @@ the bfloat16 forward's TFLOP/s.
 
     python3 benchmarks/bench_fp8.py [--out results/training/FILE.md]
 """
-import argparse
 import math
-from pathlib import Path
 
-from bench_timing import interleaved_median_cuda_events  # (puts this checkout first on sys.path)
+from bench_timing import (  # (puts this checkout first on sys.path)
+    interleaved_median_cuda_events, save_table, table_arguments)
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -35,10 +34,7 @@ def kernel_times_ms(fn):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = table_arguments(__doc__)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"# FP8 (e4m3) forward against bfloat16, head dim {DIM} ({torch.cuda.get_device_name()}, "
              f"torch {torch.__version__})", "",
@@ -68,9 +64,7 @@ def main():
                 f"{times[2] * 1e3:.3f} |")
         print(line, flush=True)
         lines.append(line)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    save_table(lines, args.out)
 
 
 if __name__ == "__main__":

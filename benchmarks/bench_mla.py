@@ -8,10 +8,9 @@ The bar: at least 0.9x the head-dim-128 kernels' TFLOP/s.
 
     python3 benchmarks/bench_mla.py [--out results/training/FILE.md]
 """
-import argparse
-from pathlib import Path
 
-from bench_timing import interleaved_median_cuda_events, with_kernels  # (puts this checkout first on sys.path)
+from bench_timing import (  # (puts this checkout first on sys.path)
+    interleaved_median_cuda_events, save_table, table_arguments, with_kernels)
 
 import torch
 
@@ -22,10 +21,7 @@ SHAPES = [(4, 16, 4096, False), (4, 16, 4096, True), (1, 16, 16384, False), (1, 
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = table_arguments(__doc__)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"# MLA's prefill shape (192 / 128) against head dim 128 ({torch.cuda.get_device_name()}, bf16, "
              f"torch {torch.__version__})", "",
@@ -56,9 +52,7 @@ def main():
                     f"{times[2] * 1e3:.3f} |")
             print(line, flush=True)
             lines.append(line)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+    save_table(lines, args.out)
 
 
 if __name__ == "__main__":

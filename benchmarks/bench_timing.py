@@ -1,7 +1,8 @@
 """Timing for the benchmark scripts: CUDA events (one pair a call) or the wall clock on the CPU, the
 median of many calls after warm-up, and interleaved medians for comparing providers under the same
-clock drift. Importing it puts this checkout first on sys.path, so the scripts measure its
-flashattn_ext, not another install."""
+clock drift; and the command line and output of the scripts that print one markdown table. Importing
+it puts this checkout first on sys.path, so the scripts measure its flashattn_ext, not another install."""
+import argparse
 import os
 import socket
 import statistics
@@ -112,6 +113,22 @@ def median_step_seconds(fn: Callable, reps: int, device: str = "cuda", warmup: i
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+def table_arguments(doc: str) -> argparse.Namespace:
+    """The command line of a script that prints one markdown table: --reps (timed calls a median) and
+    --out (a file that gets the table too); doc's first line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    return parser.parse_args()
+
+
+def save_table(lines: List[str], out: Optional[Path]) -> None:
+    """Writes the table's lines to out (its folder made), where one was given."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("\n".join(lines) + "\n")
 
 
 def free_port() -> int:
