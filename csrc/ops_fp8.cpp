@@ -3,11 +3,11 @@
 // _scaled_dot_product_attention_quantized, PER_HEAD: a stored x stands for
 // x * descale[b, h_kv], the query's heads by their key/value head), or a
 // (sequence, key/value head, block of kFp8BlockRows rows) (FA3's block
-// quantization); out in bfloat16, the log-sum-exp in float32. Until the
-// Hopper forward's e4m3 kernel takes the call (CUDA: csrc/cuda/ops_fp8_cuda.cpp,
-// per-head descales at head dim 128; issue 47), every device runs it through
-// attention_forward on the tensors dequantized: in float32 on the CPU (the
-// values exact), in bfloat16 on CUDA (each value rounded once).
+// quantization); out in bfloat16, the log-sum-exp in float32. Where the
+// Hopper forward's e4m3 kernel does not take the call (it takes per-head
+// descales at head dim 128: csrc/cuda/ops_fp8_cuda.cpp), every device runs it
+// through attention_forward on the tensors dequantized: in float32 on the CPU
+// (the values exact), in bfloat16 on CUDA (each value rounded once).
 #include <torch/library.h>
 
 #include <optional>

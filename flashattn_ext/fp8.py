@@ -1,9 +1,10 @@
 """FP8 attention: torch.nn.attention.experimental._scaled_dot_product_attention_quantized's signature and
 semantics (float8_e4m3fn query, key and value, descales a (sequence, key/value head), bfloat16 out).
 
-Until the Hopper kernels take e4m3 operands, the op runs attention_forward on the tensors dequantized
-(float32 on the CPU, bfloat16 on CUDA): right, and no faster than bfloat16 attention. Forward only, as
-torch's. quantize_fp8 makes the inputs (per head or per block of rows), and hadamard_rotation the random
+On an H100 / H200 at head dim 128 with descales a (sequence, key/value head), the Hopper forward takes
+the e4m3 operands itself (P rounded to e4m3 too); every other call runs attention_forward on the tensors
+dequantized (float32 on the CPU, bfloat16 on CUDA): right, and no faster than bfloat16 attention. Forward
+only, as torch's. quantize_fp8 makes the inputs (per head or per block of rows), and hadamard_rotation the random
 rotation of queries and keys that FA3 pairs with block quantization (benchmarks/fp8_accuracy.py measures
 both against float64).
 """
