@@ -8,6 +8,9 @@
 // descales at head dim 128: csrc/cuda/ops_fp8_cuda.cpp), every device runs it
 // through attention_forward on the tensors dequantized: in float32 on the CPU
 // (the values exact), in bfloat16 on CUDA (each value rounded once).
+// attention_backward_fp8 gives the gradients that make it trainable
+// (flashattn_ext/fp8.py quantizes 16-bit inputs and passes them straight
+// through the quantization).
 #include <torch/library.h>
 
 #include <optional>
@@ -49,6 +52,29 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, co
   check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale);
   return attention_forward_fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, is_causal, causal_lower_right,
                                            scale, window_left, window_right);
+}
+
+// The gradients of attention over the dequantized q, k and v (so, straight
+// through the quantization, those of the tensors the caller quantized), from
+// the e4m3 forward's out and lse; in grad_out's dtype. Until the Hopper
+// backward takes e4m3 operands, every device runs attention_backward on the
+// tensors dequantized as attention_forward_fp8_dequantized does.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_fp8(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
+    const std::optional<at::Tensor>& v_descale, bool is_causal, bool causal_lower_right, double scale,
+    int64_t window_left, int64_t window_right) {
+  check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale);
+  const int64_t heads_kv = k.size(1);
+  const at::ScalarType dtype = q.is_cpu() ? at::kFloat : at::kBFloat16;
+  const at::Tensor no_dropout = at::empty({0}, q.options().dtype(at::kLong));
+  auto [dq, dk, dv, unused] = call_attention_backward(
+      grad_out.to(dtype), dequantized(q, q_descale, heads_kv, dtype), dequantized(k, k_descale, heads_kv, dtype),
+      dequantized(v, v_descale, heads_kv, dtype), out.to(dtype), lse, no_dropout,
+      AttentionOptions{std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right},
+      /*compute_grad_attn_mask=*/false, std::nullopt);
+  const at::ScalarType grad_dtype = grad_out.scalar_type();
+  return {dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)};
 }
 
 }  // namespace
@@ -102,10 +128,16 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
       "attention_forward_fp8(Tensor query, Tensor key, Tensor value, Tensor? q_descale, Tensor? k_descale, "
       "Tensor? v_descale, bool is_causal, bool causal_lower_right, float scale, int window_left=-1, "
       "int window_right=-1) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_backward_fp8(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool is_causal, bool causal_lower_right, "
+      "float scale, int window_left=-1, int window_right=-1) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value)");
 }
 
 TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention_forward_fp8", &attention_forward_fp8);
+  m.impl("attention_backward_fp8", &attention_backward_fp8);
 }
 
 }  // namespace flashattn_ext

@@ -68,6 +68,14 @@ def _attention_forward_fp8_fake(query, key, value, q_descale, k_descale, v_desca
     return out, lse
 
 
+@torch.library.register_fake("flashattn_ext::attention_backward_fp8")
+def _attention_backward_fp8_fake(grad_out, query, key, value, out, lse, q_descale, k_descale, v_descale, is_causal,
+                                 causal_lower_right, scale, window_left=-1, window_right=-1):
+    _check_devices(query, grad_out=grad_out, key=key, value=value, out=out, lse=lse, q_descale=q_descale,
+                   k_descale=k_descale, v_descale=v_descale)
+    return tuple(grad_out.new_empty(t.shape) for t in (query, key, value))
+
+
 @torch.library.register_fake("flashattn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
     return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)

@@ -1,12 +1,14 @@
 """FP8 attention: torch.nn.attention.experimental._scaled_dot_product_attention_quantized's signature and
-semantics (float8_e4m3fn query, key and value, descales a (sequence, key/value head), bfloat16 out).
+semantics (float8_e4m3fn query, key and value, descales a (sequence, key/value head), bfloat16 out), and a
+trainable form of it: 16-bit (or float32) query, key and value, quantized inside.
 
 On an H100 / H200 at head dim 128 with descales a (sequence, key/value head), the Hopper forward takes
 the e4m3 operands itself (P rounded to e4m3 too); every other call runs attention_forward on the tensors
-dequantized (float32 on the CPU, bfloat16 on CUDA): right, and no faster than bfloat16 attention. Forward
-only, as torch's. quantize_fp8 makes the inputs (per head or per block of rows), and hadamard_rotation the random
-rotation of queries and keys that FA3 pairs with block quantization (benchmarks/fp8_accuracy.py measures
-both against float64).
+dequantized (float32 on the CPU, bfloat16 on CUDA): right, and no faster than bfloat16 attention. The
+backward (attention_backward_fp8) runs the 16-bit backward on the dequantized tensors on every device for now.
+quantize_fp8 makes the inputs (per head or per block of rows), and hadamard_rotation the random rotation of
+queries and keys that FA3 pairs with block quantization (benchmarks/fp8_accuracy.py measures both against
+float64; benchmarks/fp8_training.py trains a small model with each attention).
 """
 import math
 from typing import Optional, Tuple
@@ -32,17 +34,57 @@ def scaled_dot_product_attention_fp8(
     v_descale: Optional[Tensor] = None,
     window: Optional[tuple] = None,
 ) -> Tensor:
-    """query (N, Hq, L, E), key (N, H, S, E), value (N, H, S, Ev), all torch.float8_e4m3fn -> (N, Hq, L, Ev)
-    bfloat16. Each descale, float32 (None: 1), multiplies its tensor's values: (N, H), one a (sequence,
-    key/value head), the query's heads by their key/value head's (torch's PER_HEAD descaling), or
-    (N, H, ceil(rows / BLOCK_ROWS)), one a block of BLOCK_ROWS rows of those (quantize_fp8 makes either).
+    """query (N, Hq, L, E), key (N, H, S, E), value (N, H, S, Ev) -> (N, Hq, L, Ev), in either of two forms.
+
+    - float8_e4m3fn, with the descales (forward only, as torch's): each descale, float32 (None: 1), multiplies
+      its tensor's values: (N, H), one a (sequence, key/value head), the query's heads by their key/value
+      head's (torch's PER_HEAD descaling), or (N, H, ceil(rows / BLOCK_ROWS)), one a block of BLOCK_ROWS rows
+      of those (quantize_fp8 makes either). Out in bfloat16.
+    - bfloat16, float16 or float32, no descales: each tensor quantized here per (sequence, key/value head)
+      (quantize_fp8), out in the inputs' dtype, and differentiable: the gradients are those of attention over
+      the dequantized tensors, passed straight through the quantization (as Transformer Engine's FP8
+      attention), computed from this forward's out and log-sum-exp.
+
     is_causal aligns the mask top-left, as SDPA does; window (left, right) as attention_with_lse's.
     """
     left, right = window_bounds(window)
-    out, _ = torch.ops.flashattn_ext.attention_forward_fp8(
-        query, key, value, q_descale, k_descale, v_descale, is_causal, False,
-        default_scale(query.size(-1)) if scale is None else scale, left, right)
-    return out
+    scale = default_scale(query.size(-1)) if scale is None else scale
+    fp8 = [t.dtype == torch.float8_e4m3fn for t in (query, key, value)]
+    if all(fp8):
+        out, _ = torch.ops.flashattn_ext.attention_forward_fp8(query, key, value, q_descale, k_descale, v_descale,
+                                                               is_causal, False, scale, left, right)
+        return out
+    if any(fp8) or len({query.dtype, key.dtype, value.dtype}) != 1 or not query.dtype.is_floating_point:
+        raise TypeError("flashattn_ext: scaled_dot_product_attention_fp8 takes query, key and value all in "
+                        "float8_e4m3fn, or all in one of bfloat16, float16 and float32; got "
+                        f"{query.dtype}, {key.dtype} and {value.dtype}")
+    if any(d is not None for d in (q_descale, k_descale, v_descale)):
+        raise ValueError("flashattn_ext: scaled_dot_product_attention_fp8 quantizes 16-bit inputs itself; "
+                         "q_descale, k_descale and v_descale go with float8_e4m3fn inputs only")
+    return _QuantizedAttention.apply(query, key, value, is_causal, scale, left, right)
+
+
+class _QuantizedAttention(torch.autograd.Function):
+    """Quantize per (sequence, key/value head), the FP8 forward, and attention_backward_fp8 for the gradients.
+    Saves the e4m3 tensors (half the bytes of 16-bit ones), their descales, out and the log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, is_causal, scale, window_left, window_right):
+        heads_kv = key.size(1)
+        quantized = [quantize_fp8(t, heads_kv) for t in (query, key, value)]
+        (q8, q_descale), (k8, k_descale), (v8, v_descale) = quantized
+        out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q8, k8, v8, q_descale, k_descale, v_descale,
+                                                               is_causal, False, scale, window_left, window_right)
+        ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, out, lse)
+        ctx.options = (is_causal, False, scale, window_left, window_right)
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q8, k8, v8, q_descale, k_descale, v_descale, out, lse = ctx.saved_tensors
+        grads = torch.ops.flashattn_ext.attention_backward_fp8(grad_out, q8, k8, v8, out, lse, q_descale, k_descale,
+                                                               v_descale, *ctx.options)
+        return (*grads, None, None, None, None)
 
 
 def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = False) -> Tuple[Tensor, Tensor]:

@@ -1,6 +1,7 @@
 """FP8 attention (scaled_dot_product_attention_fp8, and aten's flash `.quantized` overloads with flashattn_ext
 active): float8_e4m3fn query, key and value with descales a (sequence, key/value head), against a float64
-reference on the dequantized tensors; the arguments' checks."""
+reference on the dequantized tensors; 16-bit inputs quantized inside, and their gradients; the arguments'
+checks."""
 import math
 
 import pytest
@@ -8,7 +9,8 @@ import torch
 
 import flashattn_ext
 from flashattn_ext.fp8 import hadamard_rotation, quantize_fp8, scaled_dot_product_attention_fp8
-from helpers import POISON_BYTES, kernel_names, naive_attention, on_paths, poison_cuda_allocator, relative_error
+from helpers import (POISON_BYTES, dtype_name, kernel_names, naive_attention, on_paths, on_paths_each,
+                     poison_cuda_allocator, relative_error)
 
 FP8 = torch.float8_e4m3fn
 # The error allowed relative to the output's scale: the output's bfloat16 rounding (CUDA: also the
@@ -118,9 +120,19 @@ def _call(**changes):
     return lambda: flashattn_ext.scaled_dot_product_attention_fp8(**arguments)
 
 
+def _op_call(query):
+    gen = torch.Generator().manual_seed(13)
+    _, k, v, _ = fp8_inputs(2, 4, 2, 5, 6, 8, gen, "cpu")
+    return lambda: torch.ops.flashattn_ext.attention_forward_fp8(query, k, v, None, None, None, False, False, 0.5)
+
+
 @pytest.mark.parametrize("call, exception, message", [
-    (_call(query=torch.zeros(2, 4, 5, 8, dtype=torch.bfloat16)), TypeError, "query as float8_e4m3fn"),
-    (_call(value=torch.zeros(2, 2, 6, 8)), TypeError, "value as float8_e4m3fn"),
+    (_op_call(torch.zeros(2, 4, 5, 8, dtype=torch.bfloat16)), TypeError, "query as float8_e4m3fn"),
+    (_call(value=torch.zeros(2, 2, 6, 8)), TypeError, "all in float8_e4m3fn, or all in one of bfloat16"),
+    (_call(query=torch.zeros(2, 4, 5, 8, dtype=torch.int8), key=torch.zeros(2, 2, 6, 8, dtype=torch.int8),
+           value=torch.zeros(2, 2, 6, 8, dtype=torch.int8)), TypeError, "got torch.int8"),
+    (_call(query=torch.zeros(2, 4, 5, 8), key=torch.zeros(2, 2, 6, 8), value=torch.zeros(2, 2, 6, 8)), ValueError,
+     "quantizes 16-bit inputs itself"),
     (_call(k_descale=torch.ones(2, 4)), RuntimeError, r"k_descale must be \(batch, key/value heads\)"),
     (_call(q_descale=torch.ones(2, 2, 2)), RuntimeError, r"one a block of 128 rows \(2, 2, 1\)"),
     (_call(v_descale=torch.ones(2, 2, dtype=torch.float64)), TypeError, "v_descale must be float32"),
@@ -128,7 +140,7 @@ def _call(**changes):
      "must divide the 4 query heads"),
     (_call(window=(1,)), ValueError, "window must be a pair"),
     (_call(value=torch.zeros(1, 2, 6, 8).to(FP8)), RuntimeError, r"must have query's batch \(2\)"),
-], ids=["query-dtype", "value-dtype", "descale-shape", "block-descale-shape", "descale-dtype", "heads", "window",
+], ids=["query-dtype", "mixed-dtypes", "int-dtype", "descales-with-16-bit", "descale-shape", "block-descale-shape", "descale-dtype", "heads", "window",
         "batch"])
 def test_bad_arguments(call, exception, message):
     with pytest.raises(exception, match=message):
@@ -142,6 +154,61 @@ def test_opcheck(path):
     # (not test_schema: torch's schema check compares the inputs with a multiply, which float8 lacks)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_forward_fp8.default,
                           (q, k, v, qd, kd, vd, True, True, 0.25), test_utils=("test_faketensor",))
+    out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, qd, kd, vd, True, True, 0.25)
+    grad_out = torch.randn(out.shape, generator=gen).to(out)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_backward_fp8.default,
+                          (grad_out, q, k, v, out, lse, qd, kd, vd, True, True, 0.25), test_utils=("test_faketensor",))
+
+
+def gradients_through_quantization(q, k, v, grad_out, delta_from=None, **options):
+    """float64 (dq, dk, dv) of attention over quantize_fp8's dequantized q, k, v (one descale a (sequence,
+    key/value head)). With delta_from, the backward's delta = rowsum(grad_out * O) takes that tensor for O,
+    as the GPU backwards take the forward's out (the CPU's sums delta from P and dP, the exact one): since
+    d lse_i / d s_ij = p_ij, that is the gradient of sum(grad_out * O) - sum_i c_i lse_i, with
+    c_i = rowsum(grad_out * (delta_from - O))_i held constant, O the exact output."""
+    heads_kv = k.shape[1]
+    leaves = []
+    for x in (q, k, v):
+        x8, descale = quantize_fp8(x.detach().cpu().float(), heads_kv)
+        leaves.append(dequantize(x8, descale).requires_grad_())
+    exact, lse = naive_attention(*leaves, enable_gqa=True, **options)
+    grad_out = grad_out.detach().cpu().double()
+    loss = (exact * grad_out).sum()
+    if delta_from is not None:
+        loss = loss - (lse * (grad_out * (delta_from.detach().cpu().double() - exact.detach())).sum(-1)).sum()
+    loss.backward()
+    return [x.grad for x in leaves]
+
+
+@on_paths_each("dim", {"cpu": [32], "cuda": [32], "sm90": [128]})
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+@pytest.mark.parametrize("heads_q, heads_kv, len_q, len_k, is_causal, window", [
+    (4, 4, 33, 33, False, None), (8, 2, 150, 200, True, None), (4, 2, 40, 40, True, (8, 0))],
+    ids=["mha", "gqa-causal", "window"])
+def test_trainable_16_bit_inputs(path, dim, dtype, heads_q, heads_kv, len_q, len_k, is_causal, window):
+    """16-bit inputs: quantized per (sequence, key/value head) (the same bits as quantize_fp8), the output in
+    their dtype, and their gradients those of attention over the dequantized tensors (straight through the
+    quantization) against float64, within the 16-bit output's tolerance. sm90 at head dim 128: the e4m3
+    forward kernel."""
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (torch.randn(2, h, n, dim, generator=gen).mul(3).to(dtype).to(path.device).requires_grad_()
+               for h, n in ((heads_q, len_q), (heads_kv, len_k), (heads_kv, len_k)))
+    grad_out = torch.randn(2, heads_q, len_q, dim, generator=gen).to(dtype).to(path.device)
+    run = lambda: flashattn_ext.scaled_dot_product_attention_fp8(q, k, v, is_causal=is_causal, window=window)
+    if path.name == "sm90":
+        assert any("FwdFp8TileConfig" in n for n in kernel_names(run))
+    out = run()
+    out.backward(grad_out)
+    assert out.dtype == dtype and all(x.grad.dtype == dtype for x in (q, k, v))
+    options = {"is_causal": is_causal, "window": window}
+    want_out, _ = naive_attention(*(dequantize(*quantize_fp8(x.detach().cpu().float(), heads_kv))
+                                    for x in (q, k, v)), enable_gqa=True, **options)
+    tolerance = OUT_TOLERANCE[path.name if path.name == "cpu" else "cuda"]
+    if path.name != "sm90":  # (the e4m3 kernel's out error: test_native_kernel_matches_float64)
+        assert relative_error(out.cpu(), want_out) <= tolerance
+    wants = gradients_through_quantization(q, k, v, grad_out, None if path.name == "cpu" else out, **options)
+    for name, x, want in zip(("dq", "dk", "dv"), (q, k, v), wants):
+        assert relative_error(x.grad.cpu(), want) <= tolerance, name
 
 
 @on_paths("cuda")
