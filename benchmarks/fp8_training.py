@@ -1,6 +1,7 @@
 """Training with FP8 attention (issue 47, item 2's loss-curve bar): a small Llama-style decoder (bench_model.py's,
-head dim 128, the model in bfloat16) learns Python source text byte by byte for --steps steps, three times from
-the same weights on the same batches, changing only the attention:
+head dim 128; float32 weights, bfloat16 autocast on CUDA, gradients clipped to norm 1) learns Python source text
+byte by byte for --steps steps, three times from the same weights on the same batches, changing only the
+attention, which takes q, k and v in bfloat16:
 
 - "bf16": flashattn_ext.scaled_dot_product_attention, the reference curve;
 - "fp8": flashattn_ext.fp8.scaled_dot_product_attention_fp8 on the bfloat16 q, k, v: quantized to e4m3 per
@@ -33,12 +34,22 @@ import flashattn_ext  # noqa: E402
 from flashattn_ext.fp8 import scaled_dot_product_attention_fp8  # noqa: E402
 
 
+def in_bfloat16(attention):
+    """attention(q, k, v, is_causal, enable_gqa) on q, k, v in bfloat16 (autocast leaves the rotated q and k in
+    float32), its out in v's dtype (bfloat16 under autocast)."""
+    def call(q, k, v, is_causal, enable_gqa):
+        dtype = v.dtype
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+        return attention(q, k, v, is_causal=is_causal, enable_gqa=enable_gqa).to(dtype)
+    return call
+
+
 def fp8_attention(q, k, v, is_causal, enable_gqa):
-    return scaled_dot_product_attention_fp8(q, k, v, is_causal=is_causal)
+    return scaled_dot_product_attention_fp8(q, k, v, is_causal=is_causal)  # (GQA needs no flag here)
 
 
-PROVIDERS = {"bf16": flashattn_ext.scaled_dot_product_attention, "fp8": fp8_attention,
-             "SDPA": F.scaled_dot_product_attention}
+PROVIDERS = {"bf16": in_bfloat16(flashattn_ext.scaled_dot_product_attention), "fp8": in_bfloat16(fp8_attention),
+             "SDPA": in_bfloat16(F.scaled_dot_product_attention)}
 
 
 def corpus(megabytes: float) -> torch.Tensor:
@@ -63,8 +74,10 @@ def train(model: Decoder, text: torch.Tensor, args, device) -> list:
     for _ in range(args.steps):
         starts = torch.randint(0, text.numel() - args.seq - 1, (args.batch,), generator=gen)
         windows = torch.stack([text[s:s + args.seq + 1] for s in starts.tolist()]).to(device)
-        loss = model(windows[:, :-1], windows[:, 1:])
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(windows[:, :-1], windows[:, 1:])
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
@@ -98,12 +111,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads = args.d_model // 128
     kv_heads = args.kv_heads or heads
     text = corpus(args.corpus_mb)
     torch.manual_seed(args.seed)
-    base = Decoder(256, args.d_model, args.layers, heads, kv_heads).to(device, dtype)
+    base = Decoder(256, args.d_model, args.layers, heads, kv_heads).to(device)
     curves = {}
     for name, attention in PROVIDERS.items():
         model = copy.deepcopy(base)
@@ -119,7 +131,7 @@ def main(argv=None) -> int:
         "",
         f"`python3 benchmarks/fp8_training.py {' '.join(sys.argv[1:])}` at {git_commit()}: {args.layers} layers, "
         f"d_model {args.d_model} ({heads} query heads, {kv_heads} key/value heads, dim 128), {args.seq} bytes x "
-        f"{args.batch} a step, {dtype}, AdamW lr {args.lr} (warm-up {args.warmup} steps), standard-library "
+        f"{args.batch} a step, {'bfloat16 autocast' if device.type == 'cuda' else 'float32'}, AdamW lr {args.lr} (warm-up {args.warmup} steps), standard-library "
         f"Python text. Loss: mean of the last {args.window} steps.",
         "",
         "| step | " + " | ".join(curves) + " | fp8 / bf16 | SDPA / bf16 |",

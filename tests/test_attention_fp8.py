@@ -162,15 +162,18 @@ def test_opcheck(path):
 
 def gradients_through_quantization(q, k, v, grad_out, delta_from=None, **options):
     """float64 (dq, dk, dv) of attention over quantize_fp8's dequantized q, k, v (one descale a (sequence,
-    key/value head)). With delta_from, the backward's delta = rowsum(grad_out * O) takes that tensor for O,
-    as the GPU backwards take the forward's out (the CPU's sums delta from P and dP, the exact one): since
+    key/value head)). With delta_from, the tensors are the backward's on CUDA, rounded to bfloat16, and its
+    delta = rowsum(grad_out * O) takes delta_from for O, as the GPU backwards take the forward's out (the
+    CPU's backward computes in float32 and sums delta from P and dP, the exact one): since
     d lse_i / d s_ij = p_ij, that is the gradient of sum(grad_out * O) - sum_i c_i lse_i, with
     c_i = rowsum(grad_out * (delta_from - O))_i held constant, O the exact output."""
     heads_kv = k.shape[1]
     leaves = []
     for x in (q, k, v):
-        x8, descale = quantize_fp8(x.detach().cpu().float(), heads_kv)
-        leaves.append(dequantize(x8, descale).requires_grad_())
+        dequantized = dequantize(*quantize_fp8(x.detach().cpu().float(), heads_kv))
+        if delta_from is not None:
+            dequantized = dequantized.to(torch.bfloat16).double()
+        leaves.append(dequantized.requires_grad_())
     exact, lse = naive_attention(*leaves, enable_gqa=True, **options)
     grad_out = grad_out.detach().cpu().double()
     loss = (exact * grad_out).sum()
@@ -191,7 +194,7 @@ def test_trainable_16_bit_inputs(path, dim, dtype, heads_q, heads_kv, len_q, len
     quantization) against float64, within the 16-bit output's tolerance. sm90 at head dim 128: the e4m3
     forward kernel."""
     gen = torch.Generator().manual_seed(23)
-    q, k, v = (torch.randn(2, h, n, dim, generator=gen).mul(3).to(dtype).to(path.device).requires_grad_()
+    q, k, v = (torch.randn(2, h, n, dim, generator=gen).to(dtype).to(path.device).requires_grad_()
                for h, n in ((heads_q, len_q), (heads_kv, len_k), (heads_kv, len_k)))
     grad_out = torch.randn(2, heads_q, len_q, dim, generator=gen).to(dtype).to(path.device)
     run = lambda: flashattn_ext.scaled_dot_product_attention_fp8(q, k, v, is_causal=is_causal, window=window)
