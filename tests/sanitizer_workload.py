@@ -212,7 +212,8 @@ def run_fp8(dtype):
     dtype (of the main loop's sections) is unused: e4m3 in, bfloat16 out."""
     del dtype
     for batch, heads_q, heads_kv, len_q, len_k, is_causal, lower_right in (
-            (1, 4, 2, 200, 333, True, True), (2, 2, 2, 130, 65, True, True), (1, 2, 1, 1, 129, False, False)):
+            (1, 4, 2, 200, 333, True, True), (2, 2, 2, 130, 65, True, True), (1, 2, 1, 1, 129, False, False),
+            (1, 4, 2, 130, 450, False, False)):
         q = (torch.randn(batch, heads_q, len_q, 128, device="cuda") * 40).to(torch.float8_e4m3fn)
         k, v = ((torch.randn(batch, heads_kv, len_k, 128, device="cuda") * 40).to(torch.float8_e4m3fn)
                 for _ in range(2))

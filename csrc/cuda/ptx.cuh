@@ -437,6 +437,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
       FLASHATTN_WGMMA_ACC8(56)
 #define FLASHATTN_WGMMA_ACC88 \
   FLASHATTN_WGMMA_ACC64, FLASHATTN_WGMMA_ACC8(64), FLASHATTN_WGMMA_ACC8(72), FLASHATTN_WGMMA_ACC8(80)
+#define FLASHATTN_WGMMA_ACC96 FLASHATTN_WGMMA_ACC88, FLASHATTN_WGMMA_ACC8(88)
 #define FLASHATTN_WGMMA_ACC128                                                                                 \
   FLASHATTN_WGMMA_ACC64, FLASHATTN_WGMMA_ACC8(64), FLASHATTN_WGMMA_ACC8(72), FLASHATTN_WGMMA_ACC8(80),          \
       FLASHATTN_WGMMA_ACC8(88), FLASHATTN_WGMMA_ACC8(96), FLASHATTN_WGMMA_ACC8(104), FLASHATTN_WGMMA_ACC8(112), \
@@ -448,6 +449,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 #define FLASHATTN_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 #define FLASHATTN_WGMMA_D88 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87}"
+#define FLASHATTN_WGMMA_D96 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
 #define FLASHATTN_WGMMA_D128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}"
 
 // One specialization of wgmma_ss and wgmma_rs per (element type, N); the
@@ -530,6 +532,7 @@ FLASHATTN_WGMMA(__half, "f16", 176, FLASHATTN_WGMMA_D88, FLASHATTN_WGMMA_ACC88, 
 FLASHATTN_WGMMA(__nv_bfloat16, "bf16", 256, FLASHATTN_WGMMA_D128, FLASHATTN_WGMMA_ACC128, "128", "129", "130", "131", "132", "133", "134")
 FLASHATTN_WGMMA(__half, "f16", 256, FLASHATTN_WGMMA_D128, FLASHATTN_WGMMA_ACC128, "128", "129", "130", "131", "132", "133", "134")
 FLASHATTN_WGMMA_E4M3(128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65", "66", "67", "68", "69")
+FLASHATTN_WGMMA_E4M3(192, FLASHATTN_WGMMA_D96, FLASHATTN_WGMMA_ACC96, "96", "97", "98", "99", "100", "101")
 
 #undef FLASHATTN_WGMMA_E4M3
 
@@ -539,10 +542,12 @@ FLASHATTN_WGMMA_E4M3(128, FLASHATTN_WGMMA_D64, FLASHATTN_WGMMA_ACC64, "64", "65"
 #undef FLASHATTN_WGMMA_D24
 #undef FLASHATTN_WGMMA_D64
 #undef FLASHATTN_WGMMA_D88
+#undef FLASHATTN_WGMMA_D96
 #undef FLASHATTN_WGMMA_D128
 #undef FLASHATTN_WGMMA_D40
 #undef FLASHATTN_WGMMA_ACC128
 #undef FLASHATTN_WGMMA_ACC88
+#undef FLASHATTN_WGMMA_ACC96
 #undef FLASHATTN_WGMMA_ACC64
 #undef FLASHATTN_WGMMA_ACC32
 #undef FLASHATTN_WGMMA_ACC40

@@ -23,13 +23,14 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // Encodes a tiled tensor map of kRank dims (dims[0] contiguous; strides of
-// dims 1 on in elements), boxes of box elements, 128-byte swizzled,
+// dims 1 on in elements), boxes of box elements, swizzled (128-byte unless said otherwise),
 // out-of-range elements read as zero, L2 fetches promoted to 256 bytes unless
 // said otherwise.
 template <int kRank>
 bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_t elem_bytes,
                   const cuuint64_t (&dims)[kRank], const int64_t (&strides)[kRank - 1], const cuuint32_t (&box)[kRank],
-                  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+                  CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_128B) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   cuuint64_t stride_bytes[kRank - 1];
@@ -46,16 +47,15 @@ bool encode_tiled(CUtensorMap* map, void* data, CUtensorMapDataType type, int64_
   cuuint32_t element_strides[kRank];
   for (cuuint32_t& stride : element_strides) stride = 1;
   const CUresult result = encode(map, type, kRank, data, dims, stride_bytes, box, element_strides,
-                                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                 promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                                 CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return result == CUDA_SUCCESS;
 }
 
 }  // namespace
 
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
-                       int64_t batches, MapElement element, int box_rows) {
-  if (t.stride_col != 1) return false;
+                       int64_t batches, MapElement element, int box_rows, int box_row_bytes) {
+  if (t.stride_col != 1 || (box_row_bytes != kSwizzleRowBytes && box_row_bytes != 64)) return false;
   const int elem_bytes = element == MapElement::kE4M3 ? 1 : 2;
   const CUtensorMapDataType type = element == MapElement::kE4M3       ? CU_TENSOR_MAP_DATA_TYPE_UINT8
                                    : element == MapElement::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
@@ -63,7 +63,9 @@ bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, in
   const cuuint64_t dims[4] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batches)};
   return encode_tiled(map, t.data, type, elem_bytes, dims, {t.stride_row, t.stride_head, t.stride_batch},
-                      {static_cast<cuuint32_t>(kSwizzleRowBytes / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1});
+                      {static_cast<cuuint32_t>(box_row_bytes / elem_bytes), static_cast<cuuint32_t>(box_rows), 1, 1},
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      box_row_bytes == 64 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
 }
 
 bool encode_mask_tiles(CUtensorMap* map, MaskTileShape* shape, const TensorView4d& mask, int elem_bytes,

@@ -58,6 +58,14 @@ __host__ __device__ constexpr uint32_t n_major_step_bytes(int kk) { return kk * 
 __device__ __forceinline__ uint64_t k_major_desc(uint32_t tile_addr) {
   return smem_matrix_desc(tile_addr, 16, kSwizzleAtomBytes);
 }
+// A K-major descriptor (of a tile in 128-byte swizzled rows) turned to the
+// same tile stored in 64-byte swizzled rows (CU_TENSOR_MAP_SWIZZLE_64B):
+// swizzle mode 2 and 8-row groups of 512 bytes. The e4m3 forward's transposed
+// values keep a key tile's last 64 keys so (its 192-key tiles).
+__device__ __forceinline__ uint64_t as_swizzle64_k_major(uint64_t desc) {
+  constexpr uint64_t kStrideAndMode = uint64_t{0x3FFF} << 32 | uint64_t{3} << 62;
+  return (desc & ~kStrideAndMode) | uint64_t{8 * 64 >> 4} << 32 | uint64_t{2} << 62;
+}
 // The descriptor of an N-major tile stored as 64-column blocks col_block_bytes apart.
 __device__ __forceinline__ uint64_t n_major_desc(uint32_t tile_addr, uint32_t col_block_bytes) {
   return smem_matrix_desc(tile_addr, col_block_bytes, kSwizzleAtomBytes);
@@ -85,13 +93,14 @@ constexpr MapElement map_element() {
 // transposed for e4m3) seen as 4-d (col, row, head, batch): `cols` columns
 // (its head dim), `rows` rows, `heads` heads, `batches` batches, t's strides,
 // its columns contiguous. Its boxes are one 128-byte row of columns (64 16-bit
-// elements, 128 e4m3) x box_rows rows of one (head, batch), 128-byte swizzled,
-// out-of-range elements read as zero. Returns false where the copy engine
+// elements, 128 e4m3) x box_rows rows of one (head, batch), 128-byte swizzled
+// (box_row_bytes 64: 64-byte rows, 64-byte swizzled), out-of-range elements
+// read as zero. Returns false where the copy engine
 // cannot take the tensor (a stride not a multiple of 16 bytes or zero, a
 // misaligned base, sizes past its limits, or no driver entry point); the
 // caller then runs another kernel.
 bool encode_tensor_map(CUtensorMap* map, const TensorView4d& t, int64_t cols, int64_t rows, int64_t heads,
-                       int64_t batches, MapElement element, int box_rows);
+                       int64_t batches, MapElement element, int box_rows, int box_row_bytes = kSwizzleRowBytes);
 
 // A decoding step's cache element: the queries' dtype, or float8 e4m3.
 enum class CacheElement { kFloat16, kBFloat16, kE4M3 };

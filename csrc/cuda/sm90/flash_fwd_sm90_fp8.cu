@@ -10,18 +10,21 @@
 namespace flashattn_ext::cuda::sm90 {
 namespace {
 
+// Causal calls take 128-key tiles (the diagonal's tiles waste less), the
+// others 192.
 using Fp8Cfg = FwdFp8TileConfig<128>;
+using Fp8LongCfg = FwdFp8TileConfig<128, 192>;
 
 // Keys of a transpose block, and its threads.
-constexpr int kTransposeKeys = 128;
+constexpr int kTransposeKeys = 64;
 constexpr int kTransposeThreads = 256;
-static_assert(Fp8Cfg::kBlockN % kTransposeKeys == 0 || kTransposeKeys % Fp8Cfg::kBlockN == 0,
+static_assert(Fp8Cfg::kBlockN % kTransposeKeys == 0 && Fp8LongCfg::kBlockN % kTransposeKeys == 0,
               "transpose blocks of whole key tiles");
 
 // values_t[b, h, d, n0 + p] = v[b, h, n0 + 32 (p / 32) + e4m3_fragment_column(p % 32), d] for
-// the block's 128 keys from n0 (zero past len_k: e4m3 0x7f is a NaN, and a
-// NaN times a zero probability is still a NaN). One block a (128 keys, head,
-// batch), through shared memory: 16-byte reads of the key rows, 16-byte
+// the block's kTransposeKeys keys from n0 (zero past len_k: e4m3 0x7f is a NaN,
+// and a NaN times a zero probability is still a NaN). One block a
+// (kTransposeKeys keys, head, batch), through shared memory: 16-byte reads of the key rows, 16-byte
 // writes of the head-dim rows.
 template <int kHeadDim>
 __global__ void __launch_bounds__(kTransposeThreads) fp8_transpose_values(const TensorView4d v, uint8_t* values_t,
@@ -81,8 +84,8 @@ bool fp8_forward_covers(const Fp8FwdParams& params) {
 
 namespace forward_kernel {
 
+template <typename Cfg>
 bool launch_fp8_forward(const Fp8FwdParams& params, cudaStream_t stream) {
-  using Cfg = Fp8Cfg;
   const FwdParams& call = params.fwd;
   const AttentionProblem& p = call.problem;
   FwdKernelParams kp;
@@ -106,6 +109,10 @@ bool launch_fp8_forward(const Fp8FwdParams& params, cudaStream_t stream) {
   if (!encode_tensor_map(&kp.q_map, call.q, p.head_dim, p.len_q, p.heads_q, p.batch, kE4M3, Cfg::kBlockM) ||
       !encode_tensor_map(&kp.k_map, call.k, p.head_dim, p.len_k, p.heads_kv, p.batch, kE4M3, Cfg::kBlockN) ||
       !encode_tensor_map(&kp.v_map, values_t, keys_t, p.head_dim_v, p.heads_kv, p.batch, kE4M3, Cfg::kHeadDimV)) {
+    return false;
+  }
+  if (Cfg::kVtTailKeys > 0 && !encode_tensor_map(&kp.v_tail_map, values_t, keys_t, p.head_dim_v, p.heads_kv, p.batch,
+                                                 kE4M3, Cfg::kHeadDimV, Cfg::kVtTailKeys)) {
     return false;
   }
   const int64_t m_blocks = ceil_div(p.len_q, Cfg::kBlockM);
@@ -133,7 +140,8 @@ bool launch_fp8_forward(const Fp8FwdParams& params, cudaStream_t stream) {
 
 bool attention_forward_fp8(const Fp8FwdParams& params, cudaStream_t stream) {
   if (params.fwd.tile_counter == nullptr || params.values_t == nullptr || !fp8_forward_covers(params)) return false;
-  return forward_kernel::launch_fp8_forward(params, stream);
+  return params.fwd.problem.is_causal ? forward_kernel::launch_fp8_forward<Fp8Cfg>(params, stream)
+                                      : forward_kernel::launch_fp8_forward<Fp8LongCfg>(params, stream);
 }
 
 }  // namespace flashattn_ext::cuda::sm90

@@ -60,8 +60,14 @@ __device__ __forceinline__ void issue_pv_keys(float (&o)[Cfg::kHeadDimV / 2], co
 #pragma unroll
   for (int kk = kBegin / kStep; kk < kEnd / kStep; ++kk) {
     if constexpr (Cfg::kValuesTransposed) {
-      ptx::wgmma_rs<Elem, Cfg::kHeadDimV>(o, pa[kk], desc_advance(v_desc, k_major_step_bytes(Cfg::kVtColBlockBytes, kk)),
-                                          true);
+      constexpr int kStepsInBlocks = Cfg::kColBlocksV * Cfg::kColBlockCols / kStep;
+      if (kk < kStepsInBlocks) {
+        ptx::wgmma_rs<Elem, Cfg::kHeadDimV>(
+            o, pa[kk], desc_advance(v_desc, k_major_step_bytes(Cfg::kVtColBlockBytes, kk)), true);
+      } else {  // the tail's 64-byte rows
+        const uint64_t tail_desc = as_swizzle64_k_major(desc_advance(v_desc, Cfg::kVtTailOffset));
+        ptx::wgmma_rs<Elem, Cfg::kHeadDimV>(o, pa[kk], desc_advance(tail_desc, (kk - kStepsInBlocks) * 32), true);
+      }
     } else {
       ptx::wgmma_rs<Elem, Cfg::kHeadDimV, 1>(o, pa[kk], desc_advance(v_desc, n_major_step_bytes(kk)), true);
     }

@@ -108,6 +108,11 @@ __device__ __forceinline__ void produce_tiles(const FwdKernelParams& kp, const F
         if constexpr (Cfg::kValuesTransposed) {  // (head dim, keys): every head-dim row, the tile's keys
           ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kVtColBlockBytes, &kp.v_map,
                            &shared->v_full[stage], key_row + c * Cfg::kColBlockCols, 0, kv_head, batch);
+          if (Cfg::kVtTailKeys > 0 && c == Cfg::kColBlocksV - 1) {
+            ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + Cfg::kVtTailOffset, &kp.v_tail_map,
+                             &shared->v_full[stage], key_row + Cfg::kColBlocksV * Cfg::kColBlockCols, 0, kv_head,
+                             batch);
+          }
         } else {
           ptx::tma_load_4d(smem.v + stage * Cfg::kVBytes + c * Cfg::kKVColBlockBytes, &kp.v_map,
                            &shared->v_full[stage], c * kSwizzleCols, key_row, kv_head, batch);

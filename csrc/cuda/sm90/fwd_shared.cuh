@@ -20,6 +20,7 @@ namespace forward_kernel {
 struct FwdKernelParams {
   FwdParams call;
   CUtensorMap q_map, k_map, v_map, out_map, mask_map;
+  CUtensorMap v_tail_map;  // e4m3 at 192-key tiles: the transposed values' last 64 keys of a tile
   int tiles;         // (block of query rows, head, batch) tiles (a packed batch: at most)
   int order_chunks;  // causal: heaviest_first_position's chunks
   MaskTileShape mask;

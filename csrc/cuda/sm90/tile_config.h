@@ -131,15 +131,19 @@ struct FwdTileConfig {
 // holds). 8-bit wgmma reads only K-major operands, so V comes transposed
 // (fp8_transpose_values: (head dim, keys) rows, keys permuted within each 32,
 // see there) and P V reads a tile of it as a K-major B of kHeadDimV rows x
-// kBlockN keys: one 128-byte column block at 128 keys. The output (bfloat16)
-// leaves from registers: a K buffer (1 byte an element) does not hold it.
-template <int kHeadDim_>
+// kBlockN keys: one 128-byte column block at 128 keys; at 192 keys (calls
+// that are not causal: longer tiles spread each tile's fixed cost over more
+// exps, as FA3's e4m3 tiles of 224 keys do) a column block and the last 64 keys
+// in 64-byte swizzled rows. The output (bfloat16) leaves from registers: a K
+// buffer (1 byte an element) does not hold it.
+template <int kHeadDim_, int kBlockN_ = 128>
 struct FwdFp8TileConfig {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
   static_assert(kHeadDim == 128, "head dim 128: whole 128-byte rows of e4m3");
   static constexpr int kConsumers = 2;
   static constexpr int kBlockM = 64 * kConsumers;
-  static constexpr int kBlockN = 128;  // one 128-byte row of the transposed values a head-dim row
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN == 128 || kBlockN == 192, "whole 128-byte column blocks of the transposed values, or one and a half");
   static constexpr bool kNarrowLastTile = false;
   static constexpr int kNarrowKeys0 = kBlockN, kNarrowKeys1 = kBlockN;
   static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
@@ -150,16 +154,18 @@ struct FwdFp8TileConfig {
   static constexpr bool kValuesTransposed = true;
   static constexpr int kColBlocks = kHeadDim / kColBlockCols;        // of Q and K
   static constexpr int kColBlocksV = kBlockN / kColBlockCols;        // of a transposed V tile (its keys)
+  static constexpr int kVtTailKeys = kBlockN % kColBlockCols;        // after them, in 64-byte rows
   static constexpr int kQBytes = kBlockM * kHeadDim;
   static constexpr int kKBytes = kBlockN * kHeadDim;
   static constexpr int kVBytes = kBlockN * kHeadDimV;
   static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
   static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;  // of K
   static constexpr int kVtColBlockBytes = kHeadDimV * kSwizzleRowBytes;  // of a transposed V tile
+  static constexpr int kVtTailOffset = kColBlocksV * kVtColBlockBytes;  // where its tail starts
   using Mask = MaskTile<kBlockM, kBlockN, 0>;
   static constexpr int kStageBytes = kKBytes + kVBytes + 5 * 8;
   static constexpr int kFixedBytes = kQBytes + 192 + 1024;
-  static constexpr int kStages = 4;  // 32 KiB a stage: four fit, with room to spare
+  static constexpr int kStages = 4;  // 32 (48) KiB a stage at 128 (192) keys: four fit
   static constexpr int kSmemBytes = kFixedBytes + kStages * kStageBytes;
   static constexpr bool kOutThroughSmem = false;
   static_assert(kBlockN % 32 == 0, "whole 32-key groups (the permutation of the transposed values)");
