@@ -192,6 +192,11 @@ int dropout_bits();
 DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_p, int64_t batch, int64_t heads,
                                     int64_t len_q, int64_t len_k, int64_t row_begin, int64_t row_end);
 
+// The quantize_fp8 and dequantize_fp8 ops in ATen (ops_fp8.cpp): every call
+// on the CPU, and the CUDA calls that its kernels do not take.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, int64_t heads_kv, bool per_block);
+at::Tensor dequantize_fp8_aten(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype);
+
 // The attention_forward_fp8 op's pieces (ops_fp8.cpp): the checks of its
 // inputs, and its path on any device, attention_forward on the tensors
 // dequantized (CUDA's glue runs it where the e4m3 kernel does not take the call).

@@ -11,11 +11,14 @@
 // attention_backward_fp8 gives the gradients that make it trainable
 // (flashattn_ext/fp8.py quantizes 16-bit inputs and passes them straight
 // through the quantization).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ops.h"
 #include "ops_checks.h"
@@ -25,21 +28,15 @@ namespace {
 
 // Rows a block descale covers: a multiple of the Hopper kernels' tiles.
 constexpr int64_t kFp8BlockRows = 128;
+constexpr float kE4M3Max = 448.f;
 
-// x (batch, heads, len, dim) times its descale ((batch, heads_kv), or
-// (batch, heads_kv, blocks) a block of kFp8BlockRows rows each), each of a
-// key/value head's heads_q / heads_kv heads by that head's, in `dtype`.
-at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, int64_t heads_kv,
-                       at::ScalarType dtype) {
-  if (!descale.has_value() || heads_kv == 0) return x.to(dtype);
-  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2);
-  const at::Tensor per_row = descale->dim() == 2
-                                 ? descale->view({batch, heads_kv, 1, 1, 1})
-                                 : descale->repeat_interleave(kFp8BlockRows, 2)
-                                       .narrow(2, 0, len)
-                                       .view({batch, heads_kv, 1, len, 1});
-  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, x.size(3)});
-  return (grouped * per_row).view(x.sizes()).to(dtype);
+// x times its descale in `dtype`: the dequantize_fp8 op (on CUDA, a kernel
+// where the descale is one a (batch, key/value head)).
+at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashattn_ext::dequantize_fp8", "")
+                             .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, at::ScalarType)>();
+  return op.call(x, descale, dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_fp8(const at::Tensor& q, const at::Tensor& k,
@@ -65,12 +62,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_fp8(
     const std::optional<at::Tensor>& v_descale, bool is_causal, bool causal_lower_right, double scale,
     int64_t window_left, int64_t window_right) {
   check_fp8_inputs(q, k, v, q_descale, k_descale, v_descale);
-  const int64_t heads_kv = k.size(1);
   const at::ScalarType dtype = q.is_cpu() ? at::kFloat : at::kBFloat16;
   const at::Tensor no_dropout = at::empty({0}, q.options().dtype(at::kLong));
   auto [dq, dk, dv, unused] = call_attention_backward(
-      grad_out.to(dtype), dequantized(q, q_descale, heads_kv, dtype), dequantized(k, k_descale, heads_kv, dtype),
-      dequantized(v, v_descale, heads_kv, dtype), out.to(dtype), lse, no_dropout,
+      grad_out.to(dtype), dequantized(q, q_descale, dtype), dequantized(k, k_descale, dtype),
+      dequantized(v, v_descale, dtype), out.to(dtype), lse, no_dropout,
       AttentionOptions{std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right},
       /*compute_grad_attn_mask=*/false, std::nullopt);
   const at::ScalarType grad_dtype = grad_out.scalar_type();
@@ -78,6 +74,53 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_fp8(
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, int64_t heads_kv, bool per_block) {
+  check_rank4(x, "x");
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()) && x.element_size() > 1, "flashattn_ext: quantize_fp8 takes "
+                   "a 16- or 32-bit float tensor, got ", x.scalar_type());
+  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2), dim = x.size(3);
+  TORCH_CHECK_VALUE(heads_kv > 0 && heads % heads_kv == 0, "flashattn_ext: heads_kv (", heads_kv,
+                    ") must divide the ", heads, " heads");
+  const int64_t blocks = per_block ? (len + kFp8BlockRows - 1) / kFp8BlockRows : 1;
+  const std::vector<int64_t> descale_shape =
+      per_block ? std::vector<int64_t>{batch, heads_kv, blocks} : std::vector<int64_t>{batch, heads_kv};
+  if (len == 0 || blocks == 0) {
+    return {x.to(at::kFloat8_e4m3fn), at::ones(descale_shape, x.options().dtype(at::kFloat))};
+  }
+  const int64_t rows = per_block ? blocks * kFp8BlockRows : len;
+  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, dim});
+  const at::Tensor largest = at::constant_pad_nd(grouped, {0, 0, 0, rows - len})
+                                 .abs()
+                                 .view({batch, heads_kv, heads / heads_kv, blocks, rows / blocks, dim})
+                                 .amax({2, 4, 5});
+  const at::Tensor descale = (largest / kE4M3Max).clamp_min(std::numeric_limits<float>::min());
+  const at::Tensor per_row =
+      descale.repeat_interleave(rows / blocks, 2).narrow(2, 0, len).view({batch, heads_kv, 1, len, 1});
+  const at::Tensor quantized = (grouped / per_row).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn).view(x.sizes());
+  return {quantized, descale.view(descale_shape)};
+}
+
+at::Tensor dequantize_fp8_aten(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype) {
+  check_rank4(x, "x");
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat8_e4m3fn, "flashattn_ext: dequantize_fp8 takes float8_e4m3fn, got ",
+                   x.scalar_type());
+  if (!descale.has_value() || descale->size(1) == 0) return x.to(dtype);
+  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2), heads_kv = descale->size(1);
+  TORCH_CHECK_VALUE(descale->scalar_type() == at::kFloat && descale->size(0) == batch && heads % heads_kv == 0 &&
+                        (descale->dim() == 2 || (descale->dim() == 3 &&
+                                                 descale->size(2) == (len + kFp8BlockRows - 1) / kFp8BlockRows)),
+                    "flashattn_ext: dequantize_fp8's descale must be float32 (batch, key/value heads) or (batch, "
+                    "key/value heads, blocks of ", kFp8BlockRows, " rows) for x of shape ", x.sizes(), ", got ",
+                    descale->scalar_type(), " of shape ", descale->sizes());
+  const at::Tensor per_row = descale->dim() == 2
+                                 ? descale->reshape({batch, heads_kv, 1, 1, 1})
+                                 : descale->repeat_interleave(kFp8BlockRows, 2)
+                                       .narrow(2, 0, len)
+                                       .view({batch, heads_kv, 1, len, 1});
+  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, x.size(3)});
+  return (grouped * per_row).view(x.sizes()).to(dtype);
+}
 
 void check_fp8_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const std::optional<at::Tensor>& q_descale, const std::optional<at::Tensor>& k_descale,
@@ -111,13 +154,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8_dequantized(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& q_descale,
     const std::optional<at::Tensor>& k_descale, const std::optional<at::Tensor>& v_descale, bool is_causal,
     bool causal_lower_right, double scale, int64_t window_left, int64_t window_right) {
-  const int64_t heads_kv = k.size(1);
   // The CPU computes in float32, where e4m3 times a float32 descale is exact
   // up to the product's rounding; CUDA's kernels take 16-bit inputs.
   const at::ScalarType dtype = q.is_cpu() ? at::kFloat : at::kBFloat16;
   auto [out, lse, rng_state] = call_attention_forward(
-      dequantized(q, q_descale, heads_kv, dtype), dequantized(k, k_descale, heads_kv, dtype),
-      dequantized(v, v_descale, heads_kv, dtype),
+      dequantized(q, q_descale, dtype), dequantized(k, k_descale, dtype),
+      dequantized(v, v_descale, dtype),
       AttentionOptions{std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right},
       std::nullopt);
   return {out.to(at::kBFloat16), lse.to(at::kFloat)};
@@ -128,6 +170,13 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
       "attention_forward_fp8(Tensor query, Tensor key, Tensor value, Tensor? q_descale, Tensor? k_descale, "
       "Tensor? v_descale, bool is_causal, bool causal_lower_right, float scale, int window_left=-1, "
       "int window_right=-1) -> (Tensor out, Tensor lse)");
+  // quantize_fp8: x (batch, heads, len, dim) as e4m3 of x / descale (rounded
+  // to nearest, saturated) and its float32 descale, the largest magnitude
+  // over 448 of what it covers: a (batch, key/value head) ((batch, heads_kv)),
+  // or with per_block a block of kFp8BlockRows rows of those. dequantize_fp8:
+  // float(x) times its descale, in dtype.
+  m.def("quantize_fp8(Tensor x, int heads_kv, bool per_block=False) -> (Tensor quantized, Tensor descale)");
+  m.def("dequantize_fp8(Tensor x, Tensor? descale, ScalarType dtype) -> Tensor");
   m.def(
       "attention_backward_fp8(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool is_causal, bool causal_lower_right, "
@@ -138,6 +187,8 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
 TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention_forward_fp8", &attention_forward_fp8);
   m.impl("attention_backward_fp8", &attention_backward_fp8);
+  m.impl("quantize_fp8", &quantize_fp8_aten);
+  m.impl("dequantize_fp8", &dequantize_fp8_aten);
 }
 
 }  // namespace flashattn_ext

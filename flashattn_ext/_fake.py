@@ -76,6 +76,20 @@ def _attention_backward_fp8_fake(grad_out, query, key, value, out, lse, q_descal
     return tuple(grad_out.new_empty(t.shape) for t in (query, key, value))
 
 
+@torch.library.register_fake("flashattn_ext::quantize_fp8")
+def _quantize_fp8_fake(x, heads_kv, per_block=False):
+    batch, _, length, _ = x.shape
+    blocks = (length + 127) // 128  # (csrc/ops_fp8.cpp's kFp8BlockRows)
+    descale = x.new_empty((batch, heads_kv, blocks) if per_block else (batch, heads_kv), dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), descale
+
+
+@torch.library.register_fake("flashattn_ext::dequantize_fp8")
+def _dequantize_fp8_fake(x, descale, dtype):
+    _check_devices(x, descale=descale)
+    return x.new_empty(x.shape, dtype=dtype)
+
+
 @torch.library.register_fake("flashattn_ext::dropout_mask")
 def _dropout_mask_fake(rng_state, dropout_p, batch, heads, len_q, len_k, row_begin, row_end):
     return rng_state.new_empty((batch, heads, row_end - row_begin, len_k), dtype=torch.bool)

@@ -92,24 +92,11 @@ def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = Fa
     to nearest and saturated, and its float32 descale, each the largest magnitude over 448 of what it
     covers: a (sequence, key/value head) ((N, heads_kv): the query's heads_kv groups of heads share one), or
     with per_block a block of BLOCK_ROWS rows of those ((N, heads_kv, ceil(L / BLOCK_ROWS)): FA3's block
-    quantization, which keeps one outlier from coarsening a whole head). heads_kv defaults to H.
+    quantization, which keeps one outlier from coarsening a whole head). heads_kv defaults to H. On CUDA a
+    16-bit x with one descale a (sequence, key/value head) takes a kernel (csrc/cuda/fp8_convert.cu: x read
+    twice, written once), the same bits as the ATen path that takes every other call.
     """
-    batch, heads, length, dim = x.shape
-    heads_kv = heads if heads_kv is None else heads_kv
-    if heads_kv <= 0 or heads % heads_kv != 0:
-        raise ValueError(f"flashattn_ext: heads_kv ({heads_kv}) must divide the {heads} heads")
-    blocks = math.ceil(length / BLOCK_ROWS) if per_block else 1
-    if length == 0 or blocks == 0:
-        return x.to(torch.float8_e4m3fn), x.new_ones((batch, heads_kv, blocks) if per_block else (batch, heads_kv),
-                                                     dtype=torch.float32)
-    rows = blocks * BLOCK_ROWS if per_block else length
-    grouped = x.float().reshape(batch, heads_kv, heads // heads_kv, length, dim)
-    padded = torch.nn.functional.pad(grouped, (0, 0, 0, rows - length))
-    largest = padded.abs().view(batch, heads_kv, heads // heads_kv, blocks, -1, dim).amax(dim=(2, 4, 5))
-    descale = (largest / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    per_row = descale.repeat_interleave(rows // blocks, dim=2)[:, :, None, :length, None]
-    quantized = (grouped / per_row).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(x.shape)
-    return quantized, descale if per_block else descale.view(batch, heads_kv)
+    return torch.ops.flashattn_ext.quantize_fp8(x, x.size(1) if heads_kv is None else heads_kv, per_block)
 
 
 def hadamard_rotation(dim: int, generator: Optional[torch.Generator] = None,

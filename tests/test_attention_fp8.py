@@ -120,6 +120,28 @@ def _call(**changes):
     return lambda: flashattn_ext.scaled_dot_product_attention_fp8(**arguments)
 
 
+@on_paths("cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
+def test_quantize_kernels_match_aten(path, dtype):
+    """CUDA's quantize_fp8 and dequantize_fp8 kernels (16-bit, one descale a (sequence, key/value head)) give
+    the ATen path's bits (the CPU's), on a sequence-major view, GQA groups, ragged rows and head dim 72, and a
+    zero head."""
+    gen = torch.Generator().manual_seed(24)
+    x = torch.randn(2, 45, 6, 72, generator=gen) * torch.rand(2, 1, 6, 1, generator=gen) * 30
+    x[1, :, 2:4] = 0  # key/value head (1, 1): all zeros, its descale the smallest normal
+    x = x.to(dtype)
+    seq_major = x.to(path.device).transpose(1, 2)  # (2, 6, 45, 72), strides of a (B, L, H, E) tensor
+    got, got_descale = quantize_fp8(seq_major, heads_kv=3)
+    want, want_descale = quantize_fp8(seq_major.cpu(), heads_kv=3)
+    assert got.dtype == FP8 and got_descale.shape == (2, 3)
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(got_descale.cpu(), want_descale)
+    for out_dtype in (torch.bfloat16, torch.float16):
+        back = torch.ops.flashattn_ext.dequantize_fp8(got.transpose(1, 2), got_descale, out_dtype)
+        want_back = torch.ops.flashattn_ext.dequantize_fp8(want.transpose(1, 2), want_descale, out_dtype)
+        assert back.dtype == out_dtype and torch.equal(back.cpu(), want_back)
+
+
 def _op_call(query):
     gen = torch.Generator().manual_seed(13)
     _, k, v, _ = fp8_inputs(2, 4, 2, 5, 6, 8, gen, "cpu")
@@ -154,6 +176,12 @@ def test_opcheck(path):
     # (not test_schema: torch's schema check compares the inputs with a multiply, which float8 lacks)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_forward_fp8.default,
                           (q, k, v, qd, kd, vd, True, True, 0.25), test_utils=("test_faketensor",))
+    torch.library.opcheck(torch.ops.flashattn_ext.dequantize_fp8.default, (q, qd, torch.bfloat16),
+                          test_utils=("test_faketensor",))
+    x = torch.randn(2, 4, 5, 16, generator=gen).to(torch.bfloat16).to(path.device)
+    for per_block in (False, True):
+        torch.library.opcheck(torch.ops.flashattn_ext.quantize_fp8.default, (x, 2, per_block),
+                              test_utils=("test_faketensor",))
     out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, qd, kd, vd, True, True, 0.25)
     grad_out = torch.randn(out.shape, generator=gen).to(out)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_backward_fp8.default,

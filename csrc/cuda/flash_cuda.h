@@ -23,6 +23,22 @@ constexpr int kDecodeTileRows = 16;
 // (8 tokens of speculative decoding with GQA 4).
 constexpr int kDecodeRouteRows = 2 * kDecodeTileRows;
 
+// A (batch, heads, rows, cols) tensor to or from e4m3 with one descale a
+// (batch, key/value head), each heads / heads_kv consecutive heads sharing
+// one (fp8_convert.cu: the quantize_fp8 and dequantize_fp8 ops).
+struct Fp8ConvertParams {
+  TensorView4d wide;    // the 16-bit side
+  TensorView4d narrow;  // the e4m3 side
+  int64_t batch = 0, heads = 0, rows = 0, cols = 0, heads_kv = 0;
+  float* amax = nullptr;     // quantize: (batch, heads_kv) floats, zeroed beforehand
+  float* descale = nullptr;  // (batch, heads_kv) floats: quantize writes them, dequantize reads them
+};
+// narrow = e4m3(wide / descale), rounded to nearest and saturated, with
+// descale = max(largest |wide| of the pair's heads / 448, FLT_MIN).
+void quantize_fp8(const Fp8ConvertParams& params, ElementType type, cudaStream_t stream);
+// wide = float(narrow) * descale, rounded to the 16-bit type.
+void dequantize_fp8(const Fp8ConvertParams& params, ElementType type, cudaStream_t stream);
+
 // Pieces of the backward shared by both families (dq_accum.cu, delta.cu).
 // delta = rowsum(dO * O) per query row, into params.delta (kOneKeyRowDelta
 // in the rows that an attn_mask leaves one key: mark_rows_seeing_one_key);

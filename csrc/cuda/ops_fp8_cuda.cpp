@@ -1,7 +1,9 @@
 // The attention_forward_fp8 op on CUDA: the Hopper forward's e4m3 kernel
 // (cuda::sm90::attention_forward_fp8) where it takes the call (Hopper kernels
 // in use, descales a (batch, key/value head), head dim 128, no window), else
-// attention_forward on the tensors dequantized to bfloat16 (ops_fp8.cpp).
+// attention_forward on the tensors dequantized to bfloat16 (ops_fp8.cpp); the
+// quantize_fp8 and dequantize_fp8 ops' kernels (fp8_convert.cu) where they
+// take the call, else their ATen paths.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -60,8 +62,67 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_fp8_cuda(
   return {out, lse};
 }
 
+bool sixteen_bit(at::ScalarType type) { return type == at::kBFloat16 || type == at::kHalf; }
+
+// The kernels' view of x (16-bit) and x8 (e4m3), same shape.
+cuda::Fp8ConvertParams convert_params(const at::Tensor& x, const at::Tensor& x8, int64_t heads_kv) {
+  cuda::Fp8ConvertParams params;
+  params.wide = view_of(x);
+  params.narrow = view_of(x8);
+  params.batch = x.size(0);
+  params.heads = x.size(1);
+  params.rows = x.size(2);
+  params.cols = x.size(3);
+  params.heads_kv = heads_kv;
+  return params;
+}
+
+cuda::ElementType element_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
+}
+
+// The kernels take a 16-bit x with one descale a (batch, key/value head).
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, int64_t heads_kv, bool per_block) {
+  if (per_block || x.dim() != 4 || !sixteen_bit(x.scalar_type()) || x.numel() == 0 || heads_kv <= 0 ||
+      x.size(1) % heads_kv != 0) {
+    return quantize_fp8_aten(x, heads_kv, per_block);
+  }
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor quantized = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+  const at::Tensor amax = at::zeros({x.size(0), heads_kv}, x.options().dtype(at::kFloat));
+  at::Tensor descale = at::empty({x.size(0), heads_kv}, x.options().dtype(at::kFloat));
+  cuda::Fp8ConvertParams params = convert_params(x, quantized, heads_kv);
+  params.amax = amax.data_ptr<float>();
+  params.descale = descale.data_ptr<float>();
+  cuda::quantize_fp8(params, element_type(x), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {quantized, descale};
+}
+
+at::Tensor dequantize_fp8_cuda(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype) {
+  const bool per_head = descale.has_value() && descale->dim() == 2 && descale->scalar_type() == at::kFloat &&
+                        x.dim() == 4 && descale->size(0) == x.size(0) && descale->size(1) > 0 &&
+                        x.size(1) % descale->size(1) == 0;
+  if (!per_head || x.scalar_type() != at::kFloat8_e4m3fn || !sixteen_bit(dtype) || x.numel() == 0) {
+    return dequantize_fp8_aten(x, descale, dtype);
+  }
+  check_device(*descale, "descale", x, "x");
+  const c10::cuda::CUDAGuard device_guard(x.device());
+  at::Tensor wide = at::empty(x.sizes(), x.options().dtype(dtype));
+  const at::Tensor descale_rows = descale->contiguous();  // (batch, heads_kv) floats
+  cuda::Fp8ConvertParams params = convert_params(wide, x, descale->size(1));
+  params.descale = descale_rows.data_ptr<float>();
+  cuda::dequantize_fp8(params, element_type(wide), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return wide;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) { m.impl("attention_forward_fp8", &attention_forward_fp8_cuda); }
+TORCH_LIBRARY_IMPL(flashattn_ext, CUDA, m) {
+  m.impl("attention_forward_fp8", &attention_forward_fp8_cuda);
+  m.impl("quantize_fp8", &quantize_fp8_cuda);
+  m.impl("dequantize_fp8", &dequantize_fp8_cuda);
+}
 
 }  // namespace flashattn_ext
