@@ -2,6 +2,7 @@
 computing anything. They mirror the allocations in csrc/ops_*.cpp and the device files."""
 import torch
 
+from .fp8 import BLOCK_ROWS
 from .options import lse_dtype
 
 
@@ -79,7 +80,7 @@ def _attention_backward_fp8_fake(grad_out, query, key, value, out, lse, q_descal
 @torch.library.register_fake("flashattn_ext::quantize_fp8")
 def _quantize_fp8_fake(x, heads_kv, per_block=False):
     batch, _, length, _ = x.shape
-    blocks = (length + 127) // 128  # (csrc/ops_fp8.cpp's kFp8BlockRows)
+    blocks = (length + BLOCK_ROWS - 1) // BLOCK_ROWS
     descale = x.new_empty((batch, heads_kv, blocks) if per_block else (batch, heads_kv), dtype=torch.float32)
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), descale
 

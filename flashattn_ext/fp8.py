@@ -96,7 +96,9 @@ def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = Fa
     16-bit x with one descale a (sequence, key/value head) takes a kernel (csrc/cuda/fp8_convert.cu: x read
     twice, written once), the same bits as the ATen path that takes every other call.
     """
-    return torch.ops.flashattn_ext.quantize_fp8(x, x.size(1) if heads_kv is None else heads_kv, per_block)
+    if heads_kv is None:
+        heads_kv = x.size(1) if x.dim() == 4 else 0  # (the op names a tensor of another rank)
+    return torch.ops.flashattn_ext.quantize_fp8(x, heads_kv, per_block)
 
 
 def hadamard_rotation(dim: int, generator: Optional[torch.Generator] = None,
