@@ -10,20 +10,25 @@ attention, which takes q, k and v in bfloat16:
   attentions' curves drift apart anyway.
 
 The text is the running Python's standard library (.py files in sorted order, up to --corpus-mb), so it needs no
-download. The loss reported a step is the mean of the last --window steps' losses (each step sees a new batch);
-the table gives it every --every steps and the largest relative gap of each curve to bf16's after the first
-window (and the mean gap, and that of the last 50 steps' mean loss). The bar: the fp8 curve within 1% of
-bf16's over 200 steps; SDPA's curve shows how far a 16-bit one strays by chance.
+download. The loss reported a step is the mean of the last --window steps' losses (each step sees a new batch),
+averaged over --seeds (each seed: other initial weights and batches); the table gives it every --every steps,
+and for each seed and for the averaged curves the largest and the mean relative gap of each curve to bf16's
+after the first window, and that of the last 50 steps' mean loss. The bar: the fp8 curve within 1% of bf16's
+over 200 steps; SDPA's curve shows how far another 16-bit attention strays by chance (two curves that differ
+in rounding drift apart, and the GPU backwards' atomic dQ makes a seed's curve differ run to run unless
+--deterministic).
 
-    python3 benchmarks/fp8_training.py [--steps 200] [--out FILE]
+    python3 benchmarks/fp8_training.py [--steps 200] [--seeds 0 1 2] [--deterministic] [--out FILE]
     python3 benchmarks/fp8_training.py --device cpu --steps 30 --layers 1 --d-model 256 --seq 128 --batch 4
 """
 import argparse
 import copy
 import datetime
+import os
 import sys
 import sysconfig
 from pathlib import Path
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
@@ -65,12 +70,12 @@ def corpus(megabytes: float) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
 
 
-def train(model: Decoder, text: torch.Tensor, args, device) -> list:
+def train(model: Decoder, text: torch.Tensor, args, seed: int, device) -> list:
     """Each step's loss: a batch of args.batch windows of args.seq + 1 bytes at offsets drawn from one seeded
     generator (the same batches for every provider), forward, backward, AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, foreach=True)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup))
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(seed)
     losses = []
     for _ in range(args.steps):
         starts = torch.randint(0, text.numel() - args.seq - 1, (args.batch,), generator=gen)
@@ -90,6 +95,35 @@ def smoothed(losses: list, window: int) -> list:
     return [sum(losses[max(0, i - window + 1):i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(losses))]
 
 
+def curves_of_seed(seed: int, text: torch.Tensor, args, device) -> Dict[str, list]:
+    """Each provider's smoothed loss curve, from the same initial weights (drawn from seed) and batches."""
+    heads = args.d_model // 128
+    torch.manual_seed(seed)
+    base = Decoder(256, args.d_model, args.layers, heads, args.kv_heads or heads).to(device)
+    curves = {}
+    for name, attention in PROVIDERS.items():
+        model = copy.deepcopy(base)
+        model.attention = attention
+        curves[name] = smoothed(train(model, text, args, seed, device), args.window)
+        print(f"seed {seed}, {name}: loss {curves[name][0]:.4f} -> {curves[name][-1]:.4f}", flush=True)
+    return curves
+
+
+def gaps_to_bf16(curves: Dict[str, list], args) -> str:
+    """Each other curve's largest and mean relative gap to bf16's after the first window, and that of its
+    last 50 steps' mean loss."""
+    reference, tail = curves["bf16"], min(50, args.steps)
+    cells = []
+    for name, curve in curves.items():
+        if name == "bf16":
+            continue
+        ratios = [c / r - 1 for c, r in zip(curve[args.window:], reference[args.window:])]
+        tail_gap = sum(curve[-tail:]) / sum(reference[-tail:]) - 1
+        cells.append(f"{name} {max(map(abs, ratios)):.2%} / {sum(map(abs, ratios)) / len(ratios):.2%} / "
+                     f"{tail_gap:+.2%}")
+    return ", ".join(cells)
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -101,7 +135,9 @@ def parse_args(argv=None):
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each: initial weights and batches")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms (warn only): a seed's curves repeat run to run")
     parser.add_argument("--corpus-mb", type=float, default=16.0)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--every", type=int, default=20)
@@ -111,45 +147,39 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (before cuBLAS starts: its deterministic mode)
+        torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(args.device)
     heads = args.d_model // 128
-    kv_heads = args.kv_heads or heads
     text = corpus(args.corpus_mb)
-    torch.manual_seed(args.seed)
-    base = Decoder(256, args.d_model, args.layers, heads, kv_heads).to(device)
-    curves = {}
-    for name, attention in PROVIDERS.items():
-        model = copy.deepcopy(base)
-        model.attention = attention
-        curves[name] = smoothed(train(model, text, args, device), args.window)
-        print(f"{name}: loss {curves[name][0]:.4f} -> {curves[name][-1]:.4f}", flush=True)
-    reference = curves["bf16"]
-    ratios = {name: [c / r for c, r in zip(curve[args.window:], reference[args.window:])]
-              for name, curve in curves.items()}
-    tail = min(50, args.steps)
-    tail_gap = {name: sum(curve[-tail:]) / sum(reference[-tail:]) - 1 for name, curve in curves.items()}
+    runs = {seed: curves_of_seed(seed, text, args, device) for seed in args.seeds}
+    mean = {name: [sum(values) / len(runs) for values in zip(*(run[name] for run in runs.values()))]
+            for name in PROVIDERS}
+    reference = mean["bf16"]
     steps = sorted(set(range(args.every - 1, args.steps, args.every)) | {args.steps - 1})
     lines = [
         f"# FP8 attention in training, {datetime.date.today().isoformat()}, {device_name(device)}",
         "",
         f"`python3 benchmarks/fp8_training.py {' '.join(sys.argv[1:])}` at {git_commit()}: {args.layers} layers, "
-        f"d_model {args.d_model} ({heads} query heads, {kv_heads} key/value heads, dim 128), {args.seq} bytes x "
-        f"{args.batch} a step, {'bfloat16 autocast' if device.type == 'cuda' else 'float32'}, AdamW lr {args.lr} (warm-up {args.warmup} steps), standard-library "
-        f"Python text. Loss: mean of the last {args.window} steps.",
+        f"d_model {args.d_model} ({heads} query heads, {args.kv_heads or heads} key/value heads, dim 128), "
+        f"{args.seq} bytes x {args.batch} a step, {'bfloat16 autocast' if device.type == 'cuda' else 'float32'}, "
+        f"AdamW lr {args.lr} (warm-up {args.warmup} steps), standard-library Python text"
+        f"{', deterministic algorithms' if args.deterministic else ''}. Loss: mean of the last {args.window} steps, "
+        f"averaged over seeds {', '.join(map(str, args.seeds))}.",
         "",
-        "| step | " + " | ".join(curves) + " | fp8 / bf16 | SDPA / bf16 |",
-        "|---:|" + "---:|" * (len(curves) + 2),
+        "| step | " + " | ".join(PROVIDERS) + " | fp8 / bf16 | SDPA / bf16 |",
+        "|---:|" + "---:|" * (len(PROVIDERS) + 2),
     ]
     for i in steps:
-        cells = [f"{curves[name][i]:.4f}" for name in curves]
-        lines.append(f"| {i + 1} | " + " | ".join(cells) + f" | {curves['fp8'][i] / reference[i]:.4f} | "
-                     f"{curves['SDPA'][i] / reference[i]:.4f} |")
-    others = [name for name in curves if name != "bf16"]
-    lines += ["", f"Relative gap to bf16's curve after step {args.window}, largest and mean: " +
-              ", ".join(f"{name} {max(abs(r - 1) for r in ratios[name]):.2%} and "
-                        f"{sum(abs(r - 1) for r in ratios[name]) / len(ratios[name]):.2%}" for name in others) +
-              f". Mean loss of the last {tail} steps against bf16's: " +
-              ", ".join(f"{name} {tail_gap[name]:+.2%}" for name in others) + "."]
+        cells = [f"{mean[name][i]:.4f}" for name in PROVIDERS]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + f" | {mean['fp8'][i] / reference[i]:.4f} | "
+                     f"{mean['SDPA'][i] / reference[i]:.4f} |")
+    lines += ["", f"Gaps to bf16's curve after step {args.window} (largest / mean / of the last "
+              f"{min(50, args.steps)} steps' mean loss):", ""]
+    lines += [f"- seed {seed}: {gaps_to_bf16(run, args)}" for seed, run in runs.items()]
+    if len(runs) > 1:
+        lines.append(f"- the curves averaged over the seeds: {gaps_to_bf16(mean, args)}")
     print("\n".join(lines))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
