@@ -4,7 +4,8 @@
 // the Autograd key, so every device shares it. With attention sinks, the
 // out and log-sum-exp it saves are those with the sinks (merge_sinks in
 // ops.h), the backward op is told of them, and the sinks' own gradient comes
-// from the op sinks_backward.
+// from the op sinks_backward. The packed batch's (varlen_forward) and the FP8
+// forward of 16-bit inputs (attention_forward_quantized) have theirs below.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -269,9 +270,54 @@ std::tuple<Tensor, Tensor> varlen_forward_autograd(const Tensor& q, const Tensor
   return {outputs[0], outputs[1]};
 }
 
+// The FP8 forward of 16-bit inputs (attention_forward_quantized): saves the
+// e4m3 q, k, v (half the bytes of the inputs) with their descales, the FP8
+// forward's out and lse, and calls attention_backward_fp8, whose gradients
+// pass straight through the quantization. (No double backward.)
+class QuantizedAttentionFunction : public torch::autograd::Function<QuantizedAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v, bool is_causal,
+                               bool causal_lower_right, double scale, int64_t window_left, int64_t window_right) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    const QuantizedAttention f =
+        quantized_attention_forward(q, k, v, is_causal, causal_lower_right, scale, window_left, window_right);
+    ctx->save_for_backward({f.q8, f.k8, f.v8, f.q_descale, f.k_descale, f.v_descale, f.fp8_out, f.lse});
+    save_options(ctx, {std::nullopt, 0.0, is_causal, causal_lower_right, scale, window_left, window_right});
+    ctx->mark_non_differentiable({f.lse});
+    ctx->set_materialize_grads(false);
+    return {f.out, f.lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(8);
+    TORCH_CHECK(!at::GradMode::is_enabled(), "flashattn_ext: the FP8 attention has no double backward");
+    const variable_list s = ctx->get_saved_variables();
+    QuantizedAttention f;
+    f.q8 = s[0], f.k8 = s[1], f.v8 = s[2], f.q_descale = s[3], f.k_descale = s[4], f.v_descale = s[5];
+    f.fp8_out = s[6], f.lse = s[7];
+    const AttentionOptions o = load_options(ctx, std::nullopt, std::nullopt);
+    auto [dq, dk, dv] = call_attention_backward_fp8(grads[0], f, o.is_causal, o.causal_lower_right, o.scale,
+                                                    o.window_left, o.window_right);
+    variable_list result(8);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor> attention_forward_quantized_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                                bool is_causal, bool causal_lower_right, double scale,
+                                                                int64_t window_left, int64_t window_right) {
+  const variable_list outputs = QuantizedAttentionFunction::apply(q, k, v, is_causal, causal_lower_right, scale,
+                                                                  window_left, window_right);
+  return {outputs[0], outputs[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashattn_ext, Autograd, m) {
+  m.impl("attention_forward_quantized", &attention_forward_quantized_autograd);
   m.impl("attention_forward", &attention_forward_autograd);
   m.impl("attention_backward", &attention_backward_autograd);
   m.impl("varlen_forward", &varlen_forward_autograd);

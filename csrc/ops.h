@@ -197,6 +197,21 @@ DropoutMaskShape check_dropout_mask(const at::Tensor& rng_state, double dropout_
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, int64_t heads_kv, bool per_block);
 at::Tensor dequantize_fp8_aten(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype);
 
+// The attention_forward_quantized op's forward (ops_fp8.cpp): q, k and v
+// quantized to e4m3 with one descale a (batch, key/value head), the FP8
+// forward, out in q's dtype; with what its autograd (autograd.cpp) saves.
+struct QuantizedAttention {
+  at::Tensor out, lse;  // out in q's dtype; fp8_out: as attention_forward_fp8 returned it (bfloat16)
+  at::Tensor fp8_out, q8, k8, v8, q_descale, k_descale, v_descale;
+};
+QuantizedAttention quantized_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               bool is_causal, bool causal_lower_right, double scale,
+                                               int64_t window_left, int64_t window_right);
+// The attention_backward_fp8 op through the dispatcher, for the forward's saved tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward_fp8(
+    const at::Tensor& grad_out, const QuantizedAttention& forward, bool is_causal, bool causal_lower_right,
+    double scale, int64_t window_left, int64_t window_right);
+
 // The attention_forward_fp8 op's pieces (ops_fp8.cpp): the checks of its
 // inputs, and its path on any device, attention_forward on the tensors
 // dequantized (CUDA's glue runs it where the e4m3 kernel does not take the call).

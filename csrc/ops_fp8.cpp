@@ -8,9 +8,9 @@
 // descales at head dim 128: csrc/cuda/ops_fp8_cuda.cpp), every device runs it
 // through attention_forward on the tensors dequantized: in float32 on the CPU
 // (the values exact), in bfloat16 on CUDA (each value rounded once).
-// attention_backward_fp8 gives the gradients that make it trainable
-// (flashattn_ext/fp8.py quantizes 16-bit inputs and passes them straight
-// through the quantization).
+// attention_forward_quantized quantizes 16-bit inputs for it, and
+// attention_backward_fp8 gives the gradients that make that trainable
+// (straight through the quantization; the autograd is in autograd.cpp).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -73,7 +73,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_fp8(
   return {dq.to(grad_dtype), dk.to(grad_dtype), dv.to(grad_dtype)};
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_forward_quantized(const at::Tensor& q, const at::Tensor& k,
+                                                               const at::Tensor& v, bool is_causal,
+                                                               bool causal_lower_right, double scale,
+                                                               int64_t window_left, int64_t window_right) {
+  QuantizedAttention forward =
+      quantized_attention_forward(q, k, v, is_causal, causal_lower_right, scale, window_left, window_right);
+  return {forward.out, forward.lse};
+}
+
 }  // namespace
+
+QuantizedAttention quantized_attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               bool is_causal, bool causal_lower_right, double scale,
+                                               int64_t window_left, int64_t window_right) {
+  static const auto quantize = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("flashattn_ext::quantize_fp8", "")
+                                   .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t, bool)>();
+  static const auto forward_fp8 = c10::Dispatcher::singleton()
+                                      .findSchemaOrThrow("flashattn_ext::attention_forward_fp8", "")
+                                      .typed<decltype(attention_forward_fp8)>();
+  TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                   "flashattn_ext: attention_forward_quantized takes query, key and value of one dtype, got ",
+                   q.scalar_type(), ", ", k.scalar_type(), " and ", v.scalar_type());
+  check_rank4(k, "key");
+  const int64_t heads_kv = k.size(1);
+  QuantizedAttention f;
+  std::tie(f.q8, f.q_descale) = quantize.call(q, heads_kv, false);
+  std::tie(f.k8, f.k_descale) = quantize.call(k, heads_kv, false);
+  std::tie(f.v8, f.v_descale) = quantize.call(v, heads_kv, false);
+  std::tie(f.fp8_out, f.lse) = forward_fp8.call(f.q8, f.k8, f.v8, f.q_descale, f.k_descale, f.v_descale, is_causal,
+                                                causal_lower_right, scale, window_left, window_right);
+  f.out = f.fp8_out.to(q.scalar_type());
+  return f;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward_fp8(
+    const at::Tensor& grad_out, const QuantizedAttention& f, bool is_causal, bool causal_lower_right, double scale,
+    int64_t window_left, int64_t window_right) {
+  static const auto backward_fp8 = c10::Dispatcher::singleton()
+                                       .findSchemaOrThrow("flashattn_ext::attention_backward_fp8", "")
+                                       .typed<decltype(attention_backward_fp8)>();
+  return backward_fp8.call(grad_out, f.q8, f.k8, f.v8, f.fp8_out, f.lse, f.q_descale, f.k_descale, f.v_descale,
+                           is_causal, causal_lower_right, scale, window_left, window_right);
+}
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, int64_t heads_kv, bool per_block) {
   check_rank4(x, "x");
@@ -177,6 +220,15 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
   // float(x) times its descale, in dtype.
   m.def("quantize_fp8(Tensor x, int heads_kv, bool per_block=False) -> (Tensor quantized, Tensor descale)");
   m.def("dequantize_fp8(Tensor x, Tensor? descale, ScalarType dtype) -> Tensor");
+  // attention_forward_quantized: 16-bit (or float32) query, key and value,
+  // each quantized to e4m3 with one descale a (batch, key/value head)
+  // (quantize_fp8), then attention_forward_fp8; out in query's dtype.
+  // Differentiable (autograd.cpp): the gradients of attention over the
+  // dequantized tensors, straight through the quantization
+  // (attention_backward_fp8).
+  m.def(
+      "attention_forward_quantized(Tensor query, Tensor key, Tensor value, bool is_causal, bool causal_lower_right, "
+      "float scale, int window_left=-1, int window_right=-1) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward_fp8(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
       "Tensor? q_descale, Tensor? k_descale, Tensor? v_descale, bool is_causal, bool causal_lower_right, "
@@ -187,6 +239,7 @@ TORCH_LIBRARY_FRAGMENT(flashattn_ext, m) {
 TORCH_LIBRARY_IMPL(flashattn_ext, CompositeExplicitAutograd, m) {
   m.impl("attention_forward_fp8", &attention_forward_fp8);
   m.impl("attention_backward_fp8", &attention_backward_fp8);
+  m.impl("attention_forward_quantized", &attention_forward_quantized);
   m.impl("quantize_fp8", &quantize_fp8_aten);
   m.impl("dequantize_fp8", &dequantize_fp8_aten);
 }

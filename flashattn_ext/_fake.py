@@ -69,6 +69,16 @@ def _attention_forward_fp8_fake(query, key, value, q_descale, k_descale, v_desca
     return out, lse
 
 
+@torch.library.register_fake("flashattn_ext::attention_forward_quantized")
+def _attention_forward_quantized_fake(query, key, value, is_causal, causal_lower_right, scale, window_left=-1,
+                                      window_right=-1):
+    _check_devices(query, key=key, value=value)
+    batch, heads, len_q, _ = query.shape
+    out = query.new_empty((batch, heads, len_q, value.shape[-1]))
+    lse = query.new_empty((batch, heads, len_q), dtype=torch.float32)
+    return out, lse
+
+
 @torch.library.register_fake("flashattn_ext::attention_backward_fp8")
 def _attention_backward_fp8_fake(grad_out, query, key, value, out, lse, q_descale, k_descale, v_descale, is_causal,
                                  causal_lower_right, scale, window_left=-1, window_right=-1):

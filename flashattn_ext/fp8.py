@@ -43,7 +43,7 @@ def scaled_dot_product_attention_fp8(
     - bfloat16, float16 or float32, no descales: each tensor quantized here per (sequence, key/value head)
       (quantize_fp8), out in the inputs' dtype, and differentiable: the gradients are those of attention over
       the dequantized tensors, passed straight through the quantization (as Transformer Engine's FP8
-      attention), computed from this forward's out and log-sum-exp.
+      attention), computed from this forward's out and log-sum-exp (the op attention_forward_quantized).
 
     is_causal aligns the mask top-left, as SDPA does; window (left, right) as attention_with_lse's.
     """
@@ -61,30 +61,9 @@ def scaled_dot_product_attention_fp8(
     if any(d is not None for d in (q_descale, k_descale, v_descale)):
         raise ValueError("flashattn_ext: scaled_dot_product_attention_fp8 quantizes 16-bit inputs itself; "
                          "q_descale, k_descale and v_descale go with float8_e4m3fn inputs only")
-    return _QuantizedAttention.apply(query, key, value, is_causal, scale, left, right)
-
-
-class _QuantizedAttention(torch.autograd.Function):
-    """Quantize per (sequence, key/value head), the FP8 forward, and attention_backward_fp8 for the gradients.
-    Saves the e4m3 tensors (half the bytes of 16-bit ones), their descales, out and the log-sum-exp."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, is_causal, scale, window_left, window_right):
-        heads_kv = key.size(1)
-        quantized = [quantize_fp8(t, heads_kv) for t in (query, key, value)]
-        (q8, q_descale), (k8, k_descale), (v8, v_descale) = quantized
-        out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q8, k8, v8, q_descale, k_descale, v_descale,
-                                                               is_causal, False, scale, window_left, window_right)
-        ctx.save_for_backward(q8, k8, v8, q_descale, k_descale, v_descale, out, lse)
-        ctx.options = (is_causal, False, scale, window_left, window_right)
-        return out.to(query.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q8, k8, v8, q_descale, k_descale, v_descale, out, lse = ctx.saved_tensors
-        grads = torch.ops.flashattn_ext.attention_backward_fp8(grad_out, q8, k8, v8, out, lse, q_descale, k_descale,
-                                                               v_descale, *ctx.options)
-        return (*grads, None, None, None, None)
+    out, _ = torch.ops.flashattn_ext.attention_forward_quantized(query, key, value, is_causal, False, scale, left,
+                                                                 right)
+    return out
 
 
 def quantize_fp8(x: Tensor, heads_kv: Optional[int] = None, per_block: bool = False) -> Tuple[Tensor, Tensor]:

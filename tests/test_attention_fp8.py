@@ -182,6 +182,11 @@ def test_opcheck(path):
     for per_block in (False, True):
         torch.library.opcheck(torch.ops.flashattn_ext.quantize_fp8.default, (x, 2, per_block),
                               test_utils=("test_faketensor",))
+    wide = [torch.randn(2, h, 9, 16, generator=gen).to(torch.bfloat16).to(path.device).requires_grad_()
+            for h in (4, 2, 2)]
+    # (test_schema compares the inputs with a multiply, which the float8 tensors inside lack)
+    torch.library.opcheck(torch.ops.flashattn_ext.attention_forward_quantized.default, (*wide, True, False, 0.25),
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     out, lse = torch.ops.flashattn_ext.attention_forward_fp8(q, k, v, qd, kd, vd, True, True, 0.25)
     grad_out = torch.randn(out.shape, generator=gen).to(out)
     torch.library.opcheck(torch.ops.flashattn_ext.attention_backward_fp8.default,
@@ -240,6 +245,26 @@ def test_trainable_16_bit_inputs(path, dim, dtype, heads_q, heads_kv, len_q, len
     wants = gradients_through_quantization(q, k, v, grad_out, None if path.name == "cpu" else out, **options)
     for name, x, want in zip(("dq", "dk", "dv"), (q, k, v), wants):
         assert relative_error(x.grad.cpu(), want) <= tolerance, name
+
+
+@on_paths("cpu", "cuda")
+def test_trainable_compiles_without_graph_breaks(path):
+    """16-bit inputs under torch.compile(fullgraph=True): eager's out and gradients, bit for bit."""
+    gen = torch.Generator().manual_seed(25)
+    q, k, v = (torch.randn(2, h, 40, 32, generator=gen).to(torch.bfloat16).to(path.device).requires_grad_()
+               for h in (4, 2, 2))
+
+    def attention(q, k, v):
+        return flashattn_ext.scaled_dot_product_attention_fp8(q, k, v, is_causal=True)
+
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    grad_out = torch.randn(2, 4, 40, 32, generator=gen).to(torch.bfloat16).to(path.device)
+    got = compiled(q, k, v)
+    want = attention(q, k, v)
+    assert torch.equal(got, want)
+    for got_grad, want_grad in zip(torch.autograd.grad(got, (q, k, v), grad_out),
+                                   torch.autograd.grad(want, (q, k, v), grad_out)):
+        assert torch.equal(got_grad, want_grad)
 
 
 @on_paths("cuda")
