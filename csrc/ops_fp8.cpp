@@ -30,6 +30,37 @@ namespace {
 constexpr int64_t kFp8BlockRows = 128;
 constexpr float kE4M3Max = 448.f;
 
+// Blocks of kFp8BlockRows rows that len rows take.
+int64_t fp8_blocks(int64_t len) { return (len + kFp8BlockRows - 1) / kFp8BlockRows; }
+
+// x (batch, heads, len, dim) in float32, its heads grouped by key/value head:
+// (batch, heads_kv, heads / heads_kv, len, dim).
+at::Tensor grouped_by_kv_head(const at::Tensor& x, int64_t heads_kv) {
+  return x.to(at::kFloat).reshape({x.size(0), heads_kv, x.size(1) / heads_kv, x.size(2), x.size(3)});
+}
+
+// A descale ((batch, heads_kv), or (batch, heads_kv, blocks) one a block of
+// kFp8BlockRows rows) as the factor of grouped_by_kv_head's rows of len.
+at::Tensor descale_of_rows(const at::Tensor& descale, int64_t len) {
+  const int64_t batch = descale.size(0), heads_kv = descale.size(1);
+  if (descale.dim() == 2) return descale.reshape({batch, heads_kv, 1, 1, 1});
+  return descale.repeat_interleave(kFp8BlockRows, 2).narrow(2, 0, len).view({batch, heads_kv, 1, len, 1});
+}
+
+// The checks of a descale of x (device, float32, one of the two shapes) whose
+// key/value heads are heads_kv.
+void check_descale(const at::Tensor& descale, const at::Tensor& x, int64_t heads_kv, const char* name,
+                   const at::Tensor& like, const char* like_name) {
+  check_device(descale, name, like, like_name);
+  TORCH_CHECK_TYPE(descale.scalar_type() == at::kFloat, "flashattn_ext: ", name, " must be float32, got ",
+                   descale.scalar_type());
+  const int64_t batch = x.size(0), blocks = fp8_blocks(x.size(2));
+  const bool per_head = descale.dim() == 2, per_block = descale.dim() == 3 && descale.size(2) == blocks;
+  TORCH_CHECK((per_head || per_block) && descale.size(0) == batch && descale.size(1) == heads_kv, "flashattn_ext: ",
+              name, " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), or with one a block of ",
+              kFp8BlockRows, " rows (", batch, ", ", heads_kv, ", ", blocks, "), got shape ", descale.sizes());
+}
+
 // x times its descale in `dtype`: the dequantize_fp8 op (on CUDA, a kernel
 // where the descale is one a (batch, key/value head)).
 at::Tensor dequantized(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype) {
@@ -125,23 +156,25 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_aten(const at::Tensor& x, int64_
   const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2), dim = x.size(3);
   TORCH_CHECK_VALUE(heads_kv > 0 && heads % heads_kv == 0, "flashattn_ext: heads_kv (", heads_kv,
                     ") must divide the ", heads, " heads");
-  const int64_t blocks = per_block ? (len + kFp8BlockRows - 1) / kFp8BlockRows : 1;
+  const int64_t blocks = per_block ? fp8_blocks(len) : 1;
   const std::vector<int64_t> descale_shape =
       per_block ? std::vector<int64_t>{batch, heads_kv, blocks} : std::vector<int64_t>{batch, heads_kv};
   if (len == 0 || blocks == 0) {
     return {x.to(at::kFloat8_e4m3fn), at::ones(descale_shape, x.options().dtype(at::kFloat))};
   }
   const int64_t rows = per_block ? blocks * kFp8BlockRows : len;
-  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, dim});
+  const at::Tensor grouped = grouped_by_kv_head(x, heads_kv);
   const at::Tensor largest = at::constant_pad_nd(grouped, {0, 0, 0, rows - len})
                                  .abs()
                                  .view({batch, heads_kv, heads / heads_kv, blocks, rows / blocks, dim})
                                  .amax({2, 4, 5});
-  const at::Tensor descale = (largest / kE4M3Max).clamp_min(std::numeric_limits<float>::min());
-  const at::Tensor per_row =
-      descale.repeat_interleave(rows / blocks, 2).narrow(2, 0, len).view({batch, heads_kv, 1, len, 1});
-  const at::Tensor quantized = (grouped / per_row).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn).view(x.sizes());
-  return {quantized, descale.view(descale_shape)};
+  const at::Tensor descale =
+      (largest / kE4M3Max).clamp_min(std::numeric_limits<float>::min()).view(descale_shape);
+  const at::Tensor quantized = (grouped / descale_of_rows(descale, len))
+                                   .clamp(-kE4M3Max, kE4M3Max)
+                                   .to(at::kFloat8_e4m3fn)
+                                   .view(x.sizes());
+  return {quantized, descale};
 }
 
 at::Tensor dequantize_fp8_aten(const at::Tensor& x, const std::optional<at::Tensor>& descale, at::ScalarType dtype) {
@@ -149,20 +182,11 @@ at::Tensor dequantize_fp8_aten(const at::Tensor& x, const std::optional<at::Tens
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat8_e4m3fn, "flashattn_ext: dequantize_fp8 takes float8_e4m3fn, got ",
                    x.scalar_type());
   if (!descale.has_value() || descale->size(1) == 0) return x.to(dtype);
-  const int64_t batch = x.size(0), heads = x.size(1), len = x.size(2), heads_kv = descale->size(1);
-  TORCH_CHECK_VALUE(descale->scalar_type() == at::kFloat && descale->size(0) == batch && heads % heads_kv == 0 &&
-                        (descale->dim() == 2 || (descale->dim() == 3 &&
-                                                 descale->size(2) == (len + kFp8BlockRows - 1) / kFp8BlockRows)),
-                    "flashattn_ext: dequantize_fp8's descale must be float32 (batch, key/value heads) or (batch, "
-                    "key/value heads, blocks of ", kFp8BlockRows, " rows) for x of shape ", x.sizes(), ", got ",
-                    descale->scalar_type(), " of shape ", descale->sizes());
-  const at::Tensor per_row = descale->dim() == 2
-                                 ? descale->reshape({batch, heads_kv, 1, 1, 1})
-                                 : descale->repeat_interleave(kFp8BlockRows, 2)
-                                       .narrow(2, 0, len)
-                                       .view({batch, heads_kv, 1, len, 1});
-  const at::Tensor grouped = x.to(at::kFloat).reshape({batch, heads_kv, heads / heads_kv, len, x.size(3)});
-  return (grouped * per_row).view(x.sizes()).to(dtype);
+  const int64_t heads_kv = descale->size(1);
+  TORCH_CHECK_VALUE(x.size(1) % heads_kv == 0, "flashattn_ext: dequantize_fp8's descale has ", heads_kv,
+                    " key/value heads, which must divide x's ", x.size(1));
+  check_descale(*descale, x, heads_kv, "descale", x, "x");
+  return (grouped_by_kv_head(x, heads_kv) * descale_of_rows(*descale, x.size(2))).view(x.sizes()).to(dtype);
 }
 
 void check_fp8_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -181,15 +205,7 @@ void check_fp8_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor
               " key/value heads must divide the ", q.size(1), " query heads");
   for (const auto& [d, x, name] : {std::tuple{&q_descale, &q, "q_descale"}, std::tuple{&k_descale, &k, "k_descale"},
                                    std::tuple{&v_descale, &v, "v_descale"}}) {
-    if (!d->has_value()) continue;
-    check_device(**d, name, q);
-    TORCH_CHECK_TYPE((*d)->scalar_type() == at::kFloat, "flashattn_ext: ", name, " must be float32, got ",
-                     (*d)->scalar_type());
-    const int64_t blocks = (x->size(2) + kFp8BlockRows - 1) / kFp8BlockRows;
-    const bool per_head = (*d)->dim() == 2, per_block = (*d)->dim() == 3 && (*d)->size(2) == blocks;
-    TORCH_CHECK((per_head || per_block) && (*d)->size(0) == batch && (*d)->size(1) == heads_kv, "flashattn_ext: ",
-                name, " must be (batch, key/value heads) = (", batch, ", ", heads_kv, "), or with one a block of ",
-                kFp8BlockRows, " rows (", batch, ", ", heads_kv, ", ", blocks, "), got shape ", (*d)->sizes());
+    if (d->has_value()) check_descale(**d, *x, heads_kv, name, q, "query");
   }
 }
 
