@@ -343,8 +343,12 @@ __device__ __forceinline__ void bulk_wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
-// cp.async.bulk.wait_group 0: wait until every bulk group has completed.
-__device__ __forceinline__ void bulk_wait_group() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+// cp.async.bulk.wait_group kPending: wait until all but the kPending most
+// recent bulk groups have completed (their writes made).
+template <int kPending = 0>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // fence.proxy.async.global: orders this thread's global-memory accesses
 // through the copy engine (bulk copies and reductions) with its ordinary ones,

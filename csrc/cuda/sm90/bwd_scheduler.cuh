@@ -44,7 +44,7 @@ struct QueryTile {
 // lengths (the call's in a dense one); dq_accum_head_rows: dq_accum's rows a
 // query head. In deterministic mode (dq_semaphore set: the counters of the
 // group's first query head, m_tiles a head), the block walks each head's
-// query blocks from m_rotation on, wrapping round (dq_add_rank).
+// query blocks from m_rotation on, wrapping round (DqAddOrder).
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
   int m_count, tiles, m_rotation, m_tiles;
@@ -109,7 +109,7 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   block.b = pair / p.heads_kv;
   // Causal: the first key blocks have the most queries, and start first; in
   // deterministic mode last, as each adds its dQ after the blocks above it
-  // (dq_add_rank), which then start before it and never wait for it.
+  // (DqAddOrder), which then start before it and never wait for it.
   const bool lightest_first = kOrdered && p.is_causal;
   block.col0 = (lightest_first ? n_blocks - 1 - position.block : position.block) * Cfg::kBlockN;
   block.group = p.heads_q / p.heads_kv;
@@ -158,9 +158,9 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
 }
 
 // Deterministic mode: how many key blocks add their dQ of query block m
-// (each query head's alike) before this block does. The order is the one in
-// which their walks reach the tile when all run at one pace, so that none
-// waits long:
+// (each query head's alike) before this block does (rank). The order is the
+// one in which their walks reach the tile when all run at one pace, so that
+// none waits long:
 //  - causal: from the last key block whose walk reaches the tile down, as
 //    each block's walk starts at the first query block that sees its keys
 //    (and the grid starts them last first: a block waits only for blocks
@@ -170,27 +170,54 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
 //    step d(j) = (m - o(j)) mod m_tiles: they add by d, then by j. (Block j
 //    waits for block j + 1, and the last for the first: all of a head's
 //    blocks must be resident at once, deterministic_backward_covers.)
+// What depends on the block alone is worked out once: the writer asks for a
+// rank at every tile, and 64-bit divisions there (about a microsecond on the
+// producer's few registers) put it on the tile's critical path.
+// count_late: the block before this one in each tile's order reaches the
+// tile at least two steps earlier (BwdDqWriter): causal, kBlockN / kBlockM
+// steps (the next key block's walk starts that many query blocks on); else
+// about m_tiles / n_blocks.
 template <typename Cfg>
-__device__ __forceinline__ int dq_add_rank(const AttentionProblem& p, const BwdBlock& block, int m) {
-  const int j = static_cast<int>(block.col0 / Cfg::kBlockN), n = static_cast<int>(ceil_div(p.len_k, Cfg::kBlockN));
-  if (p.is_causal) {
-    // Block i's walk starts at query_begin(i * kBlockN) / kBlockM (backward_block): it reaches m where that
-    // row lies before the tile's end. Past len_q it is len_q (a block no row sees still adds its zeros to the
-    // last tile).
-    const int64_t rows_end = int64_t{m + 1} * Cfg::kBlockM;
-    const int64_t last = rows_end > p.len_q ? n - 1 : (rows_end + Visibility(p).offset - 1) / Cfg::kBlockN;
-    return static_cast<int>(min(last, int64_t{n - 1})) - j;
+struct DqAddOrder {
+  bool causal, count_late;
+  int j, n;           // the key block, and the head's key blocks
+  int tiles, start;   // not causal: m_tiles and the walk's first query block
+  int base;           // not causal: the rank's part that is the block's alone
+  int64_t offset, len_q;  // causal: the diagonal's offset, the queries
+
+  __device__ __forceinline__ DqAddOrder(const AttentionProblem& p, const BwdBlock& block)
+      : causal(p.is_causal),
+        j(static_cast<int>(block.col0 / Cfg::kBlockN)),
+        n(static_cast<int>(ceil_div(p.len_k, Cfg::kBlockN))),
+        tiles(block.m_tiles),
+        start(block.m_rotation),
+        base(0),
+        offset(Visibility(p).offset),
+        len_q(p.len_q) {
+    if (!causal) base = j - first_block(start) - first_block(start + 1);
+    count_late = causal ? Cfg::kBlockN >= 2 * Cfg::kBlockM : tiles >= 2 * n;
   }
-  const int tiles = block.m_tiles;
-  // The first key block whose start is query block x or later.
-  auto first_block = [&](int x) { return static_cast<int>((int64_t{x} * n + tiles - 1) / tiles); };
-  const int start = block.m_rotation, d = (m - start + tiles) % tiles;
-  // Blocks that reach m at a step before d start at one of the d query blocks
-  // before m's next (wrapping round); then those of j's start below j.
-  const int low = m - d + 1;
-  const int earlier = low >= 0 ? first_block(m + 1) - first_block(low)
-                               : first_block(m + 1) + n - first_block(tiles + low);
-  return earlier + j - first_block(start);
-}
+
+  // The first key block whose walk starts at query block x or later
+  // (deterministic_backward_covers keeps x * n in 32 bits).
+  __device__ __forceinline__ int first_block(int x) const {
+    return static_cast<int>((static_cast<unsigned>(x) * n + tiles - 1) / static_cast<unsigned>(tiles));
+  }
+
+  __device__ __forceinline__ int rank(int m) const {
+    if (causal) {
+      // Block i's walk starts at query_begin(i * kBlockN) / kBlockM (backward_block): it reaches m where that
+      // row lies before the tile's end. Past len_q it is len_q (a block no row sees still adds its zeros to
+      // the last tile).
+      const int64_t rows_end = int64_t{m + 1} * Cfg::kBlockM;
+      const int64_t last = rows_end > len_q ? n - 1 : (rows_end + offset - 1) / Cfg::kBlockN;
+      return static_cast<int>(min(last, int64_t{n - 1})) - j;
+    }
+    // The blocks that reach m first: those whose walks start after this
+    // block's and up to m (wrapping round), then those of the same start
+    // below j.
+    return first_block(m + 1) + base + (m < start ? n : 0);
+  }
+};
 
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

@@ -28,8 +28,11 @@ bool backward_covers(const BwdParams& params) {
 bool deterministic_backward_covers(const BwdParams& params) {
   const AttentionProblem& p = params.problem;
   const int64_t key_blocks = ceil_div(p.len_k, BwdTileConfig<128>::kBlockN);  // (the same at head dim 64)
+  // (DqAddOrder's ranks in 32 bits: query tiles times key blocks.)
+  const int64_t rank_products = ceil_div(p.len_q, int64_t{64}) * (key_blocks + 1);
   return backward_covers(params) && p.head_dim <= 128 && params.mask_kind == MaskKind::kNone && !p.has_window() &&
-         !params.packed.present() && (p.is_causal || key_blocks <= multiprocessor_count());
+         !params.packed.present() && (p.is_causal || key_blocks <= multiprocessor_count()) &&
+         rank_products <= int64_t{UINT32_MAX};
 }
 
 int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs) {

@@ -109,11 +109,15 @@ __device__ __forceinline__ float* dq_accum_block(const AttentionProblem& p, cons
 // buffers go back to the consumers once the copy engine has read them, checked
 // kDqBuffers - 1 tiles later, so that its reads overlap the next tiles. In
 // deterministic mode (kOrdered) each tile's additions wait for the block's
-// turn (dq_add_rank) and are counted once they have landed, the tile's
-// buffers then given back at once. (Counting them later, once the next
-// tile's are issued, deadlocks where the block before in a tile's order
-// reached it one step earlier: its count would wait for its next turn, which
-// waits for this block's count.)
+// turn (DqAddOrder) and are counted once they have landed. Where the block
+// before in each tile's order runs two tiles or more ahead (count_late),
+// they are counted as the next tile's are issued, so that the landing (about
+// a microsecond) overlaps the next tile; or at once if the next tile's turn
+// has not come: a block that waits holding an uncounted tile deadlocks where
+// the block before it reached the tile one step earlier (its count would
+// wait for its own next turn, which waits for this block's count). Elsewhere
+// (one tile ahead: 128-row tiles) they are counted at once, which measured
+// faster there.
 // (A struct that the kernel makes and runs: as a function taking these as
 // arguments, the walk compiled to PTX in another order.)
 template <typename Cfg, bool kVarlen, bool kOrdered>
@@ -132,13 +136,23 @@ struct BwdDqWriter {
         ptx::named_barrier_arrive(Barriers::dq_empty(consumer, buffer), Barriers::kDqHandoffThreads);
       }
     }
+    const DqAddOrder<Cfg> order(params.problem, block);
+    // (kOrdered, lane 0) The counter of the tile issued last while its
+    // additions are not yet counted; else null.
+    int* uncounted = nullptr;
     for (int tile = 0; next_query_tile<Cfg, kOrdered>(params, block, t); ++tile) {
       const int buffer = tile % Cfg::kDqBuffers;
       // The tile's counter (kOrdered): how many blocks have added theirs.
       int* const turns = kOrdered ? block.dq_semaphore + t.head * block.m_tiles + block.m_begin + t.m : nullptr;
       if (kOrdered && lane == 0) {
-        const int rank = dq_add_rank<Cfg>(params.problem, block, static_cast<int>(block.m_begin + t.m));
-        while (ptx::load_acquire(turns) != rank) {
+        const int rank = order.rank(static_cast<int>(block.m_begin + t.m));
+        if (ptx::load_acquire(turns) != rank) {
+          if (uncounted != nullptr) {  // (never wait holding a count)
+            count_landed<0>(uncounted);
+            uncounted = nullptr;
+          }
+          while (ptx::load_acquire(turns) != rank) {
+          }
         }
         ptx::fence_proxy_async_global();  // (the additions below after the others')
       }
@@ -152,22 +166,36 @@ struct BwdDqWriter {
           ptx::bulk_commit_group();  // (empty if nothing to add: the group count stays in step)
         }
       }
-      if (kOrdered && lane == 0) {  // (landed: counted)
-        ptx::bulk_wait_group();
-        ptx::fence_proxy_async_global();
-        ptx::red_release_add(turns, 1);
+      if (kOrdered && lane == 0) {
+        if (!order.count_late) {
+          count_landed<0>(turns);
+        } else {
+          if (uncounted != nullptr) count_landed<Cfg::kConsumers>(uncounted);  // (all but this tile's groups)
+          uncounted = turns;
+        }
       }
-      // The tile whose buffers are read out now (kOrdered: this one, waited for).
-      const int read = kOrdered ? tile : tile - kLag;
-      if (!kOrdered && lane == 0) ptx::bulk_wait_group_read<Cfg::kConsumers * kLag>();
+      if (lane == 0) ptx::bulk_wait_group_read<Cfg::kConsumers * kLag>();
       __syncwarp();
+      const int read = tile - kLag;  // the tile whose buffers are read out now
       if (read >= 0 && read + Cfg::kDqBuffers < block.tiles) {
         for (int consumer = 0; consumer < Cfg::kConsumers; ++consumer) {
           ptx::named_barrier_arrive(Barriers::dq_empty(consumer, read % Cfg::kDqBuffers), Barriers::kDqHandoffThreads);
         }
       }
     }
-    if (lane == 0) ptx::bulk_wait_group();
+    if (lane == 0) {
+      ptx::bulk_wait_group();
+      if (kOrdered && uncounted != nullptr) count_landed<0>(uncounted);
+    }
+  }
+
+  // Counts a tile's additions into its counter once all but the kPending most
+  // recent bulk groups have landed.
+  template <int kPending>
+  static __device__ __forceinline__ void count_landed(int* turns) {
+    ptx::bulk_wait_group<kPending>();
+    ptx::fence_proxy_async_global();
+    ptx::red_release_add(turns, 1);
   }
 };
 
