@@ -122,12 +122,13 @@ def _call(**changes):
 
 @on_paths("cuda")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=dtype_name)
-def test_quantize_kernels_match_aten(path, dtype):
+@pytest.mark.parametrize("dim", [72, 36], ids=["vectors", "elements"])
+def test_quantize_kernels_match_aten(path, dtype, dim):
     """CUDA's quantize_fp8 and dequantize_fp8 kernels (16-bit, one descale a (sequence, key/value head)) give
-    the ATen path's bits (the CPU's), on a sequence-major view, GQA groups, ragged rows and head dim 72, and a
-    zero head."""
+    the ATen path's bits (the CPU's), on a sequence-major view, GQA groups, ragged rows and a zero head; head
+    dim 72 in vectors of 8 elements, 36 element by element."""
     gen = torch.Generator().manual_seed(24)
-    x = torch.randn(2, 45, 6, 72, generator=gen) * torch.rand(2, 1, 6, 1, generator=gen) * 30
+    x = torch.randn(2, 45, 6, dim, generator=gen) * torch.rand(2, 1, 6, 1, generator=gen) * 30
     x[1, :, 2:4] = 0  # key/value head (1, 1): all zeros, its descale the smallest normal
     x = x.to(dtype)
     seq_major = x.to(path.device).transpose(1, 2)  # (2, 6, 45, 72), strides of a (B, L, H, E) tensor
