@@ -55,6 +55,16 @@ AttentionOptions load_options(AutogradContext* ctx, std::optional<Tensor> attn_m
   return options;
 }
 
+// The backward's result for an op of `inputs` inputs of which only the
+// first three (q, k, v) get gradients.
+variable_list qkv_gradients(Tensor dq, Tensor dk, Tensor dv, size_t inputs) {
+  variable_list result(inputs);
+  result[0] = std::move(dq);
+  result[1] = std::move(dk);
+  result[2] = std::move(dv);
+  return result;
+}
+
 // A saved optional tensor (undefined: absent).
 std::optional<Tensor> optional_saved(const Tensor& t) { return t.defined() ? std::optional<Tensor>(t) : std::nullopt; }
 
@@ -250,11 +260,7 @@ class VarlenFunction : public torch::autograd::Function<VarlenFunction> {
                                 ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt(),
                                 o.is_causal, o.causal_lower_right, o.scale, o.window_left, o.window_right, o.softcap,
                                 o.alibi_slopes);
-    variable_list result(14);
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    return result;
+    return qkv_gradients(dq, dk, dv, 14);
   }
 };
 
@@ -298,11 +304,7 @@ class QuantizedAttentionFunction : public torch::autograd::Function<QuantizedAtt
     const AttentionOptions o = load_options(ctx, std::nullopt, std::nullopt);
     auto [dq, dk, dv] = call_attention_backward_fp8(grads[0], f, o.is_causal, o.causal_lower_right, o.scale,
                                                     o.window_left, o.window_right);
-    variable_list result(8);
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    return result;
+    return qkv_gradients(dq, dk, dv, 8);
   }
 };
 
