@@ -175,6 +175,13 @@ struct BwdParams {
   // key blocks have added their dQ of the tile, so that they add it in a
   // fixed order. Null otherwise: dQ is added as it comes.
   int* dq_semaphore = nullptr;
+  // (Deterministic mode, causal GQA: cuda::sm90::deterministic_head_splits)
+  // Each key block's query heads split over head_splits blocks, each storing
+  // its dK and dV (scaled, float32) in key_grad_partials, laid out
+  // [split][dk, dv][batch][key/value head][len_k][head_dim], summed in split
+  // order after the kernel. 1 and null otherwise.
+  int head_splits = 1;
+  float* key_grad_partials = nullptr;
 };
 
 // x clamped to [low, high] (std::clamp is not callable from device code).

@@ -398,9 +398,10 @@ def assert_gradients_within_twice_sdpa(got, q, k, v, mode, grad_out, dtype):
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim): key blocks of 128 a head fewer than its query tiles
 # (64 rows at head dim 128, 128 at 64), more of them (several blocks start at one tile), and a top-left causal
-# call whose last key blocks no row sees.
+# call whose last key blocks no row sees; causal GQA groups of 2, 3 and 4 (their query heads split over 2, 3
+# and 2 blocks: deterministic_head_splits).
 DETERMINISTIC_SHAPES = [(2, 4, 2, 1000, 1000, 128), (2, 2, 2, 2047, 513, 128), (1, 3, 1, 300, 2100, 64),
-                        (1, 2, 1, 4096, 4096, 64)]
+                        (1, 2, 1, 4096, 4096, 64), (1, 8, 2, 700, 900, 128)]
 
 
 @on_paths("sm90")

@@ -218,6 +218,17 @@ bool backward_covers(const BwdParams& params);
 // that may start after it: they must all be resident at once).
 bool deterministic_backward_covers(const BwdParams& params);
 
+// Deterministic mode (deterministic_backward_covers): over how many blocks of
+// each key block a causal call's query heads of a group are split (1: not
+// split), so that its heaviest blocks (the first key blocks, which the order
+// starts last) take a fraction of the group's work. params.key_grad_partials
+// then holds key_grad_partial_floats of float32.
+int deterministic_head_splits(const AttentionProblem& p);
+int64_t key_grad_partial_floats(const AttentionProblem& p, int splits);
+// dk and dv from params.key_grad_partials (launch_backward_kernel's last step
+// where params.head_splits > 1).
+void sum_key_grad_partials(const BwdParams& params, ElementType type, cudaStream_t stream);
+
 // The counters params.dq_semaphore needs for `pairs` (batch, key/value head)
 // pairs: one per query tile of 64 rows (the smallest) of each query head.
 int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs);

@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   // the user asked for deterministic algorithms.
   const bool deterministic = at::globalContext().deterministicAlgorithms();
   const bool sm90 = route.family == cuda::Family::kSm90;
-  at::Tensor dq_accum, dq_semaphore;
+  at::Tensor dq_accum, dq_semaphore, key_grad_partials;
   if (sm90 || (!deterministic && params.problem.head_dim <= cuda::sm80::kMaxAtomicDqHeadDim)) {
     // (The delta pass zeroes it.) The Hopper backward may take the (batch,
     // key/value head) pairs a chunk at a time, over a workspace for one chunk.
@@ -268,6 +268,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     if (sm90 && deterministic) {  // (the kernel zeroes it)
       dq_semaphore = at::empty({cuda::sm90::dq_semaphore_ints(p, params.dq_accum_pairs)}, q.options().dtype(at::kInt));
       params.dq_semaphore = dq_semaphore.data_ptr<int>();
+      // (A causal GQA call's heaviest blocks split by query heads, their dK
+      // and dV summed after the kernel: only where the Hopper kernel takes it.)
+      const int splits = cuda::sm90::deterministic_backward_covers(params) ? cuda::sm90::deterministic_head_splits(p) : 1;
+      if (splits > 1) {
+        key_grad_partials = at::empty({cuda::sm90::key_grad_partial_floats(p, splits)}, q.options().dtype(at::kFloat));
+        params.head_splits = splits;
+        params.key_grad_partials = key_grad_partials.data_ptr<float>();
+      }
     }
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -278,6 +286,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     if (deterministic) {  // (the sm80 kernels' separate dQ pass)
       params.dq_accum = nullptr;
       params.dq_semaphore = nullptr;
+      params.head_splits = 1;
+      params.key_grad_partials = nullptr;
     }
     cuda::sm80::attention_backward(params, element_type(q), stream);
   }

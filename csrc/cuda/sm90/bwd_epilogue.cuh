@@ -49,4 +49,37 @@ __device__ __forceinline__ void store_key_gradients(const BwdParams& params, con
   store_key_gradient<Elem, kVarlen>(params.dv, p.head_dim_v, params, block, key_row, col0, col0, lane, dv, dv_scale);
 }
 
+// Deterministic mode with the query heads split (params.head_splits > 1,
+// head dims up to 128): a consumer's dK (times the scale) and dV (times
+// dv_scale) as float32 into the block's split of params.key_grad_partials,
+// rows key_row and key_row + 8 of the block, all head_dim columns
+// (sum_key_grad_partials adds the splits and rounds).
+template <int kGradRegs>
+__device__ __forceinline__ void store_key_grad_partials(const BwdParams& params, const BwdBlock& block, int key_row,
+                                                        int lane, const float (&dk)[kGradRegs],
+                                                        const float (&dv)[kGradRegs], float dv_scale) {
+  const AttentionProblem& p = params.problem;
+  const int64_t per_tensor = p.batch * p.heads_kv * p.len_k * p.head_dim;
+  const int64_t head_rows = (block.b * p.heads_kv + block.h_kv) * p.len_k;
+  const int cols0 = (lane % 4) * 2;  // this thread's columns: 8 j + cols0 and the next
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    const float(&grad)[kGradRegs] = which == 0 ? dk : dv;
+    const float scale = which == 0 ? static_cast<float>(p.scale) : dv_scale;
+    float* head = params.key_grad_partials + (2 * block.split + which) * per_tensor + head_rows * p.head_dim;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t key = block.col0 + key_row + half * 8;
+      if (key >= p.len_k) continue;
+      float* row = head + key * p.head_dim + cols0;
+#pragma unroll
+      for (int j = 0; j < kGradRegs / 4; ++j) {
+        if (j * 8 + cols0 >= p.head_dim) continue;  // (the kernel's padding)
+        *reinterpret_cast<float2*>(row + j * 8) =
+            make_float2(grad[4 * j + 2 * half] * scale, grad[4 * j + 2 * half + 1] * scale);
+      }
+    }
+  }
+}
+
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

@@ -71,7 +71,7 @@ __device__ __forceinline__ void load_backward_tiles(const BwdKernelParams& kp, c
   if (Cfg::Mask::kPresent && lane == 0) ptx::prefetch_tensor_map(&kp.mask_map);
   QueryTile t;
   for (int tile = 0; next_query_tile<Cfg, kOrdered>(params, block, t); ++tile) {
-    const int head = static_cast<int>(block.h_kv * block.group) + t.head;
+    const int head = static_cast<int>(block.head0) + t.head;
     // ((batch, heads_q, len_q); a packed batch's (heads_q, total_q).)
     const int64_t stats_row0 =
         kVarlen ? head * params.packed.total_q + block.q_start : (block.b * p.heads_q + head) * p.len_q;

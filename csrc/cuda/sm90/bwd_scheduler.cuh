@@ -47,6 +47,8 @@ struct QueryTile {
 // query blocks from m_rotation on, wrapping round (DqAddOrder).
 struct BwdBlock {
   int64_t h_kv, b, col0, group, m_begin;
+  int64_t head0;  // the first of its query heads (of the call's)
+  int split;      // which of params.head_splits blocks of its keys (0 if 1)
   int m_count, tiles, m_rotation, m_tiles;
   float* dq_accum;
   int* dq_semaphore;
@@ -78,7 +80,7 @@ __device__ __forceinline__ bool next_query_tile(const BwdParams& params, const B
     } else {
       static_assert(Cfg::kBlockN == kKeyBlockKeys && Cfg::kBlockM % kMaskBlockRows == 0, "tiles of whole map blocks");
       const BlockVisibility seen =
-          tile_visibility(params.mask_blocks, block.b, block.h_kv * block.group + t.head,
+          tile_visibility(params.mask_blocks, block.b, block.head0 + t.head,
                           (block.m_begin + t.m) * Cfg::kBlockM, Cfg::kBlockM, block.len_q, block.col0 / Cfg::kBlockN);
       if (seen == BlockVisibility::kHidden) continue;
       t.unmasked = seen == BlockVisibility::kVisible;
@@ -98,21 +100,30 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN);
   // The grid covers the (batch, key/value head) pairs whose rows dq_accum
   // holds (a chunk of the call's, or all), numbered from dq_accum_pair0.
+  // Deterministic mode may split a key block's query heads over head_splits
+  // blocks (deterministic_head_splits): the grid takes them as pairs, split
+  // fastest.
+  const int splits = kOrdered ? params.head_splits : 1;
   const GridPosition position =
-      p.is_causal ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv),
-                                            static_cast<int>(params.dq_accum_pairs), kp.order_chunks)
-                  : grid_position(blockIdx.x, n_blocks, p.heads_kv);
-  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head;
+      p.is_causal
+          ? heaviest_first_position(blockIdx.x, static_cast<int>(n_blocks), static_cast<int>(p.heads_kv * splits),
+                                    static_cast<int>(params.dq_accum_pairs * splits), kp.order_chunks)
+          : grid_position(blockIdx.x, n_blocks, p.heads_kv * splits);
+  const int64_t pair_in_chunk = position.batch * p.heads_kv + position.head / splits;
   const int64_t pair = params.dq_accum_pair0 + pair_in_chunk;
   BwdBlock block;
   block.h_kv = pair % p.heads_kv;
   block.b = pair / p.heads_kv;
+  block.split = static_cast<int>(position.head % splits);
   // Causal: the first key blocks have the most queries, and start first; in
   // deterministic mode last, as each adds its dQ after the blocks above it
   // (DqAddOrder), which then start before it and never wait for it.
   const bool lightest_first = kOrdered && p.is_causal;
   block.col0 = (lightest_first ? n_blocks - 1 - position.block : position.block) * Cfg::kBlockN;
-  block.group = p.heads_q / p.heads_kv;
+  block.group = p.heads_q / p.heads_kv / splits;
+  block.head0 = (block.h_kv * splits + block.split) * block.group;
+  // (dq_accum and the counters: from the block's first query head on)
+  const int64_t heads_before = pair_in_chunk * splits * block.group + block.split * block.group;
   if constexpr (kVarlen) {
     const PackedSequences& packed = params.packed;
     const int b = static_cast<int>(block.b);
@@ -123,14 +134,14 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
     block.len_q = queries.length;
     block.len_k = keys.length;
     block.dq_accum_head_rows = packed_dq_accum_start(packed.total_q, p.batch);
-    block.dq_accum = params.dq_accum + (block.h_kv * block.group * block.dq_accum_head_rows +
+    block.dq_accum = params.dq_accum + (block.head0 * block.dq_accum_head_rows +
                                         packed_dq_accum_start(queries.start, b)) * Cfg::kDqAccumCols;
   } else {
     block.q_start = block.k_start = 0;
     block.len_q = p.len_q;
     block.len_k = p.len_k;
     block.dq_accum_head_rows = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
-    block.dq_accum = params.dq_accum + pair_in_chunk * block.group * block.dq_accum_head_rows * Cfg::kDqAccumCols;
+    block.dq_accum = params.dq_accum + heads_before * block.dq_accum_head_rows * Cfg::kDqAccumCols;
   }
   if constexpr (kWindow || kVarlen) {
     const Visibility seen(p, block.len_q, block.len_k);
@@ -146,7 +157,7 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   }
   block.m_rotation = 0;
   block.m_tiles = static_cast<int>(ceil_div(p.len_q, Cfg::kBlockM));
-  block.dq_semaphore = kOrdered ? params.dq_semaphore + pair_in_chunk * block.group * block.m_tiles : nullptr;
+  block.dq_semaphore = kOrdered ? params.dq_semaphore + heads_before * block.m_tiles : nullptr;
   if (kOrdered && !p.is_causal) block.m_rotation = static_cast<int>(position.block * block.m_tiles / n_blocks);
   block.tiles = static_cast<int>(block.group) * block.m_count;  // (query head of the group, query block) pairs
   if (Cfg::Mask::kPresent && params.mask_blocks.visibility != nullptr) {

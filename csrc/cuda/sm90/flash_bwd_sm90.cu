@@ -35,6 +35,63 @@ bool deterministic_backward_covers(const BwdParams& params) {
          rank_products <= int64_t{UINT32_MAX};
 }
 
+int deterministic_head_splits(const AttentionProblem& p) {
+  const int group = static_cast<int>(p.heads_q / p.heads_kv);
+  if (!p.is_causal || group == 1 || p.head_dim != p.head_dim_v) return 1;
+  // The group's smallest factor of 2 or 3: at GQA 32:8 (H200) two splits ran
+  // at 0.89x the default backward, four at 0.88x (twice the partials'
+  // traffic), one at 0.80x.
+  for (int splits : {2, 3}) {
+    if (group % splits == 0) return splits;
+  }
+  return 1;
+}
+
+int64_t key_grad_partial_floats(const AttentionProblem& p, int splits) {
+  return int64_t{splits} * 2 * p.batch * p.heads_kv * p.len_k * p.head_dim;
+}
+
+namespace {
+
+constexpr int kPartialSumRows = 8;  // a warp a key row, four columns a lane: head dims up to 128
+
+// dk and dv = the sum of their head_splits float32 partials
+// (BwdParams::key_grad_partials), in split order, rounded.
+template <typename Elem>
+__global__ void __launch_bounds__(kPartialSumRows * kWarpSize) sum_key_grad_partials_kernel(const BwdParams params) {
+  const AttentionProblem& p = params.problem;
+  const int64_t rows = p.batch * p.heads_kv * p.len_k;  // of dk (and of dv)
+  const int64_t row = int64_t{blockIdx.x} * kPartialSumRows + threadIdx.x / kWarpSize;
+  const int col = threadIdx.x % kWarpSize * 4;
+  if (row >= 2 * rows || col >= p.head_dim) return;
+  const int64_t which = row / rows, at = row % rows;  // which: 0 dk, 1 dv
+  const float* partial = params.key_grad_partials + (which * rows + at) * p.head_dim + col;
+  const int64_t split_floats = 2 * rows * p.head_dim;
+  float4 sum = *reinterpret_cast<const float4*>(partial);
+  for (int split = 1; split < params.head_splits; ++split) {
+    const float4 part = *reinterpret_cast<const float4*>(partial + split * split_floats);
+    sum.x += part.x;
+    sum.y += part.y;
+    sum.z += part.z;
+    sum.w += part.w;
+  }
+  const int64_t key = at % p.len_k, pair = at / p.len_k;
+  const TensorView4d& dst = which == 0 ? params.dk : params.dv;
+  Elem* out = head_ptr<Elem>(dst, pair / p.heads_kv, pair % p.heads_kv) + key * dst.stride_row + col;
+  *reinterpret_cast<uint2*>(out) = make_uint2(ptx::pack2<Elem>(sum.x, sum.y), ptx::pack2<Elem>(sum.z, sum.w));
+}
+
+}  // namespace
+
+void sum_key_grad_partials(const BwdParams& params, ElementType type, cudaStream_t stream) {
+  const AttentionProblem& p = params.problem;
+  const int64_t rows = 2 * p.batch * p.heads_kv * p.len_k;
+  dispatch_element_type(type, [&](auto elem) {
+    launch_kernel(sum_key_grad_partials_kernel<decltype(elem)>, ceil_div(rows, int64_t{kPartialSumRows}),
+                  kPartialSumRows * kWarpSize, 0, params, stream);
+  });
+}
+
 int64_t dq_semaphore_ints(const AttentionProblem& p, int64_t pairs) {
   constexpr int64_t kSmallestBlockM = BwdTileConfig<128>::kBlockM;
   static_assert(kSmallestBlockM <= BwdTileConfig<64>::kBlockM, "the smallest query tile");

@@ -48,7 +48,9 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
     return false;
   }
   const int64_t n_blocks = ceil_div(p.len_k, Cfg::kBlockN), pairs = p.heads_kv * p.batch;
-  if (n_blocks * params.dq_accum_pairs > std::numeric_limits<int>::max()) return false;  // the grid's limit
+  if (n_blocks * params.dq_accum_pairs * params.head_splits > std::numeric_limits<int>::max()) {
+    return false;  // the grid's limit
+  }
   const ElementType type = kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
   if constexpr (kVarlen) {
     if (params.dq_accum_pairs != pairs) return false;  // (one chunk)
@@ -73,10 +75,13 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
     if (chunk.dq_semaphore != nullptr) {
       cudaMemsetAsync(chunk.dq_semaphore, 0, dq_semaphore_ints(p, chunk.dq_accum_pairs) * sizeof(int), stream);
     }
-    kp.order_chunks = one_wave_chunks(chunk.dq_accum_pairs, n_blocks, sms);
-    kernel<<<static_cast<unsigned>(n_blocks * chunk.dq_accum_pairs), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
+    // (Deterministic mode's head splits: each pair's blocks head_splits times over, in the grid as pairs.)
+    const int64_t grid_pairs = chunk.dq_accum_pairs * params.head_splits;
+    kp.order_chunks = one_wave_chunks(grid_pairs, n_blocks, sms);
+    kernel<<<static_cast<unsigned>(n_blocks * grid_pairs), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(kp);
     convert_dq_accum(chunk, type, DqAccumLayout::kWgmmaTiles, stream);
   }
+  if (params.head_splits > 1) sum_key_grad_partials(params, type, stream);
   return true;
 }
 

@@ -364,7 +364,7 @@ struct BwdConsumer {
     if (block.tiles > 0) ptx::mbarrier_wait(&shared.bars->kv_full, 0);
     const DqOperands dq_operands(shared, consumer);
     float dq[kDqRegs];
-    TileCount count{kOrdered ? block.m_rotation : 0, block.h_kv * block.group};
+    TileCount count{kOrdered ? block.m_rotation : 0, block.head0};
     for (int tile = 0; tile < block.tiles; ++tile) {
       // The tile: its stage's Q, dO, lse and delta; dropout's decisions for it.
       const StreamedTile t = locate_tile(tile, count);
@@ -426,7 +426,11 @@ struct BwdConsumer {
     }
 
     const float dv_scale = kDropout ? static_cast<float>(dropout_keep_scale(params.dropout.p)) : 1.f;
-    store_key_gradients<Elem, kVarlen>(params, block, key_row, 0, lane, dk, dv, dv_scale);
+    if (kOrdered && params.head_splits > 1) {  // (deterministic_head_splits)
+      store_key_grad_partials(params, block, key_row, lane, dk, dv, dv_scale);
+    } else {
+      store_key_gradients<Elem, kVarlen>(params, block, key_row, 0, lane, dk, dv, dv_scale);
+    }
   }
 
   // Where the consumers find tile `tile`: its stage, and its query tile,
@@ -441,7 +445,7 @@ struct BwdConsumer {
     if constexpr (Cfg::Mask::kPresent) {
       ptx::mbarrier_wait(&shared.bars->q_full[stage], parity);
       const QueryTile t = shared.bars->tile[stage];
-      count.head = block.h_kv * block.group + t.head;
+      count.head = block.head0 + t.head;
       row0 = (block.m_begin + t.m) * kBlockM;
       unmasked = t.unmasked;
     } else {
