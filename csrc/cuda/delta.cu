@@ -16,13 +16,14 @@ namespace {
 // memory-bound; in one pass the fill's stores run beside the loads of a pass
 // that alone does not saturate memory, and one launch goes.
 constexpr int kDeltaThreads = 128;
-constexpr int kDeltaLanesPerRow = 16;  // half a warp a row, each lane 16 bytes (8 elements) at a time
-constexpr int kDeltaRowsPerBlock = kDeltaThreads / kDeltaLanesPerRow;
 
 // kVectorized: the rows start 16-byte aligned and the head dim is a multiple
-// of 8 (16-byte loads); else element by element.
-template <typename Elem, bool kVectorized>
+// of 8 (16-byte loads, 8 elements); else element by element. kLanesPerRow:
+// 16, or 8 for head dims up to 64 (vectorized: 16 lanes would leave half
+// idle, and half the bytes in flight: 1.7x the time at head dim 64).
+template <typename Elem, bool kVectorized, int kLanesPerRow>
 __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const BwdParams params, int64_t zero_floats) {
+  constexpr int kRowsPerBlock = kDeltaThreads / kLanesPerRow;
   const AttentionProblem& p = params.problem;
   if (params.dq_accum != nullptr) {
     // Block b zeroes float4s b, b + gridDim.x, ...; the tail (under 4 floats) goes to block 0.
@@ -33,8 +34,8 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Bw
     }
     if (blockIdx.x == 0 && threadIdx.x < zero_floats % 4) params.dq_accum[zero_floats / 4 * 4 + threadIdx.x] = 0.f;
   }
-  const int64_t row = int64_t(blockIdx.x) * kDeltaRowsPerBlock + threadIdx.x / kDeltaLanesPerRow;
-  const int lane = threadIdx.x % kDeltaLanesPerRow;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanesPerRow;
+  const int lane = threadIdx.x % kLanesPerRow;
   const int dim = static_cast<int>(p.head_dim_v);  // (O and dO: the values' head dim)
   const bool in_range = row < p.batch * p.heads_q * p.len_q;
   float sum = 0.f;
@@ -43,7 +44,7 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Bw
     const Elem* out = head_ptr<Elem>(params.out, b, h) + i * params.out.stride_row;
     const Elem* dout = head_ptr<Elem>(params.dout, b, h) + i * params.dout.stride_row;
     if constexpr (kVectorized) {
-      for (int d = lane * 8; d < dim; d += kDeltaLanesPerRow * 8) {
+      for (int d = lane * 8; d < dim; d += kLanesPerRow * 8) {
         const uint4 o8 = *reinterpret_cast<const uint4*>(out + d), g8 = *reinterpret_cast<const uint4*>(dout + d);
         const Elem* o = reinterpret_cast<const Elem*>(&o8);
         const Elem* g = reinterpret_cast<const Elem*>(&g8);
@@ -51,10 +52,10 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Bw
         for (int e = 0; e < 8; ++e) sum += ptx::to_float(o[e]) * ptx::to_float(g[e]);
       }
     } else {
-      for (int d = lane; d < dim; d += kDeltaLanesPerRow) sum += ptx::to_float(out[d]) * ptx::to_float(dout[d]);
+      for (int d = lane; d < dim; d += kLanesPerRow) sum += ptx::to_float(out[d]) * ptx::to_float(dout[d]);
     }
   }
-  for (int shift = kDeltaLanesPerRow / 2; shift > 0; shift /= 2) sum += __shfl_xor_sync(0xffffffff, sum, shift);
+  for (int shift = kLanesPerRow / 2; shift > 0; shift /= 2) sum += __shfl_xor_sync(0xffffffff, sum, shift);
   if (in_range && lane == 0) static_cast<float*>(params.delta)[row] = sum;
 }
 
@@ -62,20 +63,22 @@ __global__ void __launch_bounds__(kDeltaThreads) attention_delta_kernel(const Bw
 
 void compute_delta(const BwdParams& params, ElementType type, cudaStream_t stream) {
   const AttentionProblem& p = params.problem;
-  const int64_t blocks = ceil_div(p.batch * p.heads_q * p.len_q, kDeltaRowsPerBlock);
-  if (blocks == 0) return;
   constexpr int64_t kVectorElems = 8;  // 16 bytes of a 16-bit type
   auto aligned = [&](const TensorView4d& t) {
     return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && t.stride_batch % kVectorElems == 0 &&
            t.stride_head % kVectorElems == 0 && t.stride_row % kVectorElems == 0;
   };
   const bool vectorized = p.head_dim_v % kVectorElems == 0 && aligned(params.out) && aligned(params.dout);
+  const bool narrow = vectorized && p.head_dim_v <= 8 * kVectorElems;  // (8 lanes a row)
+  const int64_t blocks = ceil_div(p.batch * p.heads_q * p.len_q, int64_t{kDeltaThreads / (narrow ? 8 : 16)});
+  if (blocks == 0) return;
   const int64_t zero_floats = params.dq_accum != nullptr ? dq_accum_floats(p, params.dq_accum_pairs) : 0;
   dispatch_element_type(type, [&](auto elem) {
-    dispatch_flag(vectorized, [&](auto vector) {
-      attention_delta_kernel<decltype(elem), decltype(vector)::value>
-          <<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(params, zero_floats);
-    });
+    using Elem = decltype(elem);
+    auto kernel = !vectorized ? attention_delta_kernel<Elem, false, 16>
+                  : narrow    ? attention_delta_kernel<Elem, true, 8>
+                              : attention_delta_kernel<Elem, true, 16>;
+    kernel<<<static_cast<unsigned>(blocks), kDeltaThreads, 0, stream>>>(params, zero_floats);
   });
   mark_rows_seeing_one_key(params, type, stream);
 }
