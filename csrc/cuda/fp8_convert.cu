@@ -47,6 +47,16 @@ __device__ __forceinline__ int64_t offset(const TensorView4d& t, int64_t row, in
 // kVector elements with one load and one store; else one element at a time.
 constexpr int kVector = 8;
 
+// visit(row, col) for each group of columns a thread takes of the block's
+// rows: kVector columns (kVectorized) or one, kConvertThreads groups apart.
+template <bool kVectorized, typename Visit>
+__device__ __forceinline__ void for_each_group(const ConvertBlock& block, int64_t cols, Visit&& visit) {
+  const int step = kVectorized ? kVector : 1, width = static_cast<int>(cols);  // (32-bit divisions)
+  for (int i = threadIdx.x * step; i < block.rows * width; i += kConvertThreads * step) {
+    visit(block.row0 + i / width, int64_t{i % width});
+  }
+}
+
 template <typename Elem>
 struct Wide8 {
   uint4 bits;
@@ -64,11 +74,9 @@ template <typename Elem, bool kVectorized>
 __global__ void __launch_bounds__(kConvertThreads) fp8_amax_kernel(const Fp8ConvertParams params) {
   const ConvertBlock block = convert_block(params);
   const Elem* x = head_ptr<const Elem>(params.wide, block.b, block.h);
-  const int cols = static_cast<int>(params.cols);
-  const int step = kVectorized ? kVector : 1;
   int largest = 0;
-  for (int i = threadIdx.x * step; i < block.rows * cols; i += kConvertThreads * step) {
-    const int64_t at = offset(params.wide, block.row0 + i / cols, i % cols);
+  for_each_group<kVectorized>(block, params.cols, [&](int64_t row, int64_t col) {
+    const int64_t at = offset(params.wide, row, col);
     if constexpr (kVectorized) {
       const Wide8<Elem> v{*reinterpret_cast<const uint4*>(x + at)};
 #pragma unroll
@@ -76,7 +84,7 @@ __global__ void __launch_bounds__(kConvertThreads) fp8_amax_kernel(const Fp8Conv
     } else {
       largest = max(largest, __float_as_int(ptx::to_float(x[at])) & 0x7fffffff);
     }
-  }
+  });
 #pragma unroll
   for (int lanes = kWarpSize / 2; lanes > 0; lanes /= 2) {
     largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, lanes));
@@ -110,10 +118,7 @@ __global__ void __launch_bounds__(kConvertThreads) fp8_quantize_kernel(const Fp8
   }
   const Elem* x = head_ptr<const Elem>(params.wide, block.b, block.h);
   __nv_fp8_storage_t* x8 = head_ptr<__nv_fp8_storage_t>(params.narrow, block.b, block.h);
-  const int cols = static_cast<int>(params.cols);
-  const int step = kVectorized ? kVector : 1;
-  for (int i = threadIdx.x * step; i < block.rows * cols; i += kConvertThreads * step) {
-    const int64_t row = block.row0 + i / cols, col = i % cols;
+  for_each_group<kVectorized>(block, params.cols, [&](int64_t row, int64_t col) {
     if constexpr (kVectorized) {
       const Wide8<Elem> v{*reinterpret_cast<const uint4*>(x + offset(params.wide, row, col))};
       uint16_t pairs[kVector / 2];
@@ -127,7 +132,7 @@ __global__ void __launch_bounds__(kConvertThreads) fp8_quantize_kernel(const Fp8
       x8[offset(params.narrow, row, col)] = __nv_cvt_float_to_fp8(
           __fdiv_rn(ptx::to_float(x[offset(params.wide, row, col)]), descale), __NV_SATFINITE, __NV_E4M3);
     }
-  }
+  });
 }
 
 // e4m3 to float, exactly (through fp16, which holds every e4m3 value).
@@ -143,10 +148,7 @@ __global__ void __launch_bounds__(kConvertThreads) fp8_dequantize_kernel(const F
   const float descale = params.descale[block.pair];
   const __nv_fp8_storage_t* x8 = head_ptr<const __nv_fp8_storage_t>(params.narrow, block.b, block.h);
   Elem* wide = head_ptr<Elem>(params.wide, block.b, block.h);
-  const int cols = static_cast<int>(params.cols);
-  const int step = kVectorized ? kVector : 1;
-  for (int i = threadIdx.x * step; i < block.rows * cols; i += kConvertThreads * step) {
-    const int64_t row = block.row0 + i / cols, col = i % cols;
+  for_each_group<kVectorized>(block, params.cols, [&](int64_t row, int64_t col) {
     if constexpr (kVectorized) {
       const uint2 bytes = *reinterpret_cast<const uint2*>(x8 + offset(params.narrow, row, col));
       uint4 out;
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(kConvertThreads) fp8_dequantize_kernel(const F
       const float value = __half2float(__half(__nv_cvt_fp8_to_halfraw(x8[offset(params.narrow, row, col)], __NV_E4M3)));
       wide[offset(params.wide, row, col)] = ptx::from_float<Elem>(value * descale);
     }
-  }
+  });
 }
 
 // Whether every group of kVector columns starts aligned for the vectors on both sides.

@@ -183,9 +183,12 @@ struct BwdDqWriter {
         }
       }
     }
-    if (lane == 0) {
-      ptx::bulk_wait_group();
-      if (kOrdered && uncounted != nullptr) count_landed<0>(uncounted);
+    if (lane == 0) {  // (all the reductions landed; the last uncounted tile counted)
+      if (kOrdered && uncounted != nullptr) {
+        count_landed<0>(uncounted);
+      } else {
+        ptx::bulk_wait_group();
+      }
     }
   }
 
