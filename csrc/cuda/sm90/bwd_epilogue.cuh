@@ -1,7 +1,7 @@
 // The Hopper backward's epilogue (both kernels, flash_bwd_sm90.cuh): a
 // consumer's dK and dV, scaled and rounded, from its registers to dk and dv.
 // (dQ is accumulated in the mainloop, into dq_accum: by the copy engine at
-// head dims up to 128, flash_bwd_sm90_kernel.cuh, by atomics at 256.)
+// head dims up to 128, bwd_dq_writer.cuh, by atomics at 256.)
 #pragma once
 
 #include "cuda/ptx.cuh"
