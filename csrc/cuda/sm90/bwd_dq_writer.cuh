@@ -10,8 +10,8 @@
 
 namespace flashattn_ext::cuda::sm90::backward_kernel {
 
-// Consumer c's dQ block of tile t in dq_accum (query head h_kv * group +
-// t.head, queries from (m_begin + t.m) * kBlockM + 64 * its row block): a
+// Consumer c's dQ block of tile t in dq_accum (query head head0 + t.head,
+// queries from (m_begin + t.m) * kBlockM + 64 * its row block): a
 // whole dq_accum tile's slice, its rows past len_q in the padding; nullptr
 // where all of them are past len_q.
 template <typename Cfg, bool kVarlen>

@@ -123,7 +123,7 @@ __device__ __forceinline__ BwdBlock backward_block(const BwdKernelParams& kp) {
   block.group = p.heads_q / p.heads_kv / splits;
   block.head0 = (block.h_kv * splits + block.split) * block.group;
   // (dq_accum and the counters: from the block's first query head on)
-  const int64_t heads_before = pair_in_chunk * splits * block.group + block.split * block.group;
+  const int64_t heads_before = (pair_in_chunk * splits + block.split) * block.group;
   if constexpr (kVarlen) {
     const PackedSequences& packed = params.packed;
     const int b = static_cast<int>(block.b);

@@ -206,14 +206,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   if (block.tiles > 0) ptx::mbarrier_wait(&bars->kv_full, 0);
   const int64_t padded_len_q = ceil_div(p.len_q, kDqAccumRowMultiple) * kDqAccumRowMultiple;
 
-  // tile % m_count and the tile's query head, h_kv * group + tile / m_count, counted rather than divided.
+  // tile % m_count and the tile's query head, head0 + tile / m_count, counted rather than divided.
   int m_index = 0;
-  int64_t head = block.h_kv * block.group;
+  int64_t head = block.head0;
   for (int tile = 0; tile < block.tiles; ++tile) {
     const int stage = tile % kStages;
     const uint32_t parity = (tile / kStages) & 1;
     const uint32_t q_stage_offset = stage * Cfg::kQBytes, dout_stage_offset = stage * Cfg::kDoBytes;
-    const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.h_kv * block.group;
+    const int64_t row0 = (block.m_begin + m_index) * kBlockM, head_in_group = head - block.head0;
     const float alibi_log2 = kAlibi ? alibi_slope_log2(p, block.b, head) : 0.f;
     // Dropout's decisions for the tile (the same in both consumers).
     TileDropout<kBlockM> dropout;
