@@ -1,10 +1,13 @@
 // The Hopper backward's epilogue (both kernels, flash_bwd_sm90.cuh): a
-// consumer's dK and dV, scaled and rounded, from its registers to dk and dv.
+// consumer's dK and dV, scaled and rounded, from its registers to dk and dv
+// (at head dims up to 128 through shared memory: store_key_gradients).
 // (dQ is accumulated in the mainloop, into dq_accum: by the copy engine at
 // head dims up to 128, bwd_dq_writer.cuh, by atomics at 256.)
 #pragma once
 
 #include "cuda/ptx.cuh"
+#include "cuda/sm90/accumulators.cuh"
+#include "cuda/sm90/bwd_mainloop.cuh"
 #include "cuda/sm90/bwd_scheduler.cuh"
 #include "cuda/views.cuh"
 
@@ -37,16 +40,59 @@ __device__ __forceinline__ void store_key_gradient(const TensorView4d& dst, int6
   }
 }
 
+// Stores a consumer warpgroup's dK or dV (all its columns, times `scale`)
+// through shared memory: rounded into `staging` (the block tile whose rows
+// consumer * 64 on are the consumer's own, 128-byte swizzled, kColBlockBytes
+// a 64-column block), then copied to dst's rows by 16-byte stores, the
+// threads along the rows (from registers a thread holds 4 bytes of a row at a
+// time: half of each 32-byte sector written, 8x the store instructions).
+// Where dst's rows are not 16-byte aligned or dim is not a multiple of 8,
+// store_key_gradient instead. `barrier`: a named barrier of the warpgroup's
+// own; the staging rows may be written again once this returns.
+template <typename Elem, bool kVarlen, int kColBlockBytes, int kGradRegs>
+__device__ __forceinline__ void store_key_gradient_staged(const TensorView4d& dst, int64_t dim,
+                                                          const BwdParams& params, const BwdBlock& block,
+                                                          int consumer, int key_row, int lane, float (&grad)[kGradRegs],
+                                                          float scale, unsigned char* staging, int barrier) {
+  const int64_t batch = kVarlen ? 0 : block.b, len_k = kVarlen ? block.len_k : params.problem.len_k;
+  Elem* head = head_ptr<Elem>(dst, batch, block.h_kv) + block.k_start * dst.stride_row;
+  constexpr int kChunks = kGradRegs / 4;  // 16-byte chunks a row (kGradRegs / 2 columns)
+  if (dim % 8 != 0 || dst.stride_row % 8 != 0 || reinterpret_cast<uintptr_t>(head) % 16 != 0) {
+    store_key_gradient<Elem, kVarlen>(dst, dim, params, block, key_row, 0, 0, lane, grad, scale);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kGradRegs; ++i) grad[i] *= scale;
+  uint32_t frag[kGradRegs / 8][4];
+  to_fragments<Elem>(grad, frag);
+  store_transposed_tile<kColBlockBytes>(staging, frag, key_row, lane);  // (rows of keys: as dS^T's are)
+  ptx::named_barrier_sync(barrier, kWarpgroupThreads);
+  const int tid = threadIdx.x % kWarpgroupThreads;
+#pragma unroll
+  for (int step = 0; step < 64 * kChunks / kWarpgroupThreads; ++step) {
+    const int index = step * kWarpgroupThreads + tid, row = consumer * 64 + index / kChunks, chunk = index % kChunks;
+    const int64_t key = block.col0 + row;
+    if (key >= len_k || chunk * 8 >= dim) continue;
+    const unsigned char* from = staging + (chunk / 8) * kColBlockBytes + row * kSwizzleRowBytes +
+                                ((chunk % 8) ^ (row % 8)) * 16;
+    *reinterpret_cast<uint4*>(head + key * dst.stride_row + chunk * 8) = *reinterpret_cast<const uint4*>(from);
+  }
+  ptx::named_barrier_sync(barrier, kWarpgroupThreads);
+}
+
 // Stores a consumer's dK (times the scale) and dV (times dropout's 1 / (1 -
-// p)), both of the same columns from col0 on (store_key_gradient).
-template <typename Elem, bool kVarlen = false, int kGradRegs>
-__device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int key_row,
-                                                    int col0, int lane, const float (&dk)[kGradRegs],
-                                                    const float (&dv)[kGradRegs], float dv_scale) {
+// p)), all their columns, through the consumer's rows of a block tile in
+// shared memory that it alone reads (store_key_gradient_staged).
+template <typename Elem, bool kVarlen, int kColBlockBytes, int kGradRegs>
+__device__ __forceinline__ void store_key_gradients(const BwdParams& params, const BwdBlock& block, int consumer,
+                                                    int key_row, int lane, float (&dk)[kGradRegs],
+                                                    float (&dv)[kGradRegs], float dv_scale, unsigned char* staging,
+                                                    int barrier) {
   const AttentionProblem& p = params.problem;
-  store_key_gradient<Elem, kVarlen>(params.dk, p.head_dim, params, block, key_row, col0, col0, lane, dk,
-                                    static_cast<float>(p.scale));
-  store_key_gradient<Elem, kVarlen>(params.dv, p.head_dim_v, params, block, key_row, col0, col0, lane, dv, dv_scale);
+  store_key_gradient_staged<Elem, kVarlen, kColBlockBytes>(params.dk, p.head_dim, params, block, consumer, key_row,
+                                                           lane, dk, static_cast<float>(p.scale), staging, barrier);
+  store_key_gradient_staged<Elem, kVarlen, kColBlockBytes>(params.dv, p.head_dim_v, params, block, consumer, key_row,
+                                                           lane, dv, dv_scale, staging, barrier);
 }
 
 // Deterministic mode with the query heads split (params.head_splits > 1,

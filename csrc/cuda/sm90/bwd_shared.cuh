@@ -43,6 +43,7 @@ struct BwdSharedMemory {
 // tile are in shared memory. Consumer c hands its dQ block buffer i to the dQ
 // writer warp at dq_full(c, i), and gets it back empty at dq_empty(c, i).
 // kDsFree (one dS^T buffer): both consumers are done with the last tile's.
+// key_grad_staging(c): consumer c's warpgroup alone.
 template <typename Cfg>
 struct BwdNamedBarriers {
   static constexpr int kDsReady = 1;
@@ -51,6 +52,9 @@ struct BwdNamedBarriers {
     return 2 + (Cfg::kConsumers + consumer) * Cfg::kDqBuffers + buffer;
   }
   static constexpr int kDsFree = 2 + 2 * Cfg::kConsumers * Cfg::kDqBuffers;
+  // Consumer c's own, for the dK and dV it stages (store_key_gradients).
+  __device__ static constexpr int key_grad_staging(int consumer) { return kDsFree + 1 + consumer; }
+  static_assert(kDsFree + Cfg::kConsumers < 16, "16 named barriers");
   // Who meets there: a consumer and the dQ writer warp (dq_full, dq_empty); both consumers (kDsReady, kDsFree).
   static constexpr int kDqHandoffThreads = kWarpgroupThreads + kWarpSize;
   static constexpr int kConsumerThreads = Cfg::kConsumers * kWarpgroupThreads;

@@ -275,7 +275,9 @@ struct BwdConsumer {
     if (kOrdered && params.head_splits > 1) {  // (deterministic_head_splits)
       store_key_grad_partials(params, block, key_row, lane, dk, dv, dv_scale);
     } else {
-      store_key_gradients<Elem, kVarlen>(params, block, key_row, 0, lane, dk, dv, dv_scale);
+      // Staged in this consumer's rows of V: only its own dP^T GEMMs read them, all done.
+      store_key_gradients<Elem, kVarlen, Cfg::kKVColBlockBytes>(params, block, consumer, key_row, lane, dk, dv,
+                                                                dv_scale, shared.v, Barriers::key_grad_staging(consumer));
     }
   }
 
