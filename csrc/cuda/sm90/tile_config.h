@@ -133,8 +133,9 @@ struct FwdTileConfig {
 // see there) and P V reads a tile of it as a K-major B of kHeadDimV rows x
 // kBlockN keys: one 128-byte column block at 128 keys; at 192 keys (longer
 // tiles spread each tile's fixed cost over more exps, as FA3's e4m3 tiles of
-// 224 keys do) a column block and the last 64 keys in 64-byte swizzled rows. The output (bfloat16) leaves from registers: a K
-// buffer (1 byte an element) does not hold it.
+// 224 keys do) a column block and the last 64 keys in 64-byte swizzled rows.
+// The output (bfloat16) leaves from registers: a K buffer (1 byte an element)
+// does not hold it.
 template <int kHeadDim_, int kBlockN_>
 struct FwdFp8TileConfig {
   static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;
