@@ -5,8 +5,8 @@
 #     [WHO="ours fa4"] bash benchmarks/fa4/ncu_backward.sh ["B H N D causal" ...]
 # Leaves $OUT/ncu_backward.tgz: per report the details page (.txt), the raw metrics and the SASS source page
 # (.csv: executed count and stall samples of every instruction).
-SITE=/tmp/fa4site; python3 -m pip install -q --no-index --no-deps --target $SITE benchmarks/fa4/pkg/wheels/*.whl > /dev/null 2>&1
-export PYTHONPATH=$SITE:$PWD/benchmarks/fa4:$PWD/benchmarks FA4_AOT_KERNELS=$PWD/benchmarks/fa4/pkg/kernels
+source benchmarks/fa4/site.sh || exit 2
+export PYTHONPATH=$PYTHONPATH:$PWD/benchmarks
 METRICS=smsp__inst_executed.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,lts__t_sectors_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum
 DIR=/tmp/ncu_backward; mkdir -p $DIR
 SHAPES=("$@"); [ ${#SHAPES[@]} -eq 0 ] && SHAPES=("4 16 4096 128 1" "4 16 4096 128 0" "4 32 4096 64 0")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (no network): install the package's apache-tvm-ffi wheel (and typing_extensions
-# if torch's Python lacks it) into /tmp/fa4site, then run check.py: a smoke test of every exported
+# if torch's Python lacks it) into /tmp/fa4site (site.sh), then run check.py: a smoke test of every exported
 # configuration against SDPA, and FA4's forward and backward TFLOP/s at B=4, N=4096, H=16.
 # benchmarks/fa4/pkg/ (built by pack.sh on the CPU host) is git-ignored, so the device call carries it:
 #   run(command="bash benchmarks/fa4/use.sh", carry=["benchmarks/fa4/pkg"])
@@ -9,17 +9,7 @@
 # Environment: FA4_PKG (the package; benchmarks/fa4/pkg), FA4_SITE (/tmp/fa4site), FA4_TIMEOUT (400 s).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-PKG=${FA4_PKG:-$HERE/pkg}
-SITE=${FA4_SITE:-/tmp/fa4site}
-[ -f "$PKG/kernels/manifest.json" ] || { echo "no $PKG/kernels/manifest.json: run benchmarks/fa4/pack.sh on the host and carry benchmarks/fa4/pkg"; exit 2; }
-if ! PYTHONPATH="$SITE" python3 -c "import tvm_ffi" 2>/dev/null; then
-  rm -rf "$SITE"
-  python3 -m pip install -q --no-index --no-deps --target "$SITE" "$PKG"/wheels/apache_tvm_ffi-*.whl
-  python3 -c "import typing_extensions" 2>/dev/null || \
-    python3 -m pip install -q --no-index --no-deps --target "$SITE" "$PKG"/wheels/typing_extensions-*.whl
-fi
-export PYTHONPATH="$SITE:$HERE:${PYTHONPATH:-}"
-export FA4_AOT_KERNELS="$PKG/kernels"
+source "$HERE/site.sh"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 python3 -c "import torch, tvm_ffi; print('torch', torch.__version__, 'tvm_ffi', tvm_ffi.__version__, 'dlpack-exchange', hasattr(torch.Tensor, '__dlpack_c_exchange_api__'))"
 timeout "${FA4_TIMEOUT:-400}" python3 "$HERE/check.py"
