@@ -73,9 +73,8 @@ __device__ __forceinline__ void store_key_gradient_staged(const TensorView4d& ds
     const int index = step * kWarpgroupThreads + tid, row = consumer * 64 + index / kChunks, chunk = index % kChunks;
     const int64_t key = block.col0 + row;
     if (key >= len_k || chunk * 8 >= dim) continue;
-    const unsigned char* from = staging + (chunk / 8) * kColBlockBytes + row * kSwizzleRowBytes +
-                                ((chunk % 8) ^ (row % 8)) * 16;
-    *reinterpret_cast<uint4*>(head + key * dst.stride_row + chunk * 8) = *reinterpret_cast<const uint4*>(from);
+    *reinterpret_cast<uint4*>(head + key * dst.stride_row + chunk * 8) =
+        *reinterpret_cast<const uint4*>(staging + swizzled_chunk_offset<kColBlockBytes>(row, chunk));
   }
   ptx::named_barrier_sync(barrier, kWarpgroupThreads);
 }

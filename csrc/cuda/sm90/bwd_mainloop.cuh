@@ -188,11 +188,11 @@ template <int kColBlockBytes, int kSteps>
 __device__ __forceinline__ void store_transposed_tile(unsigned char* tile, const uint32_t (&frag)[kSteps][4],
                                                       int key_row, int lane) {
   const int matrix = lane / 8, row = key_row - lane / 4 + (matrix % 2) * 8 + lane % 8;
-  const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
+  const uint32_t tile_addr = ptx::smem_addr(tile);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
     const int chunk = 2 * kk + matrix / 2;  // chunk: 8 queries
-    ptx::stmatrix_x4(row_addr + (chunk / 8) * kColBlockBytes + (((chunk % 8) ^ (row % 8)) * 16), frag[kk]);
+    ptx::stmatrix_x4(tile_addr + swizzled_chunk_offset<kColBlockBytes>(row, chunk), frag[kk]);
   }
 }
 

@@ -72,8 +72,7 @@ struct FwdEpilogue {
                                   ptx::pack2<Elem>(o[8 * j + 4] * inv_sum[0], o[8 * j + 5] * inv_sum[0]),
                                   ptx::pack2<Elem>(o[8 * j + 6] * inv_sum[1], o[8 * j + 7] * inv_sum[1])};
         const int piece = 2 * j + m / 2;  // the row's 16-byte piece
-        ptx::stmatrix_x4(out_addr + (piece / 8) * kOutBoxBytes + row * kSwizzleRowBytes + ((piece % 8) ^ (row % 8)) * 16,
-                         frag);
+        ptx::stmatrix_x4(out_addr + swizzled_chunk_offset<kOutBoxBytes>(row, piece), frag);
       }
       ptx::fence_proxy_async();
       ptx::named_barrier_sync(1 + Cfg::kConsumers + consumer, kWarpgroupThreads);

@@ -21,6 +21,13 @@ constexpr int mask_elem_bytes(MaskKind kind) {
 constexpr int kSwizzleCols = 64;
 constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzleAtomBytes = 8 * kSwizzleRowBytes;  // 8 rows: the swizzle pattern's period
+// Where 16-byte chunk `chunk` (8 elements) of row `row` lies in such a tile,
+// its column blocks kColBlockBytes apart: the swizzle puts chunk c of row r
+// at chunk c ^ (r % 8) of the row.
+template <int kColBlockBytes>
+__device__ __forceinline__ int swizzled_chunk_offset(int row, int chunk) {
+  return (chunk / 8) * kColBlockBytes + row * kSwizzleRowBytes + ((chunk % 8) ^ (row % 8)) * 16;
+}
 
 // An attn_mask's tile of a stage, as both kernels stage it beside their
 // streamed tiles: kRows query rows (only the first used where the mask
