@@ -37,13 +37,12 @@ __device__ __forceinline__ uint64_t smem_matrix_desc(uint32_t smem_addr, uint32_
 
 // The same descriptor for an operand `bytes` further on in shared memory.
 // Shared addresses stay below 256 KiB, so the start address field never
-// overflows into the next: one 32-bit add, where building the descriptor anew
-// costs a mask, a shift and an or for every wgmma. Kernels build a tile's
-// descriptor once and step it with this.
-__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
-  const auto low = static_cast<uint32_t>(desc) + (bytes >> 4);
-  return (desc & ~uint64_t{0xFFFFFFFF}) | low;
-}
+// overflows into the next: one add, where building the descriptor anew costs
+// a mask, a shift and an or for every wgmma. Kernels build a tile's descriptor
+// once and step it with this. (A 64-bit add: ptxas then steps both halves of
+// a wgmma's descriptor with one UIADD3.64; adding to the low half alone, it
+// moved the constant high half in again for every wgmma.)
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) { return desc + (bytes >> 4); }
 
 // Where k16 step kk of a K-major operand starts, from its tile's start, the
 // tile stored as 64-column blocks col_block_bytes apart.
