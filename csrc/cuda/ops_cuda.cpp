@@ -25,10 +25,6 @@ void warn_fallback(const std::string& gap) {
                   "built from ATen operations.");
 }
 
-cuda::ElementType element_type(const at::Tensor& q) {
-  return q.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
-}
-
 // merge_sinks (ops.h) in one pass on the device (cuda::merge_sinks) for a
 // 16-bit out, its last dim contiguous; ATen's form otherwise.
 void merge_sinks_on_device(const at::Tensor& sinks, at::Tensor& out, at::Tensor& lse) {
@@ -39,7 +35,7 @@ void merge_sinks_on_device(const at::Tensor& sinks, at::Tensor& out, at::Tensor&
   const at::Tensor sinks_float = sinks.to(at::kFloat).contiguous();
   const cuda::SinkMerge merge{view_of(out), out.size(0), out.size(1), out.size(2), out.size(3),
                               lse.data_ptr<float>(), sinks_float.data_ptr<float>()};
-  cuda::merge_sinks(merge, element_type(out), at::cuda::getCurrentCUDAStream());
+  cuda::merge_sinks(merge, cuda::element_type(out), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -94,7 +90,7 @@ at::Tensor map_mask_blocks(const at::Tensor& q, Params& params, cudaStream_t str
   const int64_t bytes = cuda::mask_block_map_bytes(params.mask_kind, params.mask, params.problem);
   if (bytes == 0) return at::Tensor();
   at::Tensor map = at::empty({bytes}, q.options().dtype(at::kByte));
-  params.mask_blocks = cuda::classify_mask_blocks(params.mask_kind, params.mask, params.problem, element_type(q),
+  params.mask_blocks = cuda::classify_mask_blocks(params.mask_kind, params.mask, params.problem, cuda::element_type(q),
                                                   map.data_ptr<uint8_t>(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return map;
@@ -124,7 +120,7 @@ bool run_sm90_decode(const DecodeParams& params, const at::Tensor& q, cudaStream
   const cuda::DecodePartialsAllocator allocate = [&](int64_t results, int64_t counters) {
     return allocate_decode_partials(params, q, results, counters, workspace, stream);
   };
-  return cuda::use_sm90_kernels(q) && cuda::sm90::decode_attention(params, element_type(q), allocate, stream);
+  return cuda::use_sm90_kernels(q) && cuda::sm90::decode_attention(params, cuda::element_type(q), allocate, stream);
 }
 
 // A decoding step's attention (the caches in the queries' dtype): the Hopper
@@ -133,7 +129,7 @@ bool run_sm90_decode(const DecodeParams& params, const at::Tensor& q, cudaStream
 bool run_decode_kernels(const DecodeParams& params, const at::Tensor& q, cudaStream_t stream) {
   if (run_sm90_decode(params, q, stream)) return true;
   const AttentionProblem& p = params.problem;
-  const cuda::ElementType type = element_type(q);
+  const cuda::ElementType type = cuda::element_type(q);
   const int partials = cuda::decode_partials(params, type);
   at::Tensor workspace;
   const cuda::DecodePartials buffers =
@@ -214,10 +210,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_forward_cuda(const at::
     C10_CUDA_CHECK(cudaMemsetAsync(params.tile_counter, 0, sizeof(int), stream));
     mask_block_map = map_mask_blocks(q, params, stream);
   }
-  if (!(sm90 && cuda::sm90::attention_forward(params, element_type(q), stream))) {
+  if (!(sm90 && cuda::sm90::attention_forward(params, cuda::element_type(q), stream))) {
     // (Tensors the copy engine cannot address: such a call has no other kernel.)
     if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);
-    cuda::sm80::attention_forward(params, element_type(q), stream);
+    cuda::sm80::attention_forward(params, cuda::element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return finish();
@@ -280,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor mask_block_map = sm90 ? map_mask_blocks(q, params, stream) : at::Tensor();
-  if (!(sm90 && cuda::sm90::attention_backward(params, element_type(q), stream))) {
+  if (!(sm90 && cuda::sm90::attention_backward(params, cuda::element_type(q), stream))) {
     // (Tensors the copy engine cannot address.)
     if (const auto hopper_only = cuda::hopper_only_feature(params.problem)) return run_fallback(*hopper_only);
     if (deterministic) {  // (the sm80 kernels' separate dQ pass)
@@ -289,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
       params.head_splits = 1;
       params.key_grad_partials = nullptr;
     }
-    cuda::sm80::attention_backward(params, element_type(q), stream);
+    cuda::sm80::attention_backward(params, cuda::element_type(q), stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv, dmask};
@@ -321,8 +317,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(const at::Tensor& q, cons
   const int64_t block_rows = cuda::sm90::varlen_forward_block_rows(params.problem);
   const at::Tensor plan =
       at::empty({cuda::packed_forward_plan_ints(params, block_rows)}, q.options().dtype(at::kInt));
-  cuda::plan_packed_forward(params, block_rows, plan.data_ptr<int32_t>(), element_type(q), stream);
-  if (!cuda::sm90::attention_forward(params, element_type(q), stream)) return varlen_forward_by_sequence(batch);
+  cuda::plan_packed_forward(params, block_rows, plan.data_ptr<int32_t>(), cuda::element_type(q), stream);
+  if (!cuda::sm90::attention_forward(params, cuda::element_type(q), stream)) return varlen_forward_by_sequence(batch);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out, lse};
 }
@@ -359,10 +355,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
   // (Zeroed by the launch.)
   const at::Tensor dq_accum = at::empty({cuda::packed_dq_accum_floats(params)}, q.options().dtype(at::kFloat));
   params.dq_accum = dq_accum.data_ptr<float>();
-  if (!cuda::sm90::attention_backward(params, element_type(q), stream)) {
+  if (!cuda::sm90::attention_backward(params, cuda::element_type(q), stream)) {
     return varlen_backward_by_sequence(batch, dout, out, lse);
   }
-  cuda::poison_gradients_of_bad_bounds(params, element_type(q), stream);
+  cuda::poison_gradients_of_bad_bounds(params, cuda::element_type(q), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {dq, dk, dv};
 }
@@ -390,7 +386,7 @@ at::Tensor sinks_backward_cuda(const at::Tensor& grad_out, const at::Tensor& out
   params.dout = view_of(grad_out);
   const at::Tensor delta = at::empty(lse.sizes(), lse.options());
   params.delta = delta.data_ptr();
-  cuda::compute_delta(params, element_type(out), at::cuda::getCurrentCUDAStream());
+  cuda::compute_delta(params, cuda::element_type(out), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sinks_gradient(delta, lse, sinks);
 }
@@ -439,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
               "flashattn_ext: decode_attention on CUDA takes fewer than 2^31 sequences, cache blocks and rows a "
               "sequence, got ", p.batch, ", ", params.num_blocks, " and ", p.len_k);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  cuda::decode_append(params, element_type(q), stream);
+  cuda::decode_append(params, cuda::element_type(q), stream);
   // FP8 caches that the Hopper kernel does not take (head dims other than 128, other GPUs, layouts the copy
   // engine cannot address): the attention runs on copies dequantized to the queries' dtype (after the append,
   // so that they hold the new keys).
@@ -458,7 +454,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_cuda(const at::Tensor& q, co
     params.k_scale = params.v_scale = nullptr;
   }
   const bool lengths_marked = fp8_read || run_decode_kernels(params, q, stream);
-  cuda::decode_poison(params, element_type(q), lengths_marked, stream);
+  cuda::decode_poison(params, cuda::element_type(q), lengths_marked, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (sinks.has_value()) merge_sinks_on_device(*sinks, out, lse);  // (a poisoned row stays NaN)
   return {out, lse};

@@ -77,10 +77,6 @@ cuda::Fp8ConvertParams convert_params(const at::Tensor& x, const at::Tensor& x8,
   return params;
 }
 
-cuda::ElementType element_type(const at::Tensor& x) {
-  return x.scalar_type() == at::kBFloat16 ? cuda::ElementType::kBFloat16 : cuda::ElementType::kFloat16;
-}
-
 // The kernels take a 16-bit x with one descale a (batch, key/value head).
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, int64_t heads_kv, bool per_block) {
   if (per_block || x.dim() != 4 || !sixteen_bit(x.scalar_type()) || x.numel() == 0 || heads_kv <= 0 ||
@@ -94,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_cuda(const at::Tensor& x, int64_
   cuda::Fp8ConvertParams params = convert_params(x, quantized, heads_kv);
   params.amax = amax.data_ptr<float>();
   params.descale = descale.data_ptr<float>();
-  cuda::quantize_fp8(params, element_type(x), at::cuda::getCurrentCUDAStream());
+  cuda::quantize_fp8(params, cuda::element_type(x), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {quantized, descale};
 }
@@ -112,7 +108,7 @@ at::Tensor dequantize_fp8_cuda(const at::Tensor& x, const std::optional<at::Tens
   const at::Tensor descale_rows = descale->contiguous();  // (batch, heads_kv) floats
   cuda::Fp8ConvertParams params = convert_params(wide, x, descale->size(1));
   params.descale = descale_rows.data_ptr<float>();
-  cuda::dequantize_fp8(params, element_type(wide), at::cuda::getCurrentCUDAStream());
+  cuda::dequantize_fp8(params, cuda::element_type(wide), at::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return wide;
 }

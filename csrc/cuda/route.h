@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "cuda/flash_cuda.h"
 #include "flash_params.h"
 
 namespace flashattn_ext::cuda {
@@ -66,5 +67,11 @@ bool use_sm90_kernels(const at::Tensor& q);
 // What only the Hopper kernels take (a window, softcap, ALiBi), as the
 // reason to give where they do not take the call; nothing otherwise.
 std::optional<std::string> hopper_only_feature(const AttentionProblem& p);
+
+// The kernels' element type for a 16-bit tensor (the routes above send them
+// float16 and bfloat16 only).
+inline ElementType element_type(const at::Tensor& x) {
+  return x.scalar_type() == at::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat16;
+}
 
 }  // namespace flashattn_ext::cuda
