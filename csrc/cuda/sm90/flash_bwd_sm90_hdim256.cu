@@ -39,14 +39,14 @@ namespace {
 // rows of kBlockM queries (128 bytes) a key, 128-byte swizzled, so that dQ's
 // wgmma reads dS^T as it lies. Reads one back as A fragments (ldmatrix: lane
 // group m = lane / 8 addresses matrix m, rows +8 (m % 2), chunk + m / 2).
-template <int kSteps>
+template <int kColBlockBytes, int kSteps>
 __device__ __forceinline__ void load_transposed_tile(const unsigned char* tile, uint32_t (&frag)[kSteps][4], int tid,
                                                      int lane) {
   const int m = lane / 8, row = (tid / kWarpSize) * 16 + (m % 2) * 8 + lane % 8;
-  const uint32_t row_addr = ptx::smem_addr(tile) + row * kSwizzleRowBytes;
+  const uint32_t tile_addr = ptx::smem_addr(tile);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    ptx::ldmatrix_x4(frag[kk], row_addr + (((2 * kk + m / 2) ^ (row % 8)) * 16));
+    ptx::ldmatrix_x4(frag[kk], tile_addr + swizzled_chunk_offset<kColBlockBytes>(row, 2 * kk + m / 2));
   }
 }
 
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::named_barrier_sync(kPtReady, kConsumerThreads);
     if (consumer == 1) {
       // dS^T = P^T * (dP^T - delta), from P^T as rounded for the GEMMs.
-      load_transposed_tile(s_pt, p_frag, tid, lane);
+      load_transposed_tile<Cfg::kDsColBlockBytes>(s_pt, p_frag, tid, lane);
       const float keep_scale = kDropout ? bars->dropout.keep_scale : 1.f;
       ds_from_rounded_probabilities<Elem, kDropout, kSoftcap>(s, p_frag, dropout, keep_scale, softcap, lse_q, delta_q,
                                                               lane);
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // dV += P^T dO over this consumer's columns; consumer 0 then takes dS^T.
     accumulate_key_gradient<Elem>(dv, p_frag, desc.dout_rows, dout_stage_offset);
     ptx::named_barrier_sync(kDsReady, kConsumerThreads);
-    if (consumer == 0) load_transposed_tile(ds_tile, ds_frag, tid, lane);
+    if (consumer == 0) load_transposed_tile<Cfg::kDsColBlockBytes>(ds_tile, ds_frag, tid, lane);
 
     // dK += dS^T Q, then this consumer's slices of dQ's columns = dS K over
     // the block's keys, each added to the tile's dq_accum slice (one float4 a
