@@ -452,8 +452,9 @@ def test_deterministic_backward_past_the_sms_runs_sm80(path):
 
 
 # (batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v): MLA's prefill (192 / 128), GQA with ragged
-# lengths, and head dims the kernel pads (160 / 96 read as 192 / 128).
-MLA_SHAPES = [(2, 4, 2, 333, 700, 192, 128), (1, 3, 1, 1024, 1024, 192, 128), (2, 2, 2, 200, 129, 160, 96)]
+# lengths, and head dims the kernel pads (160 / 96 read as 192 / 128); keys of one 96-key block and one more.
+MLA_SHAPES = [(2, 4, 2, 333, 700, 192, 128), (1, 3, 1, 1024, 1024, 192, 128), (2, 2, 2, 200, 129, 160, 96),
+              (1, 4, 1, 150, 97, 192, 128)]
 
 
 @on_paths("sm90")
@@ -461,7 +462,8 @@ MLA_SHAPES = [(2, 4, 2, 333, 700, 192, 128), (1, 3, 1, 1024, 1024, 192, 128), (2
                                      dict(window=(100, 0), is_causal=True)],
                          ids=["full", "causal", "causal_lower_right", "window"])
 @pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_values_of_another_head_dim(path, shape, options):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_values_of_another_head_dim(path, shape, options, dtype):
     """Queries and keys of head dim 192 with values of 128 (MLA's prefill): the Hopper forward and backward
     (their kernels in the profiler) against float64, every element of the output and gradients written
     (NaN-poisoned memory), the lse too."""
@@ -471,28 +473,28 @@ def test_values_of_another_head_dim(path, shape, options):
     k = torch.randn(batch, heads_kv, len_k, dim, generator=gen, dtype=torch.float64)
     v = torch.randn(batch, heads_kv, len_k, dim_v, generator=gen, dtype=torch.float64)
     dout = torch.randn(batch, heads_q, len_q, dim_v, generator=gen, dtype=torch.float64)
-    leaves = [t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
     options = dict(options, enable_gqa=heads_q != heads_kv)
-    grad_out = dout.to("cuda", torch.bfloat16)
+    grad_out = dout.to("cuda", dtype)
     names = kernel_names(
         lambda: torch.autograd.grad(flashattn_ext.attention_with_lse(*leaves, **options)[0], leaves, grad_out))
     assert any("sm90" in n and "attention_forward_kernel" in n for n in names), names
-    assert any("sm90" in n and "attention_backward_split_kernel" in n for n in names), names
+    assert any("sm90" in n and "attention_backward_mla_kernel" in n for n in names), names
     poison_cuda_allocator(POISON_BYTES)
     out, lse = flashattn_ext.attention_with_lse(*leaves, **options)
     grads = torch.autograd.grad(out, leaves, grad_out)
     exact = [t.clone().requires_grad_() for t in (q, k, v)]
     want_out, _ = naive_attention(*exact, **options)
     want_grads = torch.autograd.grad(want_out, exact, dout)
-    rounded = [t.to(torch.bfloat16).requires_grad_() for t in (q, k, v)]
+    rounded = [t.to(dtype).requires_grad_() for t in (q, k, v)]
     base_out, _ = naive_attention(*rounded, **options)
-    base_grads = torch.autograd.grad(base_out, rounded, dout.to(torch.bfloat16))
+    base_grads = torch.autograd.grad(base_out, rounded, dout.to(dtype))
     for name, g, b, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (base_out, *base_grads), (want_out, *want_grads)):
         assert torch.isfinite(g).all(), f"{name}: not every element written"
         ours, naive = relative_error(g.cpu(), w), relative_error(b, w)
-        assert ours <= 2 * naive + ERROR_FLOOR[torch.bfloat16], f"{name}: {ours:.3g} vs {naive:.3g}"
-    # The lse against float64 on the bf16 inputs: their rounding alone moves it by some 1e-3 at d=192.
-    _, rounded_lse = naive_attention(*(t.to(torch.bfloat16).double() for t in (q, k, v)), **options)
+        assert ours <= 2 * naive + ERROR_FLOOR[dtype], f"{name}: {ours:.3g} vs {naive:.3g}"
+    # The lse against float64 on the rounded inputs: their rounding alone moves it by some 1e-3 at d=192.
+    _, rounded_lse = naive_attention(*(t.to(dtype).double() for t in (q, k, v)), **options)
     seen = torch.isfinite(rounded_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), seen)
     assert (lse.cpu()[seen].double() - rounded_lse[seen]).abs().max().item() < 1e-3

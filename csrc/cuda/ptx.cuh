@@ -66,6 +66,14 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t smem_row, const uint32_t (&
                : "memory");
 }
 
+// stmatrix.sync.aligned.m8n8.x4.trans.shared.b16: the same, each matrix
+// stored transposed (row i of the stored matrix: column i of the fragment).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_row, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_row), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // movmatrix.sync.aligned.m8n8.trans.b16: an 8x8 b16 matrix held as an mma
 // fragment (lane i: row i / 4, elements 2 (i % 4) and the next) transposed,
 // in the same layout.

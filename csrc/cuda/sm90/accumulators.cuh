@@ -23,6 +23,11 @@ __device__ __forceinline__ void fence_registers(float (&regs)[kRegs]) {
 #pragma unroll
   for (int i = 0; i < kRegs; ++i) ptx::fence_register(regs[i]);
 }
+template <int kBlocks, int kRegs>
+__device__ __forceinline__ void fence_registers(float (&regs)[kBlocks][kRegs]) {
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) fence_registers(regs[b]);
+}
 template <int kSteps>
 __device__ __forceinline__ void fence_registers(uint32_t (&frags)[kSteps][4]) {
 #pragma unroll

@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "cuda/dq_accum.cuh"
 #include "cuda/dropout_flags.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/ptx.cuh"
@@ -220,6 +221,33 @@ __device__ __forceinline__ void accumulate_key_gradient(float (&grad)[kRegs], ui
     ptx::wgmma_rs<Elem, 2 * kRegs, 1>(grad, a[kk], desc_advance(stage_desc, n_major_step_bytes(kk)), true);
   }
   ptx::wgmma_commit();
+}
+
+// Issues slice `slice` of dQ's columns = dS K over the block's keys (ds_desc:
+// the tile's dS^T buffer, read M-major; k_desc: K as dQ's B operand, N-major):
+// one wgmma group (the kernels that add dQ by atomics: head dim 256, MLA's).
+template <typename Elem, typename Cfg, int kRegs>
+__device__ __forceinline__ void issue_dq_slice_gemm(float (&dq)[kRegs], uint64_t ds_desc, uint64_t k_desc, int slice) {
+  fence_registers(dq);
+  ptx::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
+    ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(
+        dq, desc_advance(ds_desc, n_major_step_bytes(kk)),
+        desc_advance(k_desc, slice * Cfg::kKVColBlockBytes + n_major_step_bytes(kk)), kk > 0);
+  }
+  ptx::wgmma_commit();
+}
+
+// Adds a 64 x 64 dQ slice to its dq_accum slice by atomics (one float4 a
+// thread and register quad: dq_accum's layout).
+template <int kRegs>
+__device__ __forceinline__ void add_dq_slice(float* dq_slice, const float (&dq)[kRegs], int tid) {
+#pragma unroll
+  for (int j = 0; j < kRegs / 4; ++j) {
+    ptx::red_add_v4_f32(dq_slice + (j * kWarpgroupThreads + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
+                        dq[4 * j + 3]);
+  }
 }
 
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

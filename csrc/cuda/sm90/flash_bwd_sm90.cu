@@ -3,8 +3,8 @@
 // head) pairs, and the kernel's instantiations without an attn_mask at head
 // dims up to 128
 // (flash_bwd_sm90_kernel.cuh has the kernel; flash_bwd_sm90_masked.cu the
-// instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256 and
-// MLA's 192 / 128).
+// instantiations with a mask, flash_bwd_sm90_hdim256.cu head dim 256,
+// flash_bwd_sm90_mla.cu MLA's 192 / 128).
 #include "cuda/launch.cuh"
 #include "cuda/sm90/flash_bwd_sm90_kernel.cuh"
 
@@ -120,6 +120,7 @@ bool attention_backward(const BwdParams& params, ElementType type, cudaStream_t 
     return false;
   }
   const AttentionProblem& p = params.problem;
+  if (p.head_dim_v != p.head_dim) return backward_kernel::launch_mla_backward(params, type, stream);
   if (p.head_dim > 128) return backward_kernel::launch_hdim256_backward(params, type, stream);
   if (params.mask_kind != MaskKind::kNone) return backward_kernel::launch_masked_backward(params, type, stream);
   using backward_kernel::launch_backward;

@@ -1,5 +1,6 @@
 // What the Hopper backward kernels share (flash_bwd_sm90_kernel.cuh: head dims
-// up to 128; flash_bwd_sm90_hdim256.cu: head dim 256), by role:
+// up to 128; flash_bwd_sm90_hdim256.cu: head dim 256; flash_bwd_sm90_mla.cu:
+// MLA's 192 / 128), by role:
 // bwd_scheduler.cuh, the kernel parameters, the block's place in the grid and
 // its walk over the query tiles (past those an attn_mask's block map hides);
 // bwd_producer.cuh, the ring of stages and the producer's loads of K and V and
@@ -86,7 +87,9 @@ bool launch_backward_kernel(const BwdParams& params, Kernel kernel, cudaStream_t
 }
 
 // Head dim 256's dispatch (flash_bwd_sm90_hdim256.cu): a call of head dim 129
-// to 256 that backward_covers, MLA's head dims (192 / 128) among them.
+// to 256 that backward_covers, its values of the same head dim.
 bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
+// MLA's head dims, queries and keys of 192 with values of 128 (flash_bwd_sm90_mla.cu).
+bool launch_mla_backward(const BwdParams& params, ElementType type, cudaStream_t stream);
 
 }  // namespace flashattn_ext::cuda::sm90::backward_kernel

@@ -1,10 +1,9 @@
 // The Hopper backward at head dim 256 (head dims 129 to 256, zero-padded;
-// sm_90a), and at MLA's head dims, queries and keys of 192 with values of 128
-// (136 to 192 and 72 to 128, zero-padded), with dQ accumulated in float32: one
-// thread block per (block of 64 keys, key/value head, batch). The producer
-// warp streams Q and dO tiles as in the backward of smaller head dims
+// sm_90a; MLA's 192 / 128: flash_bwd_sm90_mla.cu), with dQ accumulated in
+// float32: one thread block per (block of 64 keys, key/value head, batch). The
+// producer warp streams Q and dO tiles as in the backward of smaller head dims
 // (flash_bwd_sm90.cuh). A consumer cannot keep both dK and dV of 64 keys in
-// registers here (256 or 160 registers a thread), so both consumer
+// registers here (256 a thread), so both consumer
 // warpgroups work on the block's 64 keys, each keeping part of the columns of
 // dK and dV, and split a tile's work (BwdSplitTileConfig):
 //   consumer 0: S^T = K Q^T, P^T = exp(S^T * scale - lse); P^T to shared memory
@@ -66,32 +65,6 @@ __device__ __forceinline__ void ds_from_rounded_probabilities(float (&s)[kRegs],
     const float dpt = kDropout ? (dropout.keeps(i) ? s[i] * keep_scale : 0.f) : s[i];
     s[i] = pt * (dpt - delta_q[accumulator_column(i, lane)]);
     if constexpr (kSoftcap) s[i] *= softcap.cap_derivative(pt, lse_q[accumulator_column(i, lane)]);
-  }
-}
-
-// Issues slice `slice` of dQ's columns = dS K over the block's keys (ds_desc:
-// the tile's dS^T buffer; k_desc: K as dQ's B operand): one wgmma group.
-template <typename Elem, typename Cfg, int kRegs>
-__device__ __forceinline__ void issue_dq_slice_gemm(float (&dq)[kRegs], uint64_t ds_desc, uint64_t k_desc, int slice) {
-  fence_registers(dq);
-  ptx::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Cfg::kBlockN / 16; ++kk) {
-    ptx::wgmma_ss<Elem, kDqAccumSliceCols, 1, 1>(
-        dq, desc_advance(ds_desc, n_major_step_bytes(kk)),
-        desc_advance(k_desc, slice * Cfg::kKVColBlockBytes + n_major_step_bytes(kk)), kk > 0);
-  }
-  ptx::wgmma_commit();
-}
-
-// Adds a 64 x 64 dQ slice to its dq_accum slice by atomics (one float4 a
-// thread and register quad: dq_accum's layout).
-template <int kRegs>
-__device__ __forceinline__ void add_dq_slice(float* dq_slice, const float (&dq)[kRegs], int tid) {
-#pragma unroll
-  for (int j = 0; j < kRegs / 4; ++j) {
-    ptx::red_add_v4_f32(dq_slice + (j * kWarpgroupThreads + tid) * 4, dq[4 * j], dq[4 * j + 1], dq[4 * j + 2],
-                        dq[4 * j + 3]);
   }
 }
 
@@ -227,7 +200,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const float(&delta_q)[kBlockM] = s_stats[stage][1];
 
     // Consumer 0: S^T = K Q^T; consumer 1: dP^T = V dO^T (64 keys x kBlockM
-    // queries; over kHeadDimV columns, fewer at MLA's head dims).
+    // queries, over the head dim).
     float s[kScoreRegs];
     ptx::mbarrier_wait(&bars->q_full[stage], parity);
     ptx::mbarrier_wait(&bars->dout_full[stage], parity);
@@ -237,7 +210,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
-      if (Cfg::kHeadDimV < Cfg::kHeadDim && consumer == 1 && kk == Cfg::kHeadDimV / 16) break;
       ptx::wgmma_ss<Elem, kBlockM>(s, desc_advance(desc.keys, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)),
                                    desc_advance(queries_stage_desc, k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
                                    kk > 0);
@@ -306,8 +278,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
   }
 
-  // dK from column dk_col0 on, stored past consumer 0's (at MLA's head dims
-  // consumer 1's first 64 columns are consumer 0's last); dV.
+  // dK and dV, each consumer its half of the columns.
   const int dk_col0 = Cfg::dk_col0(consumer);
   store_key_gradient<Elem>(params.dk, p.head_dim, params, block, key_row, dk_col0, consumer * Cfg::kDkCols, lane, dk,
                            static_cast<float>(p.scale));
@@ -321,17 +292,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 bool launch_hdim256_backward(const BwdParams& params, ElementType type, cudaStream_t stream) {
   bool launched = false;
-  if (params.problem.head_dim_v != params.problem.head_dim) {  // MLA's: none of softcap, ALiBi, dropout
-    using Cfg = BwdSplitTileConfig<192, 128>;
-    dispatch_element_type(type, [&](auto elem) {
-      dispatch_flag(params.problem.has_window(), [&](auto window) {
-        launched = launch_backward_kernel<decltype(elem), Cfg>(
-            params, attention_backward_split_kernel<decltype(elem), Cfg, false, decltype(window)::value, false, false>,
-            stream);
-      });
-    });
-    return launched;
-  }
   using Cfg = BwdSplitTileConfig<256>;
   dispatch_element_type(type, [&](auto elem) {
     dispatch_flag(params.problem.has_window(), [&](auto window) {

@@ -240,27 +240,21 @@ struct BwdTileConfig {
   static_assert(kDqRowBlocks * (kHeadDim / kDqAccumSliceCols) == kConsumers, "one dQ block a consumer");
 };
 
-// The backward at head dim 256, and at MLA's 192 with values of 128, where a
-// consumer cannot keep both dK and dV of 64 keys in registers (256 or 160
-// registers a thread): one block per kBlockN = 64 keys, and both consumers on
-// the same keys, each with part of the columns of dK, dV and dQ. Consumer 0
-// computes S^T = K Q^T and P^T, consumer 1 dP^T = V dO^T and dS^T; they hand
-// P^T and dS^T to each other through shared memory. dQ goes to dq_accum by
-// float32 atomics from registers (no room for its blocks).
-// Each consumer keeps 128 columns of dK: at 192 consumer 1's are columns 64
-// to 191, and it stores those past consumer 0's only (a spare 64 x 64 x 64
-// GEMM a tile, which balances consumer 0's larger score GEMM: both then issue
-// seven). Half of dV's columns each; dQ's 64-column slices split, consumer 0
-// taking the first half (rounded down).
-template <int kHeadDim_, int kHeadDimV_ = kHeadDim_>
+// The backward at head dim 256, where a consumer cannot keep both dK and dV
+// of 64 keys in registers (256 registers a thread): one block per kBlockN =
+// 64 keys, and both consumers on the same keys, each with half of the columns
+// of dK, dV and dQ. Consumer 0 computes S^T = K Q^T and P^T, consumer 1 dP^T
+// = V dO^T and dS^T; they hand P^T and dS^T to each other through shared
+// memory. dQ goes to dq_accum by float32 atomics from registers (no room for
+// its blocks).
+template <int kHeadDim_>
 struct BwdSplitTileConfig {
-  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDimV_;  // of Q and K; of V and dO
-  static_assert((kHeadDim == 256 && kHeadDimV == 256) || (kHeadDim == 192 && kHeadDimV == 128),
-                "head dim 256, or MLA's 192 / 128");
+  static constexpr int kHeadDim = kHeadDim_, kHeadDimV = kHeadDim_;  // of Q and K; of V and dO
+  static_assert(kHeadDim == 256, "head dim 256");
   static constexpr int kConsumers = 2;
   static constexpr int kBlockN = 64;  // keys per block
   static constexpr int kBlockM = 64;  // queries per streamed tile
-  static constexpr int kDkCols = 128;                      // a consumer's columns of dK
+  static constexpr int kDkCols = kHeadDim / kConsumers;    // a consumer's columns of dK
   static constexpr int kDvCols = kHeadDimV / kConsumers;   // and of dV
   static constexpr int kDqSlices = kHeadDim / kDqAccumSliceCols;
   __device__ static constexpr int dk_col0(int consumer) { return consumer * (kHeadDim - kDkCols); }
@@ -293,6 +287,57 @@ struct BwdSplitTileConfig {
                 "a tile: one dS^T column block, one dq_accum tile");
   static_assert(kDkCols <= kHeadDim && 2 * kDkCols >= kHeadDim && kDvCols % kSwizzleCols == 0,
                 "dK's columns covered by the two consumers', dV's split in whole column blocks");
+};
+
+// The backward at MLA's head dims, queries and keys of 192 with values of 128
+// (flash_bwd_sm90_mla.cu; FlashAttention-4's tiles for them): one block per
+// kBlockN = 96 keys, each consumer with 48 of them, against streamed tiles of
+// 64 queries. A consumer computes its scores with the queries as rows (S = Q
+// K^T, 64 x 48: wgmma's M is 64, so 48 keys cannot be the rows) and keeps dK
+// and dV transposed (head dim x 48 keys): 72 + 48 registers a thread, beside
+// 24 + 24 of S and dP (dK of 48 keys by rows would take 96 + 64). P^T and
+// dS^T go through shared memory, as dV^T += dO^T P and dK^T += Q^T dS read
+// them (B operands, K-major: rows of 64 queries, a key a row) and dQ = dS K
+// reads dS^T (A, M-major). dQ's three 64-column slices: one for consumer 0,
+// two for consumer 1, each added to dq_accum by atomics.
+struct BwdMlaTileConfig {
+  static constexpr int kHeadDim = 192, kHeadDimV = 128;  // of Q and K; of V and dO
+  static constexpr int kConsumers = 2;
+  static constexpr int kConsumerKeys = 48;
+  static constexpr int kBlockN = kConsumers * kConsumerKeys;  // keys per block
+  static constexpr int kBlockM = 64;                          // queries per streamed tile
+  static constexpr int kDqSlices = kHeadDim / kDqAccumSliceCols;
+  __device__ static constexpr int dq_slice0(int consumer) { return consumer; }
+  __device__ static constexpr int dq_slice_count(int consumer) { return consumer == 0 ? 1 : kDqSlices - 1; }
+  static constexpr int kMostDqSlices = kDqSlices - 1;
+  // dq_accum's floats a row: dispatch_head_dim runs head dims past 128 as 256.
+  static constexpr int kDqAccumCols = dq_accum_cols(256);
+  static constexpr int kStages = 2;
+  static constexpr int kDsBuffers = 2;  // tile t's dS^T is written while the other consumer may read t - 1's
+  using Mask = MaskTile<kBlockM, kBlockN, 0>;  // no attn_mask
+  static constexpr int kThreads = kWarpgroupThreads * (1 + kConsumers);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static constexpr int kColBlocks = kHeadDim / kSwizzleCols, kColBlocksV = kHeadDimV / kSwizzleCols;
+  static constexpr int kKBytes = kBlockN * kHeadDim * 2, kVBytes = kBlockN * kHeadDimV * 2;
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2, kDoBytes = kBlockM * kHeadDimV * 2;  // a stage's tiles
+  // The P^T buffer and each dS^T buffer: kBlockN rows (keys) of kBlockM queries, one 64-column block.
+  static constexpr int kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kKVColBlockBytes = kBlockN * kSwizzleRowBytes;
+  static constexpr int kQColBlockBytes = kBlockM * kSwizzleRowBytes;
+  static constexpr int kConsumerRowBytes = kConsumerKeys * kSwizzleRowBytes;  // a consumer's rows of K, V, P^T, dS^T
+  static constexpr int kStatsBytes = kStages * 2 * kBlockM * 4;  // lse and delta of each stage's queries
+  // The mbarriers, the stages' query tiles (12 bytes each, 16 kept) and dropout's state (BwdBarriers).
+  static constexpr int kBarrierBytes = 8 * (1 + 4 * kStages) + 16 * kStages + 32;
+  // K, V, the stages of Q and dO, P^T, the dS^T buffers, the stats, the barriers; slack to align the base.
+  static constexpr int kSmemBytes = kKBytes + kVBytes + kStages * (kQBytes + kDoBytes) +
+                                    (1 + kDsBuffers) * kDsBytes + kStatsBytes + kBarrierBytes + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+  static_assert(kBlockM == kSwizzleCols && kBlockM == kDqAccumRowMultiple,
+                "a tile: one P^T / dS^T column block, one dq_accum tile");
+  static_assert(kConsumerRowBytes % kSwizzleAtomBytes == 0, "a consumer's rows start a swizzle period");
 };
 
 // The decode kernel (decode_sm90_kernel.cuh), for caches of kCacheBytes-byte
