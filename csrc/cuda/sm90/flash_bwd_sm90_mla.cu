@@ -32,8 +32,9 @@ using Cfg = BwdMlaTileConfig;
 // exp2(S * score_scale - lse) (lse: the thread's two query rows', in log2
 // units, +inf past the end), 0 where the causal diagonal, a window's edges
 // (kWindow) or the end of the keys hide the pair: transposed_probabilities
-// with the queries as rows. key0: the consumer's first key in the block;
-// query_row: the thread's first query in the tile (the other is query_row + 8).
+// with the queries as rows. col0: the consumer's first key; row0: the tile's
+// first query; query_row: the thread's first query in the tile (the other is
+// query_row + 8).
 template <bool kWindow, int kKeys, int kRegs>
 __device__ __forceinline__ void probabilities(float (&s)[kRegs], const AttentionProblem& p, int64_t col0,
                                               int64_t row0, const Visibility& seen, int query_row, int lane,
@@ -157,7 +158,8 @@ __device__ __forceinline__ void store_transposed_key_gradient(const TensorView4d
 }
 
 template <typename Elem, bool kWindow>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) attention_backward_mla_kernel(const __grid_constant__ BwdKernelParams kp) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    attention_backward_mla_kernel(const __grid_constant__ BwdKernelParams kp) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kBlockM = Cfg::kBlockM, kStages = Cfg::kStages, kKeys = Cfg::kConsumerKeys;
   constexpr int kScoreRegs = kKeys / 2;           // a thread's share of 64 queries x 48 keys
@@ -274,8 +276,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) attention_backward_mla_kerne
     ptx::wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < Cfg::kHeadDimV / 16; ++kk) {
-      ptx::wgmma_ss<Elem, kKeys>(dp,
-                                 desc_advance(dout_desc, dout_stage_offset + k_major_step_bytes(Cfg::kQColBlockBytes, kk)),
+      const uint32_t dout_step = dout_stage_offset + k_major_step_bytes(Cfg::kQColBlockBytes, kk);
+      ptx::wgmma_ss<Elem, kKeys>(dp, desc_advance(dout_desc, dout_step),
                                  desc_advance(v_desc, k_major_step_bytes(Cfg::kKVColBlockBytes, kk)), kk > 0);
     }
     ptx::wgmma_commit();
